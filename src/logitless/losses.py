@@ -62,7 +62,7 @@ def compute_group_normalized_rewards(reward_fn: Callable[[str, str], dict], roll
 
 
 def _check_per_sequence(name: str, value: torch.Tensor, policy_log_probs: torch.Tensor) -> None:
-    check_tensor(name, value, ndim=2, floating=True)
+    check_tensor(name, value, floating=True)
     if value.shape != (policy_log_probs.shape[0], 1):
         raise ValueError(f"{name}: expected shape ({policy_log_probs.shape[0]}, 1), got {tuple(value.shape)}")
 
@@ -105,12 +105,15 @@ def compute_policy_gradient_loss(policy_log_probs: torch.Tensor, loss_type: str,
                                  cliprange: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token loss (B, T) for ``loss_type`` in no_baseline | reinforce_with_baseline | grpo_clip."""
     check_choice("loss_type", loss_type, LOSS_TYPES)
+    check_tensor("policy_log_probs", policy_log_probs, ndim=2, floating=True)
     if loss_type == "no_baseline":
         if raw_rewards is None:
             raise ValueError("raw_rewards: required for loss_type='no_baseline'")
+        _check_per_sequence("raw_rewards", raw_rewards, policy_log_probs)
         return compute_naive_policy_gradient_loss(raw_rewards, policy_log_probs), {}
     if advantages is None:
         raise ValueError(f"advantages: required for loss_type={loss_type!r}")
+    _check_per_sequence("advantages", advantages, policy_log_probs)
     if loss_type == "reinforce_with_baseline":
         return compute_naive_policy_gradient_loss(advantages, policy_log_probs), {}
     if old_log_probs is None:

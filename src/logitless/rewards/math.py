@@ -45,15 +45,15 @@ def extract_answer(response: str) -> str | None:
 
 
 def normalize_answer(answer: str) -> str:
-    """A canonical string form: no spaces, $, \\left/\\right, \\text{} wrappers, trailing period; lower case."""
+    """A canonical string form: no spaces, braces, $, \\left/\\right, \\text{} wrappers, trailing period; lower case."""
     text = _TEXT.sub(r"\1", answer)
-    for token in ("\\left", "\\right", "\\!", "\\,", "\\;", "$", " "):
+    for token in ("\\left", "\\right", "\\!", "\\,", "\\;", "$", " ", "{", "}"):
         text = text.replace(token, "")
     return text.rstrip(".").lower()
 
 
 def _as_number(answer: str) -> float | None:
-    text = _FRAC.sub(r"(\1)/(\2)", normalize_answer(answer)).replace(",", "")
+    text = normalize_answer(_FRAC.sub(r"(\1)/(\2)", answer)).replace(",", "")
     percent = text.endswith("\\%") or text.endswith("%")
     text = text.removesuffix("\\%").removesuffix("%")
     match = re.fullmatch(r"\(?([-+]?\d*\.?\d+(?:e[-+]?\d+)?)\)?(?:/\(?([-+]?\d*\.?\d+)\)?)?", text)

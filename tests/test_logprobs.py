@@ -1,0 +1,97 @@
+"""get_response_log_probs: fused (default) against materialized, on real HF causal LMs built from configs."""
+
+import pytest
+import torch
+
+from logitless import get_response_log_probs
+from logitless.models import tiny_qwen2
+
+
+def _batch(vocab=151936, batch=2, length=13):
+    input_ids = torch.randint(0, vocab, (batch, length))
+    return input_ids, torch.roll(input_ids, -1, dims=1)
+
+
+def _both(model, input_ids, labels, **kwargs):
+    out = {}
+    for impl in ("fused", "materialized"):
+        model.zero_grad(set_to_none=True)
+        result = get_response_log_probs(model, input_ids, labels, True, impl=impl, **kwargs)
+        (result["log_probs"].sum() + 0.3 * result["token_entropy"].sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        out[impl] = (result, grads)
+    return out["fused"], out["materialized"]
+
+
+def _assert_agree(fused, materialized, atol=1e-5):
+    for key in ("log_probs", "token_entropy"):
+        assert fused[0][key].shape == materialized[0][key].shape
+        torch.testing.assert_close(fused[0][key], materialized[0][key], atol=atol, rtol=1e-5)
+    assert fused[1].keys() == materialized[1].keys()
+    for name in fused[1]:
+        torch.testing.assert_close(fused[1][name], materialized[1][name], atol=atol, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_qwen2_fused_equals_materialized(tied, temperature):
+    model = tiny_qwen2(seed=1, tie_word_embeddings=tied)
+    input_ids, labels = _batch()
+    _assert_agree(*_both(model, input_ids, labels, temperature=temperature))
+
+
+def test_seed_semantics_are_log_softmax_gather(tiny_model):
+    input_ids, labels = _batch(batch=1, length=5)
+    with torch.no_grad():
+        logits = tiny_model(input_ids).logits
+        out = get_response_log_probs(tiny_model, input_ids, labels, return_token_entropy=True)
+    expected = torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)
+    torch.testing.assert_close(out["log_probs"], expected, atol=1e-5, rtol=0)
+    assert "token_entropy" in out
+    assert "token_entropy" not in get_response_log_probs(tiny_model, input_ids, labels)
+
+
+def test_head_with_logit_scale_cohere():
+    from transformers import CohereConfig, CohereForCausalLM
+
+    model = CohereForCausalLM(CohereConfig(vocab_size=503, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=4, num_key_value_heads=2, logit_scale=0.37,
+                                           pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    input_ids, labels = _batch(vocab=503)
+    _assert_agree(*_both(model, input_ids, labels, temperature=0.8))
+
+
+def test_head_with_bias_phi():
+    from transformers import PhiConfig, PhiForCausalLM
+
+    model = PhiForCausalLM(PhiConfig(vocab_size=401, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, pad_token_id=0))
+    assert model.get_output_embeddings().bias is not None
+    torch.nn.init.normal_(model.get_output_embeddings().bias, std=0.5)
+    input_ids, labels = _batch(vocab=401)
+    _assert_agree(*_both(model, input_ids, labels))
+
+
+def test_softcapped_head_is_refused_with_advice():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    model = Gemma2ForCausalLM(Gemma2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    input_ids, labels = _batch(vocab=97)
+    with pytest.raises(ValueError, match="final_logit_softcapping.*impl='materialized'"):
+        get_response_log_probs(model, input_ids, labels)
+    assert get_response_log_probs(model, input_ids, labels, impl="materialized")["log_probs"].shape == (2, 13)
+
+
+def test_bad_inputs(tiny_model):
+    input_ids, labels = _batch(batch=1, length=4)
+    with pytest.raises(ValueError, match="labels: shape"):
+        get_response_log_probs(tiny_model, input_ids, labels[:, :3])
+    with pytest.raises(ValueError, match="labels: token ids"):
+        get_response_log_probs(tiny_model, input_ids, labels + 151936)
+    with pytest.raises(TypeError, match="input_ids: expected an integer"):
+        get_response_log_probs(tiny_model, input_ids.float(), labels)
+    with pytest.raises(ValueError, match="impl"):
+        get_response_log_probs(tiny_model, input_ids, labels, impl="fast")
+    with pytest.raises(ValueError, match="temperature"):
+        get_response_log_probs(tiny_model, input_ids, labels, temperature=0)

@@ -1,0 +1,43 @@
+import json
+
+import pytest
+
+from logitless.cli import main
+from logitless.sft import SFTConfig, train_sft
+
+
+def test_loss_falls(tmp_path):
+    history = train_sft(SFTConfig(output_dir=str(tmp_path), steps=12, batch_size=4, save_every=100), progress=False)
+    assert len(history["loss"]) == 12 and history["loss"][-1] < history["loss"][0] - 1.0
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    assert (tmp_path / "checkpoint" / "model.safetensors").is_file()
+
+
+def test_resume_after_interruption_loses_nothing(tmp_path):
+    settings = dict(steps=6, batch_size=4, save_every=3)
+    straight = train_sft(SFTConfig(output_dir=str(tmp_path / "a"), **settings), progress=False)
+    # "crash" after step 3: run to 3, then start again with the full step count
+    train_sft(SFTConfig(output_dir=str(tmp_path / "b"), **settings | dict(steps=3)), progress=False)
+    resumed = train_sft(SFTConfig(output_dir=str(tmp_path / "b"), **settings), progress=False)
+    assert resumed["step"] == 6
+    assert resumed["loss"] == pytest.approx(straight["loss"], abs=1e-5)
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="steps"):
+        SFTConfig(steps=0)
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['stepz'\]"):
+        SFTConfig.from_dict({"stepz": 3})
+
+
+def test_cli_sft_with_yaml_config(tmp_path, capsys):
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"Say {i}:", "response": f" {i}"}) for i in range(8)))
+    config = tmp_path / "c.yaml"
+    config.write_text(f"steps: 2\nbatch_size: 4\ndata: {data}\n")
+    assert main(["sft", "--config", str(config), "--output-dir", str(tmp_path / "out")]) == 0
+    assert "over 2 steps" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--config: no such file"):
+        main(["sft", "--config", str(tmp_path / "missing.yaml")])
+    with pytest.raises(SystemExit, match="batch_size"):
+        main(["sft", "--batch-size", "0", "--output-dir", str(tmp_path / "o2")])
