@@ -12,6 +12,7 @@ import torch
 
 from logitless._checks import check_choice, check_finite, check_mask, check_positive, check_same_shape, check_tensor
 from logitless.masked import masked_mean, masked_normalize
+from logitless.ops.grpo import clipped_surrogate
 
 LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip")
 
@@ -75,18 +76,6 @@ def compute_naive_policy_gradient_loss(raw_rewards_or_advantages: torch.Tensor,
     return -raw_rewards_or_advantages * policy_log_probs
 
 
-def clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float,
-                      clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped objective per token: -min(r A, clip(r, 1-low, 1+high) A), r = exp(log_ratio).
-
-    Returns (loss, clipped) where ``clipped`` marks tokens whose clipped term was the smaller one.
-    """
-    ratio = log_ratio.exp()
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
-    return -torch.minimum(unclipped, clipped), clipped < unclipped
-
-
 def compute_grpo_clip_loss(advantages: torch.Tensor, policy_log_probs: torch.Tensor, old_log_probs: torch.Tensor,
                            cliprange: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """-min(r A, clip(r, 1-c, 1+c) A) per token, r = exp(logp - old): (B, 1), (B, T), (B, T) -> (B, T)."""
@@ -95,8 +84,8 @@ def compute_grpo_clip_loss(advantages: torch.Tensor, policy_log_probs: torch.Ten
     check_tensor("old_log_probs", old_log_probs, floating=True)
     check_same_shape("old_log_probs", old_log_probs, "policy_log_probs", policy_log_probs)
     cliprange = check_positive("cliprange", cliprange)
-    loss, clipped = clipped_surrogate(policy_log_probs - old_log_probs, advantages, cliprange, cliprange)
-    return loss, {"clipped": clipped}
+    surrogate = clipped_surrogate(policy_log_probs - old_log_probs, advantages, cliprange, cliprange)
+    return surrogate.loss, {"clipped": surrogate.clipped}
 
 
 def compute_policy_gradient_loss(policy_log_probs: torch.Tensor, loss_type: str,

@@ -18,6 +18,7 @@ import torch
 
 from logitless._checks import check_choice, check_mask, check_positive, check_tensor, check_token_ids
 from logitless.ops.chunks import LinearGrads, chunk_logits, chunk_rows_for, chunk_stats, logits_grad, stat_dtype
+from logitless.ops.grpo import check_grpo_inputs, metric_sums, metrics_from_sums, token_objective
 
 # token_loss(rows, log_probs, entropy, mean_log_prob) -> (loss summed over the chunk's tokens,
 # metric sums (M,)); rows is the chunk's slice of the (kept) tokens.
@@ -63,33 +64,47 @@ class LinearLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk_rows: int,
                 token_loss: TokenLoss, needs_grad: tuple[bool, bool, bool]):
-        grads = LinearGrads(hidden, weight, bias, needs_grad) if any(needs_grad) else None
-        loss = torch.zeros((), dtype=stat_dtype(hidden.dtype), device=hidden.device)
-        metric_sums = None
-        for start in range(0, max(hidden.shape[0], 1), chunk_rows):  # one (empty) chunk when there are no rows
-            rows = slice(start, start + chunk_rows)
-            logits = chunk_logits(hidden[rows], weight, bias, temperature)
-            stats = chunk_stats(logits, targets[rows])
-            with torch.enable_grad():
-                token_stats = [s.detach().requires_grad_(grads is not None)
-                               for s in (stats.log_probs, stats.entropy, stats.mean_log_prob)]
-                chunk_loss, chunk_metrics = token_loss(rows, *token_stats)
-                stat_grads = (torch.autograd.grad(chunk_loss, token_stats, allow_unused=True)
-                              if grads is not None and chunk_loss.requires_grad else None)
-            if stat_grads is not None:
-                grads.add(rows, hidden[rows], weight, logits_grad(logits, stats, targets[rows], temperature, *stat_grads))
-            loss += chunk_loss.detach()
-            metric_sums = chunk_metrics.detach() if metric_sums is None else metric_sums + chunk_metrics.detach()
-        if grads is not None:
-            ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in grads.result(weight, bias)))
+        loss, metric_sums, input_grads = _loss_and_grads(hidden, weight, bias, targets, temperature, chunk_rows,
+                                                         token_loss, needs_grad)
+        # The gradients stay on ctx, not in save_for_backward: backward hands them over and drops its
+        # reference, so the weight's gradient (the step's largest tensor at a 151k vocabulary) never
+        # exists twice. A second backward (retain_graph, gradcheck) recomputes them from the inputs.
+        ctx.input_grads = input_grads
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.recompute_args = (temperature, chunk_rows, token_loss, needs_grad)
         ctx.mark_non_differentiable(metric_sums)
         return loss, metric_sums
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_metrics):
-        saved = [g if g.numel() else None for g in ctx.saved_tensors] if ctx.saved_tensors else [None] * 3
-        scaled = [None if g is None else g * grad_loss.to(g.dtype) for g in saved]
-        return (*scaled, None, None, None, None, None)
+        input_grads, ctx.input_grads = ctx.input_grads, None
+        if input_grads is None:
+            input_grads = _loss_and_grads(*ctx.saved_tensors, *ctx.recompute_args)[2]
+        if not bool(grad_loss == 1):
+            input_grads = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in input_grads]
+        return (*input_grads, None, None, None, None, None)
+
+
+def _loss_and_grads(hidden, weight, bias, targets, temperature, chunk_rows, token_loss, needs_grad):
+    """One pass of the chunk loop: (loss, metric sums, (grad_hidden, grad_weight, grad_bias) or Nones)."""
+    grads = LinearGrads(hidden, weight, bias, needs_grad) if any(needs_grad) else None
+    loss = torch.zeros((), dtype=stat_dtype(hidden.dtype), device=hidden.device)
+    metric_sums = None
+    for start in range(0, max(hidden.shape[0], 1), chunk_rows):  # one (empty) chunk when there are no rows
+        rows = slice(start, start + chunk_rows)
+        logits = chunk_logits(hidden[rows], weight, bias, temperature)
+        stats = chunk_stats(logits, targets[rows])
+        with torch.enable_grad():
+            token_stats = [s.detach().requires_grad_(grads is not None)
+                           for s in (stats.log_probs, stats.entropy, stats.mean_log_prob)]
+            chunk_loss, chunk_metrics = token_loss(rows, *token_stats)
+            stat_grads = (torch.autograd.grad(chunk_loss, token_stats, allow_unused=True)
+                          if grads is not None and chunk_loss.requires_grad else None)
+        if stat_grads is not None:
+            grads.add(rows, hidden[rows], weight, logits_grad(logits, stats, targets[rows], temperature, *stat_grads))
+        loss += chunk_loss.detach()
+        metric_sums = chunk_metrics.detach() if metric_sums is None else metric_sums + chunk_metrics.detach()
+    return loss, metric_sums, grads.result(weight, bias) if grads is not None else (None, None, None)
 
 
 def _linear_inputs(hidden, weight, targets, bias, temperature, mask):
@@ -176,6 +191,46 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
 
     loss, _ = apply_linear_loss(flat_hidden, weight, bias, flat_targets, float(temperature), rows, chunk_loss)
     return loss / flat_targets.shape[0] if reduction == "mean" else loss
+
+
+def fused_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.Tensor,
+                    completion_mask: torch.Tensor, advantages: torch.Tensor, *, bias: torch.Tensor | None = None,
+                    old_logprobs: torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None,
+                    beta: float = 0.0, epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None,
+                    loss_type: str = "grpo", temperature: float = 1.0, max_completion_length: int | None = None,
+                    num_items_in_batch: float | None = None, gradient_accumulation_steps: int = 1,
+                    use_bias_correction_kl: bool = False,
+                    chunk_size: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The GRPO loss of TRL's GRPOTrainer, from hidden states (B, T, H) and the LM head, without logits.
+
+    ``completion_ids``/``completion_mask``/``old_logprobs``/``ref_logprobs`` are (B, T); ``advantages``
+    (B,) or (B, 1). ``loss_type`` is grpo | bnpo | dr_grpo | dapo (see `ops.grpo.token_weights`;
+    ``max_completion_length`` defaults to T, ``num_items_in_batch`` to the mask's token count).
+    ``beta > 0`` adds the k3 KL to ``ref_logprobs``. Gradients are computed during forward.
+    Returns (loss, metrics) with TRL's metric names: kl (when ref_logprobs is given),
+    clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean, entropy (means over tokens).
+    """
+    check_tensor("hidden", hidden, ndim=3, floating=True)
+    batch = check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs, ref_logprobs, beta,
+                              epsilon_low, epsilon_high, delta, loss_type, max_completion_length, num_items_in_batch,
+                              gradient_accumulation_steps, use_bias_correction_kl)
+    flat_hidden, flat_ids, bias, kept = _linear_inputs(hidden, weight, completion_ids, bias, temperature, batch.keep)
+
+    def kept_tokens(per_token):  # (B, T) -> (kept,)
+        return None if per_token is None else per_token.reshape(-1)[kept]
+
+    token_weight = kept_tokens(batch.weights)
+    token_advantage = kept_tokens(batch.advantages.expand_as(completion_ids))
+    token_old, token_ref = kept_tokens(batch.old_log_probs), kept_tokens(batch.ref_log_probs)
+
+    def chunk_loss(rows, log_probs, entropy, _mean_log_prob):
+        parts = token_objective(log_probs, token_advantage[rows], None if token_old is None else token_old[rows],
+                                None if token_ref is None else token_ref[rows], batch.settings)
+        return (parts[0] * token_weight[rows]).sum(), metric_sums(parts, entropy)
+
+    rows = chunk_rows_for(flat_hidden.shape[0], weight.shape[0], chunk_size)
+    loss, sums = apply_linear_loss(flat_hidden, weight, bias, flat_ids, float(temperature), rows, chunk_loss)
+    return loss, metrics_from_sums(sums, kept.numel(), has_kl=ref_logprobs is not None)
 
 
 def apply_linear_loss(hidden, weight, bias, targets, temperature: float, chunk_rows: int, token_loss: TokenLoss):

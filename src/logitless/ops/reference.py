@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from logitless._checks import check_positive, check_tensor
 from logitless.ops.chunks import stat_dtype
+from logitless.ops.grpo import check_grpo_inputs, metric_sums, metrics_from_sums, token_objective
 
 
 def compute_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -55,3 +56,22 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: 
     """Oracle for `fused_linear_cross_entropy`: PyTorch's cross-entropy on fp32 logits."""
     return F.cross_entropy(logits.to(stat_dtype(logits.dtype)).reshape(-1, logits.shape[-1]), targets.reshape(-1),
                            ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
+
+
+def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+              advantages: torch.Tensor, *, bias: torch.Tensor | None = None, old_logprobs=None, ref_logprobs=None,
+              beta: float = 0.0, epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None,
+              loss_type: str = "grpo", temperature: float = 1.0, max_completion_length: int | None = None,
+              num_items_in_batch: float | None = None, gradient_accumulation_steps: int = 1,
+              use_bias_correction_kl: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+    """Oracle for `fused_grpo_loss`: (B, T, V) logits -> log-probs -> TRL's GRPO loss and metrics."""
+    batch = check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs, ref_logprobs, beta,
+                              epsilon_low, epsilon_high, delta, loss_type, max_completion_length, num_items_in_batch,
+                              gradient_accumulation_steps, use_bias_correction_kl)
+    log_probs, entropy = linear_logprobs(hidden, weight, completion_ids, bias=bias, temperature=temperature,
+                                         return_entropy=True)  # (B, T) each
+    parts = token_objective(log_probs, batch.advantages, batch.old_log_probs, batch.ref_log_probs, batch.settings)
+    loss = torch.where(batch.keep, parts[0] * batch.weights, 0.0).sum()
+    kept_parts = [None if part is None else part[batch.keep] for part in parts]
+    sums = metric_sums(kept_parts, entropy[batch.keep])
+    return loss, metrics_from_sums(sums, int(batch.keep.sum()), has_kl=ref_logprobs is not None)

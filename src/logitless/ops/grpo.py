@@ -1,0 +1,150 @@
+"""The GRPO objective on per-token log-probs, normalized the way TRL's GRPOTrainer does it.
+
+Shared by `fused_grpo_loss` (which feeds it one chunk of tokens at a time) and the materialized
+oracle in `reference.py`. Per token (TRL 1.x, ``importance_sampling_level="token"``):
+
+    r      = exp(logp - old_logp)                     (old_logp = logp.detach() when not given)
+    loss   = -min(min(r, delta) * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
+    loss  += beta * (exp(ref - logp) - (ref - logp) - 1) [* r with use_bias_correction_kl]
+
+and the loss is ``sum(loss * token_weight)`` with the weights of `token_weights`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from logitless._checks import check_choice, check_finite, check_mask, check_same_shape, check_tensor
+
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+METRIC_NAMES = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy")
+
+
+class Surrogate(NamedTuple):
+    loss: torch.Tensor  # -min(ratio A, clip(ratio) A), per token
+    ratio: torch.Tensor  # exp(log_ratio), capped at delta when given
+    clipped: torch.Tensor  # bool: the clipped term was the smaller one
+
+
+def clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float,
+                      delta: float | None = None) -> Surrogate:
+    """PPO's clipped objective per token; ``advantages`` broadcasts against ``log_ratio``."""
+    ratio = log_ratio.exp()
+    clipped_term = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
+    if delta is not None:
+        ratio = ratio.clamp(max=delta)
+    unclipped_term = ratio * advantages
+    return Surrogate(-torch.minimum(unclipped_term, clipped_term), ratio, clipped_term < unclipped_term)
+
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    beta: float = 0.0
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    delta: float | None = None
+    use_bias_correction_kl: bool = False
+
+
+def token_objective(log_probs: torch.Tensor, advantages: torch.Tensor, old_log_probs: torch.Tensor | None,
+                    ref_log_probs: torch.Tensor | None, settings: GRPOSettings):
+    """Per-token loss, KL (or None) and the low/high clip flags; all tensors share log_probs' shape."""
+    old = log_probs.detach() if old_log_probs is None else old_log_probs
+    surrogate = clipped_surrogate(log_probs - old, advantages, settings.epsilon_low, settings.epsilon_high,
+                                  settings.delta)
+    loss = surrogate.loss
+    kl = None
+    if ref_log_probs is not None:
+        ref_gap = ref_log_probs - log_probs
+        kl = ref_gap.exp() - ref_gap - 1
+        if settings.use_bias_correction_kl:
+            kl = kl * surrogate.ratio
+        if settings.beta != 0.0:
+            loss = loss + settings.beta * kl
+    low = (surrogate.ratio < 1.0 - settings.epsilon_low) & (advantages < 0)
+    high = (surrogate.ratio > 1.0 + settings.epsilon_high) & (advantages > 0)
+    return loss, kl, low, high
+
+
+def token_weights(mask: torch.Tensor, loss_type: str, max_completion_length: int | None = None,
+                  num_items_in_batch: float | None = None, gradient_accumulation_steps: int = 1) -> torch.Tensor:
+    """(B, T) weights w such that the GRPO loss is sum(per_token_loss * w), as TRL normalizes it.
+
+    grpo: mean over sequences of the per-sequence token mean; bnpo: mean over the batch's tokens;
+    dr_grpo: sum / (B * max_completion_length); these three are also divided by the gradient
+    accumulation steps. dapo: sum / num_items_in_batch (TRL's normalizer already spans the
+    accumulated batch, so no further division).
+    """
+    weights = mask.to(torch.float32)
+    batch, length = mask.shape
+    if loss_type == "grpo":
+        weights = weights / weights.sum(dim=1, keepdim=True).clamp(min=1.0) / batch
+    elif loss_type == "bnpo":
+        weights = weights / weights.sum().clamp(min=1.0)
+    elif loss_type == "dr_grpo":
+        weights = weights / (batch * (max_completion_length or length))
+    else:  # dapo
+        total = weights.sum() if num_items_in_batch is None else torch.tensor(float(num_items_in_batch))
+        return weights / total.clamp(min=1.0)
+    return weights / gradient_accumulation_steps
+
+
+def metric_sums(loss_parts, entropy: torch.Tensor) -> torch.Tensor:
+    """Sums over tokens of (KL, low, high, region clip flags, entropy); divide by the token count for means."""
+    _, kl, low, high = loss_parts
+    kl_sum = kl.sum() if kl is not None else torch.zeros((), device=entropy.device)
+    return torch.stack([kl_sum.float(), low.sum().float(), high.sum().float(), (low | high).sum().float(),
+                        entropy.sum().float()])
+
+
+def metrics_from_sums(sums: torch.Tensor, token_count: int, has_kl: bool) -> dict[str, float]:
+    means = (sums / max(token_count, 1)).tolist()
+    return {name: value for name, value in zip(METRIC_NAMES, means) if name != "kl" or has_kl}
+
+
+class GRPOBatch(NamedTuple):
+    """Validated GRPO inputs, per token (B, T) except where noted."""
+
+    keep: torch.Tensor  # bool completion mask
+    advantages: torch.Tensor  # (B, 1) fp32
+    old_log_probs: torch.Tensor | None
+    ref_log_probs: torch.Tensor | None
+    weights: torch.Tensor  # token_weights(...)
+    settings: GRPOSettings
+
+
+def check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs, ref_logprobs, beta, epsilon_low,
+                      epsilon_high, delta, loss_type, max_completion_length, num_items_in_batch,
+                      gradient_accumulation_steps, use_bias_correction_kl) -> GRPOBatch:
+    check_choice("loss_type", loss_type, GRPO_LOSS_TYPES)
+    check_tensor("completion_ids", completion_ids, ndim=2, integer=True)
+    keep = check_mask("completion_mask", completion_mask, "completion_ids", completion_ids)
+    check_tensor("advantages", advantages, ndim=(1, 2), floating=True)
+    if advantages.numel() != completion_ids.shape[0] or advantages.shape[0] != completion_ids.shape[0]:
+        raise ValueError(f"advantages: expected ({completion_ids.shape[0]},) or ({completion_ids.shape[0]}, 1), "
+                         f"got {tuple(advantages.shape)}")
+    check_finite("advantages", advantages)
+    for name, value in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
+        if value is not None:
+            check_tensor(name, value, floating=True)
+            check_same_shape(name, value, "completion_ids", completion_ids)
+    for name, value in (("beta", beta), ("epsilon_low", epsilon_low), ("epsilon_high", epsilon_high)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{name}: expected a number >= 0, got {value!r}")
+    if beta != 0 and ref_logprobs is None:
+        raise ValueError("ref_logprobs: required when beta != 0 (the KL penalty needs the reference log-probs)")
+    if delta is not None and not delta > 1.0:
+        raise ValueError(f"delta: the two-sided clipping bound must be > 1, got {delta!r}")
+    for name, value in (("max_completion_length", max_completion_length),
+                        ("gradient_accumulation_steps", gradient_accumulation_steps)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    if num_items_in_batch is not None and not float(num_items_in_batch) > 0:
+        raise ValueError(f"num_items_in_batch: must be > 0, got {num_items_in_batch!r}")
+    settings = GRPOSettings(float(beta), float(epsilon_low), float(epsilon_high), delta, bool(use_bias_correction_kl))
+    weights = token_weights(keep, loss_type, max_completion_length, num_items_in_batch, gradient_accumulation_steps)
+    return GRPOBatch(keep, advantages.reshape(-1, 1).float(), old_logprobs, ref_logprobs,
+                     weights.to(completion_ids.device), settings)

@@ -1,0 +1,186 @@
+"""fused_grpo_loss against the materialized oracle, a from-scratch TRL formula, and Liger-Kernel."""
+
+import pytest
+import torch
+
+from logitless import fused_grpo_loss
+from logitless.ops.reference import grpo_loss
+
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
+
+
+def _batch(b=3, t=11, h=16, v=997, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(b, t, h, generator=g) * 0.5).to(dtype).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) * 0.5).to(dtype).requires_grad_()
+    bias = (torch.randn(v, generator=g) * 0.1).to(dtype).requires_grad_()
+    ids = torch.randint(0, v, (b, t), generator=g)
+    mask = torch.ones(b, t)
+    mask[0, 7:] = 0
+    mask[-1, 3:] = 0
+    advantages = torch.randn(b, generator=g)
+    with torch.no_grad():
+        logp = torch.log_softmax((hidden.float() @ weight.float().T + bias.float()) / 0.8, -1)
+        logp = logp.gather(-1, ids[..., None]).squeeze(-1)
+    old = logp + 0.3 * torch.randn(b, t, generator=g)  # ratios far enough from 1 to clip
+    ref = logp + 0.2 * torch.randn(b, t, generator=g)
+    return dict(hidden=hidden, weight=weight, bias=bias, completion_ids=ids, completion_mask=mask,
+                advantages=advantages, old_logprobs=old, ref_logprobs=ref)
+
+
+def _grads(loss, batch):
+    return torch.autograd.grad(loss, [batch["hidden"], batch["weight"], batch["bias"]])
+
+
+def _run(fn, batch, **kwargs):
+    args = dict(batch)
+    loss, metrics = fn(args.pop("hidden"), args.pop("weight"), args.pop("completion_ids"),
+                       args.pop("completion_mask"), args.pop("advantages"), **args, **kwargs)
+    return loss, metrics, _grads(loss, batch)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("options", [dict(beta=0.0), dict(beta=0.04, use_bias_correction_kl=True),
+                                     dict(beta=0.1, delta=1.5, epsilon_high=0.28, gradient_accumulation_steps=2,
+                                          max_completion_length=16, num_items_in_batch=40)])
+def test_fused_equals_materialized(loss_type, options):
+    batch = _batch()
+    fused = _run(fused_grpo_loss, batch, loss_type=loss_type, temperature=0.8, chunk_size=7, **options)
+    reference = _run(grpo_loss, batch, loss_type=loss_type, temperature=0.8, **options)
+    torch.testing.assert_close(fused[0], reference[0], atol=1e-5, rtol=1e-5)
+    assert fused[1].keys() == reference[1].keys()
+    for name in fused[1]:
+        assert fused[1][name] == pytest.approx(reference[1][name], abs=1e-5), name
+    for got, want in zip(fused[2], reference[2]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _trl_formula(batch, loss_type, beta, eps_low, eps_high, temperature, max_len):
+    """TRL GRPOTrainer._compute_loss written out on materialized logits, independent of logitless."""
+    hidden, weight, bias = batch["hidden"], batch["weight"], batch["bias"]
+    logits = (hidden @ weight.T + bias) / temperature
+    logp = torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"][..., None]).squeeze(-1)
+    mask, adv = batch["completion_mask"], batch["advantages"][:, None]
+    coef_1 = torch.exp(logp - batch["old_logprobs"])
+    coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+    per_token = -torch.min(coef_1 * adv, coef_2 * adv)
+    if beta:
+        ref = batch["ref_logprobs"]
+        per_token = per_token + beta * (torch.exp(ref - logp) - (ref - logp) - 1)
+    if loss_type == "grpo":
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "bnpo":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        return (per_token * mask).sum() / (per_token.size(0) * max_len)
+    return (per_token * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_matches_trl_formula(loss_type, beta):
+    batch = _batch(seed=1)
+    loss, _, grads = _run(fused_grpo_loss, batch, loss_type=loss_type, beta=beta, epsilon_high=0.28,
+                          temperature=0.8, max_completion_length=20)
+    expected = _trl_formula(batch, loss_type, beta, 0.2, 0.28, 0.8, 20)
+    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-5)
+    for got, want in zip(grads, _grads(expected, batch)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_metrics_values():
+    batch = _batch(seed=2)
+    _, metrics, _ = _run(fused_grpo_loss, batch, beta=0.04, temperature=0.8)
+    hidden, weight, bias = (batch[k].detach() for k in ("hidden", "weight", "bias"))
+    logp_all = torch.log_softmax((hidden @ weight.T + bias) / 0.8, -1)
+    logp = logp_all.gather(-1, batch["completion_ids"][..., None]).squeeze(-1)
+    keep = batch["completion_mask"].bool()
+    ratio = torch.exp(logp - batch["old_logprobs"])
+    adv = batch["advantages"][:, None].expand_as(ratio)
+    low = ((ratio < 0.8) & (adv < 0))[keep].float().mean().item()
+    high = ((ratio > 1.2) & (adv > 0))[keep].float().mean().item()
+    assert 0 < low + high  # the batch does exercise clipping
+    assert metrics["clip_ratio/low_mean"] == pytest.approx(low)
+    assert metrics["clip_ratio/high_mean"] == pytest.approx(high)
+    assert metrics["clip_ratio/region_mean"] == pytest.approx(low + high)
+    gap = batch["ref_logprobs"] - logp
+    assert metrics["kl"] == pytest.approx((gap.exp() - gap - 1)[keep].mean().item(), rel=1e-5)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    assert metrics["entropy"] == pytest.approx(entropy[keep].mean().item(), rel=1e-5)
+    assert "kl" not in _run(fused_grpo_loss, dict(batch, ref_logprobs=None))[1]
+
+
+def test_without_old_logprobs_ratio_is_one_and_gradient_is_policy_gradient():
+    batch = _batch(seed=3)
+    batch["old_logprobs"] = None
+    loss, metrics, grads = _run(fused_grpo_loss, batch, loss_type="bnpo", temperature=0.8)
+    reference = _run(grpo_loss, batch, loss_type="bnpo", temperature=0.8)
+    torch.testing.assert_close(loss, reference[0])
+    assert metrics["clip_ratio/region_mean"] == 0.0
+    assert all(g.abs().sum() > 0 for g in grads)
+
+
+def test_gradcheck_float64():
+    batch = _batch(b=2, t=4, h=3, v=13, dtype=torch.float64, seed=4)
+    batch["old_logprobs"], batch["ref_logprobs"] = batch["old_logprobs"].double(), batch["ref_logprobs"].double()
+
+    def loss_of(hidden, weight, bias):
+        return fused_grpo_loss(hidden, weight, batch["completion_ids"], batch["completion_mask"],
+                               batch["advantages"].double(), bias=bias, old_logprobs=batch["old_logprobs"],
+                               ref_logprobs=batch["ref_logprobs"], beta=0.1, chunk_size=3, temperature=0.9)[0]
+
+    assert torch.autograd.gradcheck(loss_of, (batch["hidden"], batch["weight"], batch["bias"]))
+
+
+def test_bf16_close_to_fp32_oracle():
+    batch = _batch(dtype=torch.bfloat16, seed=5)
+    loss, _, grads = _run(fused_grpo_loss, batch, beta=0.04, temperature=0.8)
+    oracle = {k: (v.detach().float().requires_grad_() if k in ("hidden", "weight", "bias") else v)
+              for k, v in batch.items()}
+    want_loss, _, want_grads = _run(grpo_loss, oracle, beta=0.04, temperature=0.8)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, want_loss, atol=2e-2 * want_loss.abs().item() + 1e-3, rtol=0)
+    for got, want in zip(grads, want_grads):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, atol=3e-2 * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_same_loss_as_liger(loss_type, beta):
+    liger = pytest.importorskip("liger_kernel.chunked_loss")
+    batch = _batch(seed=6)
+    kwargs = dict(loss_type=loss_type, beta=beta, epsilon_low=0.2, epsilon_high=0.28, temperature=0.8,
+                  max_completion_length=batch["completion_ids"].shape[1])
+    ours = _run(fused_grpo_loss, batch, **kwargs, num_items_in_batch=batch["completion_mask"].sum().item())
+    module = liger.LigerFusedLinearGRPOLoss(compiled=False, use_ref_model=beta != 0, chunk_size=1, **kwargs)
+    liger_loss, liger_metrics = module(batch["hidden"], batch["weight"], batch["completion_ids"],
+                                       batch["completion_mask"], batch["advantages"], bias=batch["bias"],
+                                       ref_per_token_logps=batch["ref_logprobs"] if beta else None,
+                                       old_per_token_logps=batch["old_logprobs"],
+                                       num_items_in_batch=batch["completion_mask"].sum())
+    torch.testing.assert_close(ours[0], liger_loss, atol=1e-5, rtol=1e-5)
+    for got, want in zip(ours[2], _grads(liger_loss, batch)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert ours[1]["clip_ratio/region_mean"] == pytest.approx(liger_metrics[-1].item(), abs=1e-6)
+    if beta:
+        assert ours[1]["kl"] == pytest.approx(liger_metrics[0].item(), rel=1e-4)
+
+
+@pytest.mark.parametrize("overrides, error, match", [
+    (dict(loss_type="ppo"), ValueError, "loss_type"),
+    (dict(beta=0.1, ref_logprobs=None), ValueError, "ref_logprobs: required"),
+    (dict(advantages=torch.zeros(2)), ValueError, "advantages: expected"),
+    (dict(advantages=torch.tensor([0.0, float("nan"), 1.0])), ValueError, "advantages: contains NaN"),
+    (dict(completion_mask=torch.ones(3, 5)), ValueError, "completion_mask: shape"),
+    (dict(old_logprobs=torch.zeros(3, 4)), ValueError, "old_logprobs: shape"),
+    (dict(epsilon_low=-0.1), ValueError, "epsilon_low"),
+    (dict(delta=0.9), ValueError, "delta"),
+    (dict(temperature=-1.0), ValueError, "temperature"),
+    (dict(completion_ids=torch.full((3, 11), 997)), ValueError, "targets: token ids"),
+    (dict(hidden=torch.randn(33, 16)), ValueError, "hidden: expected 3 dimensions"),
+])
+def test_bad_input(overrides, error, match):
+    batch = _batch() | overrides
+    with pytest.raises(error, match=match):
+        _run(fused_grpo_loss, batch)
