@@ -111,7 +111,7 @@ if triton is not None:
         for start in range(0, vocab_size, BLOCK_V):
             in_row = start + cols < vocab_size
             z = tl.load(row_logits + start + cols, mask=in_row, other=0.0)
-            shifted = z - row_max
+            shifted = tl.where(in_row, z - row_max, 0.0)
             probs = tl.exp(shifted) / total
             tl.store(row_probs + start + cols, probs, mask=in_row)
             sum_p_shifted += probs * shifted
