@@ -1,4 +1,4 @@
-"""The ``logitless`` command: demo | sft (later: grpo, grade, bench)."""
+"""The ``logitless`` command: demo | sft | bench lmhead."""
 
 from __future__ import annotations
 
@@ -50,6 +50,34 @@ def run_demo(args: argparse.Namespace) -> int:
     return run(output_dir=args.output_dir or "runs/demo", steps=args.steps or 40)
 
 
+def run_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from logitless.bench import lmhead
+
+    if args.dtype not in lmhead.DTYPES:
+        raise SystemExit(f"--dtype: expected one of {sorted(lmhead.DTYPES)}, got {args.dtype!r}")
+    for name in ("batch", "seq", "hidden", "vocab", "repeats"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name}: must be >= 1, got {getattr(args, name)}")
+    unknown = sorted(set(args.impl) - set(lmhead.IMPLEMENTATIONS))
+    if unknown:
+        raise SystemExit(f"--impl: unknown {unknown}; choose from {list(lmhead.IMPLEMENTATIONS)}")
+    if args.device.startswith("cuda") and not __import__("torch").cuda.is_available():
+        raise SystemExit("--device: CUDA is not available on this machine")
+    shape = lmhead.Shape(args.batch, args.seq, args.hidden, args.vocab, args.dtype, args.device)
+    report = lmhead.run(shape, args.impl, repeats=args.repeats)
+    print(lmhead.format_table(report))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        print(f"wrote {lmhead.plot(report, args.plot)}")
+    return 0
+
+
 def _add_sft_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file of SFTConfig fields (command-line options win)")
     parser.add_argument("--model", help="hub id, local model directory, or 'tiny-qwen2' (default)")
@@ -74,6 +102,21 @@ def build_parser() -> argparse.ArgumentParser:
     sft = commands.add_parser("sft", help="supervised fine-tuning, resumable from output_dir/checkpoint")
     _add_sft_options(sft)
     sft.set_defaults(handler=run_sft)
+    bench = commands.add_parser("bench", help="microbenchmarks against the peers, side by side")
+    targets = bench.add_subparsers(dest="target", required=True)
+    lmhead = targets.add_parser("lmhead", help="GRPO loss fwd+bwd through the LM head: time, peak memory, accuracy")
+    lmhead.add_argument("--batch", "-B", type=int, default=2)
+    lmhead.add_argument("--seq", "-T", type=int, default=512)
+    lmhead.add_argument("--hidden", "-H", type=int, default=512)
+    lmhead.add_argument("--vocab", "-V", type=int, default=151936)
+    lmhead.add_argument("--dtype", default="float32", help="float32 | bfloat16")
+    lmhead.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
+    lmhead.add_argument("--impl", nargs="+", default=["materialized", "torch_chunked", "liger", "logitless"],
+                        help="implementations to compare (materialized always runs: it is the yardstick)")
+    lmhead.add_argument("--repeats", type=int, default=3, help="timed steps per implementation (median reported)")
+    lmhead.add_argument("--json", help="write the report here")
+    lmhead.add_argument("--plot", help="write a PNG bar chart here")
+    lmhead.set_defaults(handler=run_bench)
     return parser
 
 

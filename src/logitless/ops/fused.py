@@ -17,7 +17,8 @@ from collections.abc import Callable
 import torch
 
 from logitless._checks import check_choice, check_mask, check_positive, check_tensor, check_token_ids
-from logitless.ops.chunks import LinearGrads, chunk_logits, chunk_rows_for, chunk_stats, logits_grad, stat_dtype
+from logitless.ops.backend import chunk_kernels
+from logitless.ops.chunks import LinearGrads, chunk_logits, chunk_rows_for, stat_dtype
 from logitless.ops.grpo import check_grpo_inputs, metric_sums, metrics_from_sums, token_objective
 
 # token_loss(rows, log_probs, entropy, mean_log_prob) -> (loss summed over the chunk's tokens,
@@ -31,11 +32,12 @@ class LinearTokenStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk_rows: int):
         num_rows = hidden.shape[0]
+        kernels = chunk_kernels(hidden.device, stat_dtype(hidden.dtype))
         lse, log_probs, entropy, mean_log_prob = (
             torch.empty(num_rows, dtype=stat_dtype(hidden.dtype), device=hidden.device) for _ in range(4))
         for start in range(0, num_rows, chunk_rows):
             rows = slice(start, start + chunk_rows)
-            stats = chunk_stats(chunk_logits(hidden[rows], weight, bias, temperature), targets[rows])
+            stats = kernels.chunk_stats(chunk_logits(hidden[rows], weight, bias, temperature), targets[rows])
             lse[rows], log_probs[rows] = stats.lse, stats.log_probs
             entropy[rows], mean_log_prob[rows] = stats.entropy, stats.mean_log_prob
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
@@ -47,11 +49,12 @@ class LinearTokenStats(torch.autograd.Function):
     def backward(ctx, grad_log_probs, grad_entropy, grad_mean_log_prob):
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         grads = LinearGrads(hidden, weight, bias, ctx.needs_input_grad[:3])
+        kernels = chunk_kernels(hidden.device, lse.dtype)
         for start in range(0, hidden.shape[0], ctx.chunk_rows):
             rows = slice(start, start + ctx.chunk_rows)
             logits = chunk_logits(hidden[rows], weight, bias, ctx.temperature)
-            stats = chunk_stats(logits, targets[rows])
-            grad = logits_grad(logits, stats, targets[rows], ctx.temperature,
+            stats = kernels.chunk_stats(logits, targets[rows])
+            grad = kernels.logits_grad(logits, stats, targets[rows], ctx.temperature,
                                *(None if g is None else g[rows].to(lse.dtype)
                                  for g in (grad_log_probs, grad_entropy, grad_mean_log_prob)))
             grads.add(rows, hidden[rows], weight, grad)
@@ -88,12 +91,13 @@ class LinearLoss(torch.autograd.Function):
 def _loss_and_grads(hidden, weight, bias, targets, temperature, chunk_rows, token_loss, needs_grad):
     """One pass of the chunk loop: (loss, metric sums, (grad_hidden, grad_weight, grad_bias) or Nones)."""
     grads = LinearGrads(hidden, weight, bias, needs_grad) if any(needs_grad) else None
+    kernels = chunk_kernels(hidden.device, stat_dtype(hidden.dtype))
     loss = torch.zeros((), dtype=stat_dtype(hidden.dtype), device=hidden.device)
     metric_sums = None
     for start in range(0, max(hidden.shape[0], 1), chunk_rows):  # one (empty) chunk when there are no rows
         rows = slice(start, start + chunk_rows)
         logits = chunk_logits(hidden[rows], weight, bias, temperature)
-        stats = chunk_stats(logits, targets[rows])
+        stats = kernels.chunk_stats(logits, targets[rows])
         with torch.enable_grad():
             token_stats = [s.detach().requires_grad_(grads is not None)
                            for s in (stats.log_probs, stats.entropy, stats.mean_log_prob)]
@@ -101,7 +105,8 @@ def _loss_and_grads(hidden, weight, bias, targets, temperature, chunk_rows, toke
             stat_grads = (torch.autograd.grad(chunk_loss, token_stats, allow_unused=True)
                           if grads is not None and chunk_loss.requires_grad else None)
         if stat_grads is not None:
-            grads.add(rows, hidden[rows], weight, logits_grad(logits, stats, targets[rows], temperature, *stat_grads))
+            grads.add(rows, hidden[rows], weight,
+                      kernels.logits_grad(logits, stats, targets[rows], temperature, *stat_grads))
         loss += chunk_loss.detach()
         metric_sums = chunk_metrics.detach() if metric_sums is None else metric_sums + chunk_metrics.detach()
     return loss, metric_sums, grads.result(weight, bias) if grads is not None else (None, None, None)

@@ -1,0 +1,1 @@
+"""Microbenchmarks: `logitless bench lmhead` (GRPO loss through the LM head, peers side by side)."""
