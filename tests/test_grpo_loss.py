@@ -55,18 +55,23 @@ def test_fused_equals_materialized(loss_type, options):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def _trl_formula(batch, loss_type, beta, eps_low, eps_high, temperature, max_len):
+def _trl_formula(batch, loss_type, beta, eps_low, eps_high, temperature, max_len, delta=None, bias_kl=False):
     """TRL GRPOTrainer._compute_loss written out on materialized logits, independent of logitless."""
     hidden, weight, bias = batch["hidden"], batch["weight"], batch["bias"]
     logits = (hidden @ weight.T + bias) / temperature
     logp = torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"][..., None]).squeeze(-1)
     mask, adv = batch["completion_mask"], batch["advantages"][:, None]
     coef_1 = torch.exp(logp - batch["old_logprobs"])
+    ref = batch["ref_logprobs"]
+    per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
+    if bias_kl:
+        per_token_kl = per_token_kl * coef_1
     coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+    if delta is not None:
+        coef_1 = torch.clamp(coef_1, max=delta)
     per_token = -torch.min(coef_1 * adv, coef_2 * adv)
     if beta:
-        ref = batch["ref_logprobs"]
-        per_token = per_token + beta * (torch.exp(ref - logp) - (ref - logp) - 1)
+        per_token = per_token + beta * per_token_kl
     if loss_type == "grpo":
         return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
     if loss_type == "bnpo":
@@ -77,12 +82,12 @@ def _trl_formula(batch, loss_type, beta, eps_low, eps_high, temperature, max_len
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-@pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_matches_trl_formula(loss_type, beta):
+@pytest.mark.parametrize("beta, delta, bias_kl", [(0.0, None, False), (0.04, None, False), (0.04, 1.1, True)])
+def test_matches_trl_formula(loss_type, beta, delta, bias_kl):
     batch = _batch(seed=1)
     loss, _, grads = _run(fused_grpo_loss, batch, loss_type=loss_type, beta=beta, epsilon_high=0.28,
-                          temperature=0.8, max_completion_length=20)
-    expected = _trl_formula(batch, loss_type, beta, 0.2, 0.28, 0.8, 20)
+                          temperature=0.8, max_completion_length=20, delta=delta, use_bias_correction_kl=bias_kl)
+    expected = _trl_formula(batch, loss_type, beta, 0.2, 0.28, 0.8, 20, delta, bias_kl)
     torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-5)
     for got, want in zip(grads, _grads(expected, batch)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

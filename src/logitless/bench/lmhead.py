@@ -87,7 +87,9 @@ def step_torch_chunked(inputs):
     import torch.nn.functional as F
 
     hidden = inputs["hidden"]
-    options = torch.nn.LinearCrossEntropyOptions(chunking_method="auto")
+    # 256-row chunks: chunking_method="auto" alone picked chunks that took 71 s a step at B=2 T=512 V=151936
+    # on this project's 2-core CPU, against 4.5 s with this setting (see docs/BENCHMARKS.md).
+    options = torch.nn.LinearCrossEntropyOptions(chunking_method="auto", batch_chunk_size=256)
     nll = F.linear_cross_entropy((hidden / TEMPERATURE).reshape(-1, hidden.shape[-1]), inputs["weight"],
                                  inputs["completion_ids"].reshape(-1), reduction="none", options=options)
     return _grpo_from_log_probs(-nll.float().reshape(inputs["completion_ids"].shape), inputs)
@@ -232,6 +234,7 @@ def plot(report: dict, path: str | Path) -> Path:
         for bar, name in zip(bars, names):
             axis.annotate(f"{report['results'][name][key.replace('_s', '_ratio').replace('_mb', '_ratio')]:.2f}x",
                           (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+        axis.set_ylim(top=max(values) * 1.18)  # room for the ratio labels
         axis.set_title(label)
         axis.tick_params(axis="x", rotation=20)
     s = report["shape"]

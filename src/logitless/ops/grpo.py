@@ -6,6 +6,7 @@ oracle in `reference.py`. Per token (TRL 1.x, ``importance_sampling_level="token
     r      = exp(logp - old_logp)                     (old_logp = logp.detach() when not given)
     loss   = -min(min(r, delta) * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
     loss  += beta * (exp(ref - logp) - (ref - logp) - 1) [* r with use_bias_correction_kl]
+    clip flags (metrics): min(r, delta) < 1 - eps_low with A < 0; min(r, delta) > 1 + eps_high with A > 0
 
 and the loss is ``sum(loss * token_weight)`` with the weights of `token_weights`.
 """
@@ -24,8 +25,9 @@ METRIC_NAMES = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio
 
 
 class Surrogate(NamedTuple):
-    loss: torch.Tensor  # -min(ratio A, clip(ratio) A), per token
-    ratio: torch.Tensor  # exp(log_ratio), capped at delta when given
+    loss: torch.Tensor  # -min(capped_ratio A, clip(ratio) A), per token
+    ratio: torch.Tensor  # exp(log_ratio)
+    capped_ratio: torch.Tensor  # ratio capped at delta when given (TRL's two-sided clipping)
     clipped: torch.Tensor  # bool: the clipped term was the smaller one
 
 
@@ -34,10 +36,9 @@ def clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, clip_lo
     """PPO's clipped objective per token; ``advantages`` broadcasts against ``log_ratio``."""
     ratio = log_ratio.exp()
     clipped_term = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
-    if delta is not None:
-        ratio = ratio.clamp(max=delta)
-    unclipped_term = ratio * advantages
-    return Surrogate(-torch.minimum(unclipped_term, clipped_term), ratio, clipped_term < unclipped_term)
+    capped_ratio = ratio if delta is None else ratio.clamp(max=delta)
+    unclipped_term = capped_ratio * advantages
+    return Surrogate(-torch.minimum(unclipped_term, clipped_term), ratio, capped_ratio, clipped_term < unclipped_term)
 
 
 @dataclass(frozen=True)
@@ -61,11 +62,11 @@ def token_objective(log_probs: torch.Tensor, advantages: torch.Tensor, old_log_p
         ref_gap = ref_log_probs - log_probs
         kl = ref_gap.exp() - ref_gap - 1
         if settings.use_bias_correction_kl:
-            kl = kl * surrogate.ratio
+            kl = kl * surrogate.ratio  # TRL corrects with the ratio before its delta cap
         if settings.beta != 0.0:
             loss = loss + settings.beta * kl
-    low = (surrogate.ratio < 1.0 - settings.epsilon_low) & (advantages < 0)
-    high = (surrogate.ratio > 1.0 + settings.epsilon_high) & (advantages > 0)
+    low = (surrogate.capped_ratio < 1.0 - settings.epsilon_low) & (advantages < 0)
+    high = (surrogate.capped_ratio > 1.0 + settings.epsilon_high) & (advantages > 0)
     return loss, kl, low, high
 
 
