@@ -125,6 +125,25 @@ def test_without_old_logprobs_ratio_is_one_and_gradient_is_policy_gradient():
     assert all(g.abs().sum() > 0 for g in grads)
 
 
+def test_frozen_weight_skips_its_gradient_and_no_grad_skips_all():
+    batch = _batch(seed=7)
+    batch["weight"].requires_grad_(False)
+    batch["bias"] = None
+    args = dict(batch)
+    loss, _ = fused_grpo_loss(args.pop("hidden"), args.pop("weight"), args.pop("completion_ids"),
+                              args.pop("completion_mask"), args.pop("advantages"), **args)
+    loss.backward()
+    assert batch["weight"].grad is None and batch["hidden"].grad.abs().sum() > 0
+    reference, _ = grpo_loss(batch["hidden"], batch["weight"], batch["completion_ids"], batch["completion_mask"],
+                             batch["advantages"], old_logprobs=batch["old_logprobs"], ref_logprobs=batch["ref_logprobs"])
+    (want,) = torch.autograd.grad(reference, batch["hidden"])
+    torch.testing.assert_close(batch["hidden"].grad, want, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        loss, _ = fused_grpo_loss(batch["hidden"], batch["weight"], batch["completion_ids"],
+                                  batch["completion_mask"], batch["advantages"])
+    assert loss.grad_fn is None
+
+
 def test_gradcheck_float64():
     batch = _batch(b=2, t=4, h=3, v=13, dtype=torch.float64, seed=4)
     batch["old_logprobs"], batch["ref_logprobs"] = batch["old_logprobs"].double(), batch["ref_logprobs"].double()
