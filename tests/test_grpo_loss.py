@@ -108,6 +108,10 @@ def test_metrics_values():
     assert metrics["clip_ratio/low_mean"] == pytest.approx(low)
     assert metrics["clip_ratio/high_mean"] == pytest.approx(high)
     assert metrics["clip_ratio/region_mean"] == pytest.approx(low + high)
+    per_sequence_low = (((ratio < 0.8) & (adv < 0)).float() * keep).sum(1) / keep.sum(1)
+    per_sequence_high = (((ratio > 1.2) & (adv > 0)).float() * keep).sum(1) / keep.sum(1)
+    assert metrics["clip_ratio/low_min"] == pytest.approx(per_sequence_low.min().item())
+    assert metrics["clip_ratio/high_max"] == pytest.approx(per_sequence_high.max().item())
     gap = batch["ref_logprobs"] - logp
     assert metrics["kl"] == pytest.approx((gap.exp() - gap - 1)[keep].mean().item(), rel=1e-5)
     entropy = -(logp_all.exp() * logp_all).sum(-1)

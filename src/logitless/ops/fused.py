@@ -213,7 +213,8 @@ def fused_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: 
     ``max_completion_length`` defaults to T, ``num_items_in_batch`` to the mask's token count).
     ``beta > 0`` adds the k3 KL to ``ref_logprobs``. Gradients are computed during forward.
     Returns (loss, metrics) with TRL's metric names: kl (when ref_logprobs is given),
-    clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean, entropy (means over tokens).
+    clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean, entropy (means over tokens),
+    clip_ratio/low_min and clip_ratio/high_max (extremes over sequences of their clipped fractions).
     """
     check_tensor("hidden", hidden, ndim=3, floating=True)
     batch = check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs, ref_logprobs, beta,
@@ -224,6 +225,8 @@ def fused_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: 
     def kept_tokens(per_token):  # (B, T) -> (kept,)
         return None if per_token is None else per_token.reshape(-1)[kept]
 
+    num_sequences, length = completion_ids.shape
+    token_sequence = torch.div(kept, length, rounding_mode="floor")  # (kept,) row of each kept token
     token_weight = kept_tokens(batch.weights)
     token_advantage = kept_tokens(batch.advantages.expand_as(completion_ids))
     token_old, token_ref = kept_tokens(batch.old_log_probs), kept_tokens(batch.ref_log_probs)
@@ -231,11 +234,11 @@ def fused_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: 
     def chunk_loss(rows, log_probs, entropy, _mean_log_prob):
         parts = token_objective(log_probs, token_advantage[rows], None if token_old is None else token_old[rows],
                                 None if token_ref is None else token_ref[rows], batch.settings)
-        return (parts[0] * token_weight[rows]).sum(), metric_sums(parts, entropy)
+        return (parts[0] * token_weight[rows]).sum(), metric_sums(parts, entropy, token_sequence[rows], num_sequences)
 
     rows = chunk_rows_for(flat_hidden.shape[0], weight.shape[0], chunk_size)
     loss, sums = apply_linear_loss(flat_hidden, weight, bias, flat_ids, float(temperature), rows, chunk_loss)
-    return loss, metrics_from_sums(sums, kept.numel(), has_kl=ref_logprobs is not None)
+    return loss, metrics_from_sums(sums, batch.keep.sum(dim=1), has_kl=ref_logprobs is not None)
 
 
 def apply_linear_loss(hidden, weight, bias, targets, temperature: float, chunk_rows: int, token_loss: TokenLoss):

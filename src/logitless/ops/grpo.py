@@ -93,17 +93,34 @@ def token_weights(mask: torch.Tensor, loss_type: str, max_completion_length: int
     return weights / gradient_accumulation_steps
 
 
-def metric_sums(loss_parts, entropy: torch.Tensor) -> torch.Tensor:
-    """Sums over tokens of (KL, low, high, region clip flags, entropy); divide by the token count for means."""
+def metric_sums(loss_parts, entropy: torch.Tensor, sequence_ids: torch.Tensor, num_sequences: int) -> torch.Tensor:
+    """Sums over tokens, to be added up across chunks: (KL, low, high, region clip flags, entropy),
+    then the low and the high clip flags per sequence, (5 + 2 * num_sequences,).
+
+    ``sequence_ids`` gives each token's row in the batch.
+    """
     _, kl, low, high = loss_parts
     kl_sum = kl.sum() if kl is not None else torch.zeros((), device=entropy.device)
-    return torch.stack([kl_sum.float(), low.sum().float(), high.sum().float(), (low | high).sum().float(),
-                        entropy.sum().float()])
+    totals = torch.stack([kl_sum.float(), low.sum().float(), high.sum().float(), (low | high).sum().float(),
+                          entropy.sum().float()])
+    per_sequence = [torch.zeros(num_sequences, device=entropy.device).index_add_(0, sequence_ids, flags.float())
+                    for flags in (low, high)]
+    return torch.cat([totals, *per_sequence])
 
 
-def metrics_from_sums(sums: torch.Tensor, token_count: int, has_kl: bool) -> dict[str, float]:
-    means = (sums / max(token_count, 1)).tolist()
-    return {name: value for name, value in zip(METRIC_NAMES, means) if name != "kl" or has_kl}
+def metrics_from_sums(sums: torch.Tensor, tokens_per_sequence: torch.Tensor, has_kl: bool) -> dict[str, float]:
+    """Token means of `metric_sums`, plus TRL's per-sequence extremes: the smallest fraction of
+    low-clipped tokens in a sequence (clip_ratio/low_min) and the largest of high-clipped ones
+    (clip_ratio/high_max); sequences without tokens are left out."""
+    num_sequences = tokens_per_sequence.shape[0]
+    means = (sums[:5] / tokens_per_sequence.sum().clamp(min=1)).tolist()
+    metrics = {name: value for name, value in zip(METRIC_NAMES, means) if name != "kl" or has_kl}
+    has_tokens = tokens_per_sequence > 0
+    low_fraction, high_fraction = (sums[start: start + num_sequences][has_tokens] / tokens_per_sequence[has_tokens]
+                                   for start in (5, 5 + num_sequences))
+    metrics["clip_ratio/low_min"] = low_fraction.min().item() if low_fraction.numel() else float("nan")
+    metrics["clip_ratio/high_max"] = high_fraction.max().item() if high_fraction.numel() else float("nan")
+    return metrics
 
 
 class GRPOBatch(NamedTuple):

@@ -73,5 +73,6 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
     parts = token_objective(log_probs, batch.advantages, batch.old_log_probs, batch.ref_log_probs, batch.settings)
     loss = torch.where(batch.keep, parts[0] * batch.weights, 0.0).sum()
     kept_parts = [None if part is None else part[batch.keep] for part in parts]
-    sums = metric_sums(kept_parts, entropy[batch.keep])
-    return loss, metrics_from_sums(sums, int(batch.keep.sum()), has_kl=ref_logprobs is not None)
+    token_sequence = torch.arange(batch.keep.shape[0], device=batch.keep.device)[:, None].expand_as(batch.keep)
+    sums = metric_sums(kept_parts, entropy[batch.keep], token_sequence[batch.keep], batch.keep.shape[0])
+    return loss, metrics_from_sums(sums, batch.keep.sum(dim=1), has_kl=ref_logprobs is not None)

@@ -1,0 +1,149 @@
+"""GRPOTrainerWithLogits against stock TRL GRPOTrainer, and its logit-aware rewards, on the tiny Qwen2 (CPU)."""
+
+import random
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+from datasets import Dataset  # noqa: E402
+
+from logitless.logprobs import final_hidden_states  # noqa: E402
+from logitless.models import save_model_and_tokenizer, tiny_qwen2  # noqa: E402
+from logitless.ops.lazy import CompletionLogits  # noqa: E402
+from logitless.trl import GRPOTrainerWithLogits  # noqa: E402
+
+PROMPTS = ["What is 2+2?", "Name a color.", "Say hi.", "Count to three:"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer):
+    return str(save_model_and_tokenizer(tiny_qwen2(seed=0), tokenizer, tmp_path_factory.mktemp("tiny")))
+
+
+def _config(tmp_path, **overrides):
+    settings = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, gradient_checkpointing=False,
+                    per_device_train_batch_size=4, num_generations=2, max_completion_length=8, max_steps=1,
+                    logging_steps=1, report_to="none", save_strategy="no", seed=0, disable_dropout=True,
+                    learning_rate=1e-3)
+    return trl.GRPOConfig(**(settings | overrides))
+
+
+def _length_reward(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def _trainer(cls, model_dir, tokenizer, tmp_path, reward_funcs=_length_reward, **overrides):
+    return cls(model=model_dir, reward_funcs=reward_funcs, args=_config(tmp_path, **overrides),
+               train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer)
+
+
+def _loss_and_grads(trainer, inputs):
+    trainer.model.train()
+    trainer.model.zero_grad(set_to_none=True)
+    trainer.current_gradient_accumulation_steps = 2
+    trainer._metrics["train"].clear()
+    loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, {name: values[-1] for name, values in trainer._metrics["train"].items()}
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_one_step_equals_stock_trl(model_dir, tokenizer, tmp_path, loss_type, beta):
+    options = dict(loss_type=loss_type, beta=beta, epsilon_high=0.28, temperature=0.9)
+    stock = _trainer(trl.GRPOTrainer, model_dir, tokenizer, tmp_path / "stock", **options)
+    ours = _trainer(GRPOTrainerWithLogits, model_dir, tokenizer, tmp_path / "ours", **options)
+    assert ours._fallback_reason is None
+
+    torch.manual_seed(0)
+    inputs = stock._generate_and_score_completions([{"prompt": p} for p in PROMPTS[:2] for _ in range(2)])
+    generator = torch.Generator().manual_seed(1)
+    shape = inputs["completion_ids"].shape
+    inputs["advantages"] = torch.randn(shape[0], generator=generator)
+    with torch.no_grad():  # off-policy old log-probs so that clipping happens
+        base = stock._get_per_token_logps_and_entropies(
+            stock.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), shape[1])[0]
+    inputs["old_per_token_logps"] = base + 0.3 * torch.randn(shape, generator=generator)
+    if beta:
+        inputs["ref_per_token_logps"] = base + 0.2 * torch.randn(shape, generator=generator)
+
+    stock_loss, stock_grads, stock_metrics = _loss_and_grads(stock, inputs)
+    our_loss, our_grads, our_metrics = _loss_and_grads(ours, inputs)
+    torch.testing.assert_close(our_loss, stock_loss, atol=1e-5, rtol=1e-5)
+    assert our_grads.keys() == stock_grads.keys()
+    for name in stock_grads:
+        torch.testing.assert_close(our_grads[name], stock_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+    assert our_metrics.keys() == stock_metrics.keys()
+    for name in stock_metrics:
+        assert our_metrics[name] == pytest.approx(stock_metrics[name], abs=1e-5, nan_ok=True), name
+    assert stock_metrics["clip_ratio/region_mean"] > 0  # the batch does exercise clipping
+
+
+def test_logit_aware_rewards_during_training(model_dir, tokenizer, tmp_path):
+    checks = {"rows": 0, "calls": 0, "forwards_during_reward": []}
+    forward_count = [0]
+
+    def reward_with_logits(completions, completion_ids, completion_logits, completion_logprobs, prompts, **kwargs):
+        start = forward_count[0]
+        body = trainer.accelerator.unwrap_model(trainer.model)
+        rows = []
+        for i, ids in enumerate(completion_ids):
+            assert isinstance(completion_logits[i], CompletionLogits) and len(completion_logits[i]) == len(ids)
+            t = random.Random(i).randrange(len(ids))
+            row = completion_logits[i][t]  # (V,)
+            rows.append((i, t, row))
+            # the answer-probability path: a softmax of that one row, and the sampled token's log-prob
+            torch.testing.assert_close(completion_logprobs[i][t], torch.log_softmax(row, -1)[ids[t]],
+                                       atol=1e-5, rtol=0)
+        checks["forwards_during_reward"].append(forward_count[0] - start)  # none: all from captured states
+
+        for i, t, row in rows:  # an independent full forward of the policy over prompt + completion
+            prompt_ids = tokenizer(prompts[i])["input_ids"]
+            full = torch.tensor([prompt_ids + list(completion_ids[i])])
+            with torch.no_grad():
+                logits = body(full).logits[0, len(prompt_ids) - 1 + t]
+            torch.testing.assert_close(row, logits / 1.0, atol=1e-4, rtol=0)
+            checks["rows"] += 1
+        checks["calls"] += 1
+        return [0.0] * len(completions)
+
+    trainer = _trainer(GRPOTrainerWithLogits, model_dir, tokenizer, tmp_path,
+                       reward_funcs=[reward_with_logits, _length_reward], max_steps=2)
+    body = getattr(trainer.model, trainer.model.base_model_prefix)
+    hook = body.register_forward_hook(lambda *_: forward_count.__setitem__(0, forward_count[0] + 1))
+    try:
+        trainer.train()
+    finally:
+        hook.remove()
+    assert checks["calls"] == 2 and checks["rows"] == 8
+    assert checks["forwards_during_reward"] == [0, 0]
+    logged = [entry for entry in trainer.state.log_history if "entropy" in entry]
+    assert logged and all(entry["entropy"] > 0 for entry in logged)
+
+
+def test_completion_views_match_hidden_states(model_dir, tokenizer, tmp_path):
+    trainer = _trainer(GRPOTrainerWithLogits, model_dir, tokenizer, tmp_path,
+                       reward_funcs=[lambda completions, completion_logprobs, **kw: [0.0] * len(completions)],
+                       temperature=0.7)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    ids = tokenizer(["Say hi.", "Count to three:"], return_tensors="pt", padding=True)["input_ids"]
+    hidden = final_hidden_states(model, ids)  # (2, L, H): as if captured step by step
+    trainer._completion_hidden = [hidden[:, k] for k in range(hidden.shape[1])]
+    lengths = [3, hidden.shape[1]]
+    views, log_probs = trainer.completion_views([ids[0, 1:4].tolist(), ids[1, 1:].tolist() + [0]])
+    assert [len(v) for v in views] == lengths
+    expected = model.lm_head(hidden[1]) / 0.7
+    torch.testing.assert_close(views[1][: lengths[1]], expected, atol=1e-5, rtol=0)
+    targets = ids[1, 1:].tolist() + [0]
+    torch.testing.assert_close(log_probs[1], torch.log_softmax(expected, -1)[torch.arange(lengths[1]), targets],
+                               atol=1e-5, rtol=0)
+
+
+def test_unsupported_options_fall_back_to_trl(model_dir, tokenizer, tmp_path):
+    trainer = _trainer(GRPOTrainerWithLogits, model_dir, tokenizer, tmp_path, loss_type="cispo")
+    assert "cispo" in trainer._fallback_reason
+    trainer = _trainer(GRPOTrainerWithLogits, model_dir, tokenizer, tmp_path, top_entropy_quantile=0.5)
+    assert "top_entropy_quantile" in trainer._fallback_reason
