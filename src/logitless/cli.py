@@ -1,4 +1,4 @@
-"""The ``logitless`` command: demo | sft | bench lmhead."""
+"""The ``logitless`` command: demo | sft | bench lmhead | bench grpo."""
 
 from __future__ import annotations
 
@@ -50,9 +50,7 @@ def run_demo(args: argparse.Namespace) -> int:
     return run(output_dir=args.output_dir or "runs/demo", steps=args.steps or 40)
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    import json
-
+def run_bench_lmhead(args: argparse.Namespace) -> int:
     from logitless.bench import lmhead
 
     if args.dtype not in lmhead.DTYPES:
@@ -68,14 +66,37 @@ def run_bench(args: argparse.Namespace) -> int:
     shape = lmhead.Shape(args.batch, args.seq, args.hidden, args.vocab, args.dtype, args.device)
     report = lmhead.run(shape, args.impl, repeats=args.repeats)
     print(lmhead.format_table(report))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}")
     if args.plot:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        print(f"wrote {lmhead.plot(report, args.plot)}")
+    _write_report(report, args.json, (lambda: lmhead.plot(report, args.plot)) if args.plot else None)
     return 0
+
+
+def run_bench_grpo(args: argparse.Namespace) -> int:
+    from logitless.bench import grpo
+
+    for name in ("completions", "completion_length", "num_generations", "steps", "hidden_size"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.completions % args.num_generations:
+        raise SystemExit(f"--num-generations: {args.num_generations} does not divide --completions {args.completions}")
+    config = grpo.GRPOBenchConfig(args.completions, args.completion_length, args.num_generations, args.steps,
+                                  args.hidden_size)
+    report = grpo.run(config)
+    print(grpo.format_table(report))
+    _write_report(report, args.json, None)
+    return 0
+
+
+def _write_report(report: dict, json_path: str | None, plot) -> None:
+    import json
+
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(report, indent=2))
+        print(f"wrote {json_path}")
+    if plot is not None:
+        print(f"wrote {plot()}")
 
 
 def _add_sft_options(parser: argparse.ArgumentParser) -> None:
@@ -116,7 +137,15 @@ def build_parser() -> argparse.ArgumentParser:
     lmhead.add_argument("--repeats", type=int, default=3, help="timed steps per implementation (median reported)")
     lmhead.add_argument("--json", help="write the report here")
     lmhead.add_argument("--plot", help="write a PNG bar chart here")
-    lmhead.set_defaults(handler=run_bench)
+    lmhead.set_defaults(handler=run_bench_lmhead)
+    grpo = targets.add_parser("grpo", help="a few GRPO steps: stock TRL GRPOTrainer vs GRPOTrainerWithLogits")
+    grpo.add_argument("--completions", type=int, default=16, help="completions per step")
+    grpo.add_argument("--completion-length", dest="completion_length", type=int, default=128)
+    grpo.add_argument("--num-generations", dest="num_generations", type=int, default=4)
+    grpo.add_argument("--steps", type=int, default=3)
+    grpo.add_argument("--hidden-size", dest="hidden_size", type=int, default=64, help="of the tiny Qwen2")
+    grpo.add_argument("--json", help="write the report here")
+    grpo.set_defaults(handler=run_bench_grpo)
     return parser
 
 
