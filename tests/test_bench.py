@@ -45,3 +45,14 @@ def test_bench_grpo_small(tmp_path, capsys):
     assert report["results"]["logitless"]["mean_completion_length"] == report["results"]["trl"]["mean_completion_length"]
     with pytest.raises(SystemExit, match="--num-generations"):
         main(["bench", "grpo", "--completions", "5", "--num-generations", "2"])
+
+
+def test_bench_reward_logits_path_makes_no_policy_forward(tmp_path):
+    out_json = tmp_path / "r.json"
+    assert main(["bench", "reward", "--completions", "4", "--completion-length", "12", "--num-generations", "2",
+                 "--steps", "1", "--warm-start-steps", "3", "--json", str(out_json)]) == 0
+    results = json.loads(out_json.read_text())["results"]
+    assert results["logits"]["policy_forwards"] == 0
+    assert results["fallback"]["policy_forwards"] == 4  # one per completion
+    # the same generations and the same rewards either way
+    assert results["logits"]["mean_reward"] == pytest.approx(results["fallback"]["mean_reward"], abs=1e-5)

@@ -1,4 +1,4 @@
-"""The ``logitless`` command: demo | sft | bench lmhead | bench grpo."""
+"""The ``logitless`` command: demo | sft | bench lmhead | bench grpo | bench reward."""
 
 from __future__ import annotations
 
@@ -88,6 +88,22 @@ def run_bench_grpo(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_bench_reward(args: argparse.Namespace) -> int:
+    from logitless.bench import reward
+
+    for name in ("completions", "completion_length", "num_generations", "steps", "warm_start_steps"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.completions % args.num_generations:
+        raise SystemExit(f"--num-generations: {args.num_generations} does not divide --completions {args.completions}")
+    config = reward.RewardBenchConfig(args.completions, args.completion_length, args.num_generations, args.steps,
+                                      args.warm_start_steps)
+    report = reward.run(config)
+    print(reward.format_table(report))
+    _write_report(report, args.json, None)
+    return 0
+
+
 def _write_report(report: dict, json_path: str | None, plot) -> None:
     import json
 
@@ -146,6 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
     grpo.add_argument("--hidden-size", dest="hidden_size", type=int, default=64, help="of the tiny Qwen2")
     grpo.add_argument("--json", help="write the report here")
     grpo.set_defaults(handler=run_bench_grpo)
+    reward = targets.add_parser("reward", help="multiple-choice judge reward: completion_logits vs recomputing")
+    reward.add_argument("--completions", type=int, default=16, help="completions per step")
+    reward.add_argument("--completion-length", dest="completion_length", type=int, default=32)
+    reward.add_argument("--num-generations", dest="num_generations", type=int, default=4)
+    reward.add_argument("--steps", type=int, default=2)
+    reward.add_argument("--warm-start-steps", dest="warm_start_steps", type=int, default=40,
+                        help="SFT steps that teach the tiny policy to answer 'ANSWER: X'")
+    reward.add_argument("--json", help="write the report here")
+    reward.set_defaults(handler=run_bench_reward)
     return parser
 
 

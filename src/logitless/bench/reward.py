@@ -1,0 +1,137 @@
+"""`logitless bench reward`: the multiple-choice judge reward with and without completion_logits.
+
+The same GRPO steps (GRPOTrainerWithLogits, a warm-started tiny Qwen2 policy that answers as
+"ANSWER: X", the judge a frozen copy of it), in a fresh process each:
+
+* logits    the reward declares ``completion_logits`` and reads P(correct | model) from the rows the
+            trainer hands it (hidden states kept from generation);
+* fallback  the reward does not declare it, so P(correct | model) is recomputed as seed 000 did: one
+            more teacher-forced policy forward per completion, with (T, V) logits.
+
+Reported per implementation: seconds spent inside the reward function, policy forward passes made
+during it (counted by a hook on the policy's body; the judge is another model), and the peak memory
+growth while it ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+VARIANTS = ("fallback", "logits")
+
+
+@dataclass
+class RewardBenchConfig:
+    completions: int = 16
+    completion_length: int = 32
+    num_generations: int = 4
+    steps: int = 2
+    warm_start_steps: int = 40
+
+
+def run_worker(variant: str, policy_dir: str, config: RewardBenchConfig) -> dict:
+    from trl import GRPOConfig
+
+    from logitless.bench.memory import PeakMemory
+    from logitless.models import load_model_and_tokenizer
+    from logitless.multichoice_data import synthetic_multichoice, to_trl_dataset
+    from logitless.rewards.multichoice import MultichoiceJudge, multichoice_judge_reward
+    from logitless.trl import GRPOTrainerWithLogits
+
+    policy, tokenizer = load_model_and_tokenizer(policy_dir)
+    judge_model, _ = load_model_and_tokenizer(policy_dir)
+    reward = multichoice_judge_reward(MultichoiceJudge(judge_model, tokenizer), tokenizer, policy=policy)
+    body = getattr(policy, policy.base_model_prefix)
+    forwards = [0]
+    body.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    calls = []
+
+    def measured(**kwargs):
+        start = forwards[0]
+        with PeakMemory(torch.device("cpu")) as peak:
+            started = time.perf_counter()
+            rewards = reward(**kwargs)
+            seconds = time.perf_counter() - started
+        calls.append({"seconds": seconds, "policy_forwards": forwards[0] - start, "peak_mb": peak.megabytes,
+                      "mean_reward": sum(rewards) / len(rewards)})
+        return rewards
+
+    def reward_with_logits(prompts, completions, completion_ids, completion_logits, **kwargs):
+        return measured(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                        completion_logits=completion_logits, **kwargs)
+
+    def reward_recomputing(prompts, completions, completion_ids, **kwargs):
+        return measured(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+
+    records = synthetic_multichoice(count=config.completions // config.num_generations * config.steps, seed=1)
+    with tempfile.TemporaryDirectory() as output_dir:
+        args = GRPOConfig(output_dir=output_dir, use_cpu=True, bf16=False, gradient_checkpointing=False,
+                          per_device_train_batch_size=config.completions, num_generations=config.num_generations,
+                          max_completion_length=config.completion_length, max_steps=config.steps, report_to="none",
+                          save_strategy="no", seed=0, disable_dropout=True, learning_rate=1e-5, disable_tqdm=True)
+        trainer = GRPOTrainerWithLogits(
+            model=policy, reward_funcs=reward_with_logits if variant == "logits" else reward_recomputing, args=args,
+            train_dataset=to_trl_dataset(records), processing_class=tokenizer)
+        torch.manual_seed(0)
+        trainer.train()
+    return {"reward_time_s": sum(c["seconds"] for c in calls), "policy_forwards": sum(c["policy_forwards"] for c in calls),
+            "peak_mb": max(c["peak_mb"] for c in calls), "mean_reward": [c["mean_reward"] for c in calls],
+            "reward_calls": len(calls)}
+
+
+def run(config: RewardBenchConfig, progress: bool = True) -> dict:
+    from tqdm.auto import tqdm
+
+    from logitless.warm_start import warm_start_policy
+
+    results = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        warm_start_policy(scratch, steps=config.warm_start_steps, progress=False)
+        for variant in tqdm(VARIANTS, desc="bench reward", disable=not progress):
+            command = [sys.executable, "-m", "logitless.bench.reward", "--worker", variant,
+                       "--policy-dir", os.path.join(scratch, "checkpoint"), "--config", json.dumps(asdict(config))]
+            done = subprocess.run(command, capture_output=True, text=True,
+                                  env=dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072"))
+            if done.returncode != 0:
+                raise RuntimeError(f"{variant} failed:\n{done.stderr[-3000:]}")
+            results[variant] = json.loads(done.stdout.strip().splitlines()[-1])
+    for result in results.values():
+        result["time_ratio"] = result["reward_time_s"] / results["fallback"]["reward_time_s"]
+        result["peak_ratio"] = result["peak_mb"] / max(results["fallback"]["peak_mb"], 1e-9)
+    return {"config": asdict(config), "results": results}
+
+
+def format_table(report: dict) -> str:
+    c = report["config"]
+    lines = [f"multiple-choice judge reward, {c['steps']} GRPO steps of {c['completions']} completions x "
+             f"{c['completion_length']} tokens, tiny Qwen2 (vocabulary 151936), CPU",
+             f"{'variant':<10}{'reward s':>10}{'x fallback':>12}{'policy fwd':>12}{'peak MB':>10}{'x fallback':>12}"
+             "  mean reward per step"]
+    for name, r in report["results"].items():
+        lines.append(f"{name:<10}{r['reward_time_s']:>10.2f}{r['time_ratio']:>12.2f}{r['policy_forwards']:>12d}"
+                     f"{r['peak_mb']:>10.0f}{r['peak_ratio']:>12.2f}  "
+                     f"{', '.join(f'{x:.4f}' for x in r['mean_reward'])}")
+    return "\n".join(lines)
+
+
+def _main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", choices=VARIANTS, required=True)
+    parser.add_argument("--policy-dir", required=True)
+    parser.add_argument("--config", required=True)
+    args = parser.parse_args()
+    print(json.dumps(run_worker(args.worker, args.policy_dir, RewardBenchConfig(**json.loads(args.config)))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
