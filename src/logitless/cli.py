@@ -44,10 +44,26 @@ def run_sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_grpo(args: argparse.Namespace) -> int:
+    from logitless.grpo_multichoice import MultichoiceGRPOConfig, train_grpo_multichoice
+
+    names = ("model", "judge", "data", "output_dir", "steps", "completions_per_step", "num_generations",
+             "max_completion_length", "learning_rate", "loss_type", "temperature", "save_every", "seed")
+    overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    try:
+        config = MultichoiceGRPOConfig.from_dict({**_load_config(args.config), **overrides})
+    except (TypeError, ValueError) as err:
+        raise SystemExit(f"logitless grpo: {err}") from None
+    history = train_grpo_multichoice(config)
+    print(f"reward {history['reward'][0]:.4f} -> {history['reward'][-1]:.4f} over {len(history['reward'])} steps; "
+          f"plot: {Path(config.output_dir) / 'reward.png'}")
+    return 0
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from logitless.demo import run
 
-    return run(output_dir=args.output_dir or "runs/demo", steps=args.steps or 40)
+    return run(output_dir=args.output_dir or "runs/demo", steps=args.steps or 40, grpo_steps=args.grpo_steps or 4)
 
 
 def run_bench_lmhead(args: argparse.Namespace) -> int:
@@ -132,13 +148,30 @@ def _add_sft_options(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="logitless", description="LLM post-training without [B, T, V] logits")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="SFT of the embedded tiny Qwen2 (real Qwen vocabulary) on CPU")
+    demo = commands.add_parser("demo", help="SFT then GRPO of the embedded tiny Qwen2 (real Qwen vocabulary) on CPU")
     demo.add_argument("--output-dir", dest="output_dir")
-    demo.add_argument("--steps", type=int)
+    demo.add_argument("--steps", type=int, help="SFT steps (default 40)")
+    demo.add_argument("--grpo-steps", dest="grpo_steps", type=int, help="GRPO steps (default 4)")
     demo.set_defaults(handler=run_demo)
     sft = commands.add_parser("sft", help="supervised fine-tuning, resumable from output_dir/checkpoint")
     _add_sft_options(sft)
     sft.set_defaults(handler=run_sft)
+    grpo = commands.add_parser("grpo", help="GRPO on multiple-choice questions with the judge reward, logit-free")
+    grpo.add_argument("--config", help="YAML file of MultichoiceGRPOConfig fields (command-line options win)")
+    grpo.add_argument("--model", help="hub id, local model directory, or 'tiny-qwen2'")
+    grpo.add_argument("--judge", help="judge model (default: a frozen copy of the initial policy)")
+    grpo.add_argument("--data", help="jsonl or dataset with question, choices, answer (default: synthetic)")
+    grpo.add_argument("--output-dir", dest="output_dir")
+    grpo.add_argument("--steps", type=int)
+    grpo.add_argument("--completions-per-step", dest="completions_per_step", type=int)
+    grpo.add_argument("--num-generations", dest="num_generations", type=int)
+    grpo.add_argument("--max-completion-length", dest="max_completion_length", type=int)
+    grpo.add_argument("--learning-rate", dest="learning_rate", type=float)
+    grpo.add_argument("--loss-type", dest="loss_type")
+    grpo.add_argument("--temperature", type=float)
+    grpo.add_argument("--save-every", dest="save_every", type=int)
+    grpo.add_argument("--seed", type=int)
+    grpo.set_defaults(handler=run_grpo)
     bench = commands.add_parser("bench", help="microbenchmarks against the peers, side by side")
     targets = bench.add_subparsers(dest="target", required=True)
     lmhead = targets.add_parser("lmhead", help="GRPO loss fwd+bwd through the LM head: time, peak memory, accuracy")
@@ -154,23 +187,23 @@ def build_parser() -> argparse.ArgumentParser:
     lmhead.add_argument("--json", help="write the report here")
     lmhead.add_argument("--plot", help="write a PNG bar chart here")
     lmhead.set_defaults(handler=run_bench_lmhead)
-    grpo = targets.add_parser("grpo", help="a few GRPO steps: stock TRL GRPOTrainer vs GRPOTrainerWithLogits")
-    grpo.add_argument("--completions", type=int, default=16, help="completions per step")
-    grpo.add_argument("--completion-length", dest="completion_length", type=int, default=128)
-    grpo.add_argument("--num-generations", dest="num_generations", type=int, default=4)
-    grpo.add_argument("--steps", type=int, default=3)
-    grpo.add_argument("--hidden-size", dest="hidden_size", type=int, default=64, help="of the tiny Qwen2")
-    grpo.add_argument("--json", help="write the report here")
-    grpo.set_defaults(handler=run_bench_grpo)
-    reward = targets.add_parser("reward", help="multiple-choice judge reward: completion_logits vs recomputing")
-    reward.add_argument("--completions", type=int, default=16, help="completions per step")
-    reward.add_argument("--completion-length", dest="completion_length", type=int, default=32)
-    reward.add_argument("--num-generations", dest="num_generations", type=int, default=4)
-    reward.add_argument("--steps", type=int, default=2)
-    reward.add_argument("--warm-start-steps", dest="warm_start_steps", type=int, default=40,
-                        help="SFT steps that teach the tiny policy to answer 'ANSWER: X'")
-    reward.add_argument("--json", help="write the report here")
-    reward.set_defaults(handler=run_bench_reward)
+    bench_grpo = targets.add_parser("grpo", help="a few GRPO steps: stock TRL GRPOTrainer vs GRPOTrainerWithLogits")
+    bench_grpo.add_argument("--completions", type=int, default=16, help="completions per step")
+    bench_grpo.add_argument("--completion-length", dest="completion_length", type=int, default=128)
+    bench_grpo.add_argument("--num-generations", dest="num_generations", type=int, default=4)
+    bench_grpo.add_argument("--steps", type=int, default=3)
+    bench_grpo.add_argument("--hidden-size", dest="hidden_size", type=int, default=64, help="of the tiny Qwen2")
+    bench_grpo.add_argument("--json", help="write the report here")
+    bench_grpo.set_defaults(handler=run_bench_grpo)
+    bench_reward = targets.add_parser("reward", help="multiple-choice judge reward: completion_logits vs recomputing")
+    bench_reward.add_argument("--completions", type=int, default=16, help="completions per step")
+    bench_reward.add_argument("--completion-length", dest="completion_length", type=int, default=32)
+    bench_reward.add_argument("--num-generations", dest="num_generations", type=int, default=4)
+    bench_reward.add_argument("--steps", type=int, default=2)
+    bench_reward.add_argument("--warm-start-steps", dest="warm_start_steps", type=int, default=40,
+                              help="SFT steps that teach the tiny policy to answer 'ANSWER: X'")
+    bench_reward.add_argument("--json", help="write the report here")
+    bench_reward.set_defaults(handler=run_bench_reward)
     return parser
 
 

@@ -24,3 +24,19 @@ def plot_curve(values: list[float], path: str | Path, *, title: str, ylabel: str
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return Path(path)
+
+
+def plot_curves(series: dict[str, list[float]], path: str | Path, *, title: str, ylabel: str,
+                xlabel: str = "step") -> Path:
+    """Several named curves on one axis."""
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    for name, values in series.items():
+        axis.plot(range(1, len(values) + 1), values, marker=".", linewidth=1, label=name)
+    axis.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    axis.legend()
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return Path(path)
