@@ -1,7 +1,6 @@
 import json
 
 import pytest
-import torch
 
 from logitless.data import arithmetic_sft_examples, iterate_batches, load_jsonl, tokenize_prompt_and_output
 

@@ -95,3 +95,18 @@ def test_bad_inputs(tiny_model):
         get_response_log_probs(tiny_model, input_ids, labels, impl="fast")
     with pytest.raises(ValueError, match="temperature"):
         get_response_log_probs(tiny_model, input_ids, labels, temperature=0)
+
+
+@pytest.mark.parametrize("impl", ["fused", "materialized"])
+def test_left_padding_with_attention_mask_matches_unpadded_rows(impl):
+    from transformers import GPT2Config, GPT2LMHeadModel  # absolute positions: padding must not shift them
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=211, n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
+    short, long = torch.randint(0, 211, (1, 5)), torch.randint(0, 211, (1, 8))
+    padded = torch.cat([torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1), long])
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        batch = get_response_log_probs(model, padded, padded.roll(-1, 1), impl=impl, attention_mask=mask)["log_probs"]
+        alone = get_response_log_probs(model, short, padded.roll(-1, 1)[:1, 3:], impl=impl)["log_probs"]
+    torch.testing.assert_close(batch[0, 3:], alone[0], atol=1e-5, rtol=0)

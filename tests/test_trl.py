@@ -11,6 +11,8 @@ from datasets import Dataset  # noqa: E402
 from logitless.logprobs import final_hidden_states  # noqa: E402
 from logitless.models import save_model_and_tokenizer, tiny_qwen2  # noqa: E402
 from logitless.ops.lazy import CompletionLogits  # noqa: E402
+from logitless.rewards.multichoice import (choice_token_ids, extract_answer_probability_from_logits,  # noqa: E402
+                                           find_answer_position)
 from logitless.trl import GRPOTrainerWithLogits  # noqa: E402
 
 PROMPTS = ["What is 2+2?", "Name a color.", "Say hi.", "Count to three:"]
@@ -95,9 +97,10 @@ def test_logit_aware_rewards_during_training(model_dir, tokenizer, tmp_path):
             t = random.Random(i).randrange(len(ids))
             row = completion_logits[i][t]  # (V,)
             rows.append((i, t, row))
-            # the answer-probability path: a softmax of that one row, and the sampled token's log-prob
+            # the sampled token's log-prob, and the answer-probability path: a softmax of that one row
             torch.testing.assert_close(completion_logprobs[i][t], torch.log_softmax(row, -1)[ids[t]],
                                        atol=1e-5, rtol=0)
+
         checks["forwards_during_reward"].append(forward_count[0] - start)  # none: all from captured states
 
         for i, t, row in rows:  # an independent full forward of the policy over prompt + completion
@@ -106,6 +109,16 @@ def test_logit_aware_rewards_during_training(model_dir, tokenizer, tmp_path):
             with torch.no_grad():
                 logits = body(full).logits[0, len(prompt_ids) - 1 + t]
             torch.testing.assert_close(row, logits / 1.0, atol=1e-4, rtol=0)
+            # the answer probability, with the answer letter placed at t, against a direct softmax of that row
+            letters = choice_token_ids(tokenizer)
+            letter_ids = [j for ids_of_letter in letters.values() for j in ids_of_letter]
+            forced = [0 if token in letter_ids else token for token in completion_ids[i]]
+            forced[t] = letters["B"][1]  # " B"
+            assert find_answer_position(forced, tokenizer) == t
+            probs = torch.softmax(logits, -1)
+            direct = probs[letters["B"]].sum() / probs[letter_ids].sum()
+            answer_probability = extract_answer_probability_from_logits(completion_logits[i], forced, tokenizer, "B")
+            assert answer_probability == pytest.approx(direct.item(), rel=1e-4)
             checks["rows"] += 1
         checks["calls"] += 1
         return [0.0] * len(completions)

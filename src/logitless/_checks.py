@@ -6,6 +6,7 @@ so a user sees which input was wrong and what was expected.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -67,3 +68,37 @@ def check_choice(name: str, value, choices: Sequence[str]) -> str:
     if value not in choices:
         raise ValueError(f"{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
     return value
+
+
+def check_strings(name: str, values) -> list[str]:
+    """A list (or other sequence, not a str) of strings."""
+    if isinstance(values, str) or not isinstance(values, Sequence):
+        raise TypeError(f"{name}: expected a list of strings, got {type(values).__name__}")
+    for i, value in enumerate(values):
+        if not isinstance(value, str):
+            raise TypeError(f"{name}[{i}]: expected a string, got {type(value).__name__}")
+    return list(values)
+
+
+def check_positive_ints(config, names: Sequence[str]) -> None:
+    """Each named attribute of ``config`` is an int >= 1."""
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+
+
+def dataclass_from_dict(cls, values: dict):
+    """``cls(**values)``, naming any key that is not one of the dataclass's fields."""
+    known = {field.name for field in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"config: unknown key(s) {unknown}; known: {sorted(known)}")
+    return cls(**values)
+
+
+def check_generations(num_generations: int, completions: int) -> None:
+    """GRPO groups: at least two completions per prompt, and whole groups per step."""
+    if num_generations < 2 or completions % num_generations:
+        raise ValueError(f"num_generations: must be >= 2 and divide the {completions} completions per step, "
+                         f"got {num_generations}")

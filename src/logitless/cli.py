@@ -71,9 +71,7 @@ def run_bench_lmhead(args: argparse.Namespace) -> int:
 
     if args.dtype not in lmhead.DTYPES:
         raise SystemExit(f"--dtype: expected one of {sorted(lmhead.DTYPES)}, got {args.dtype!r}")
-    for name in ("batch", "seq", "hidden", "vocab", "repeats"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name}: must be >= 1, got {getattr(args, name)}")
+    _require_positive(args, ("batch", "seq", "hidden", "vocab", "repeats"))
     unknown = sorted(set(args.impl) - set(lmhead.IMPLEMENTATIONS))
     if unknown:
         raise SystemExit(f"--impl: unknown {unknown}; choose from {list(lmhead.IMPLEMENTATIONS)}")
@@ -88,34 +86,29 @@ def run_bench_lmhead(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_bench_grpo(args: argparse.Namespace) -> int:
-    from logitless.bench import grpo
-
-    for name in ("completions", "completion_length", "num_generations", "steps", "hidden_size"):
+def _require_positive(args: argparse.Namespace, names: tuple[str, ...]) -> None:
+    for name in names:
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+
+
+def _require_groups(args: argparse.Namespace) -> None:
     if args.completions % args.num_generations:
         raise SystemExit(f"--num-generations: {args.num_generations} does not divide --completions {args.completions}")
-    config = grpo.GRPOBenchConfig(args.completions, args.completion_length, args.num_generations, args.steps,
-                                  args.hidden_size)
-    report = grpo.run(config)
-    print(grpo.format_table(report))
-    _write_report(report, args.json, None)
-    return 0
 
 
-def run_bench_reward(args: argparse.Namespace) -> int:
-    from logitless.bench import reward
+def run_bench_trainer(args: argparse.Namespace) -> int:
+    """bench grpo / bench reward: their options are the fields of the module's config dataclass."""
+    import dataclasses
+    import importlib
 
-    for name in ("completions", "completion_length", "num_generations", "steps", "warm_start_steps"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
-    if args.completions % args.num_generations:
-        raise SystemExit(f"--num-generations: {args.num_generations} does not divide --completions {args.completions}")
-    config = reward.RewardBenchConfig(args.completions, args.completion_length, args.num_generations, args.steps,
-                                      args.warm_start_steps)
-    report = reward.run(config)
-    print(reward.format_table(report))
+    module = importlib.import_module(f"logitless.bench.{args.target}")
+    config_class = module.CONFIG
+    names = tuple(field.name for field in dataclasses.fields(config_class))
+    _require_positive(args, names)
+    _require_groups(args)
+    report = module.run(config_class(**{name: getattr(args, name) for name in names}))
+    print(module.format_table(report))
     _write_report(report, args.json, None)
     return 0
 
@@ -194,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_grpo.add_argument("--steps", type=int, default=3)
     bench_grpo.add_argument("--hidden-size", dest="hidden_size", type=int, default=64, help="of the tiny Qwen2")
     bench_grpo.add_argument("--json", help="write the report here")
-    bench_grpo.set_defaults(handler=run_bench_grpo)
+    bench_grpo.set_defaults(handler=run_bench_trainer)
     bench_reward = targets.add_parser("reward", help="multiple-choice judge reward: completion_logits vs recomputing")
     bench_reward.add_argument("--completions", type=int, default=16, help="completions per step")
     bench_reward.add_argument("--completion-length", dest="completion_length", type=int, default=32)
@@ -203,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_reward.add_argument("--warm-start-steps", dest="warm_start_steps", type=int, default=40,
                               help="SFT steps that teach the tiny policy to answer 'ANSWER: X'")
     bench_reward.add_argument("--json", help="write the report here")
-    bench_reward.set_defaults(handler=run_bench_reward)
+    bench_reward.set_defaults(handler=run_bench_trainer)
     return parser
 
 

@@ -10,19 +10,12 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-
-def _check_strings(name: str, values) -> list[str]:
-    if isinstance(values, str) or not isinstance(values, Sequence):
-        raise TypeError(f"{name}: expected a list of strings, got {type(values).__name__}")
-    for i, value in enumerate(values):
-        if not isinstance(value, str):
-            raise TypeError(f"{name}[{i}]: expected a string, got {type(value).__name__}")
-    return list(values)
+from logitless._checks import check_strings
 
 
 def pad_token_id(tokenizer) -> int:
@@ -39,8 +32,8 @@ def tokenize_prompt_and_output(prompt_strs: list[str], output_strs: list[str], t
     Returns ``input_ids``, ``labels`` (long) and ``response_mask`` (float 0/1), each (B, L-1) where L
     is the longest prompt+output. ``response_mask`` marks the output tokens among ``labels``.
     """
-    prompts = _check_strings("prompt_strs", prompt_strs)
-    outputs = _check_strings("output_strs", output_strs)
+    prompts = check_strings("prompt_strs", prompt_strs)
+    outputs = check_strings("output_strs", output_strs)
     if len(prompts) != len(outputs):
         raise ValueError(f"output_strs: got {len(outputs)} outputs for {len(prompts)} prompts")
     if not prompts:
@@ -64,12 +57,14 @@ def tokenize_prompt_and_output(prompt_strs: list[str], output_strs: list[str], t
             "response_mask": response_mask}
 
 
-def load_jsonl(path: str | Path, prompt_key: str = "prompt", response_key: str = "response") -> list[dict[str, str]]:
-    """Read (prompt, response) pairs from a jsonl file, one JSON object per line."""
+def read_jsonl(path: str | Path, name: str = "path") -> Iterator[tuple[str, dict]]:
+    """(where, record) for each non-blank line of a jsonl file; ``where`` reads "line N of PATH".
+
+    Errors name the argument ``name`` and the line.
+    """
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"path: no such file {str(path)!r}")
-    pairs = []
+        raise ValueError(f"{name}: no such file {str(path)!r}")
     with path.open(encoding="utf-8") as handle:
         for line_no, line in enumerate(handle, start=1):
             if not line.strip():
@@ -77,11 +72,20 @@ def load_jsonl(path: str | Path, prompt_key: str = "prompt", response_key: str =
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"path: line {line_no} of {path} is not valid JSON ({err.msg})") from None
-            missing = [k for k in (prompt_key, response_key) if k not in record]
-            if missing:
-                raise ValueError(f"path: line {line_no} of {path} lacks key(s) {missing}")
-            pairs.append({"prompt": str(record[prompt_key]), "response": str(record[response_key])})
+                raise ValueError(f"{name}: line {line_no} of {path} is not valid JSON ({err.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{name}: line {line_no} of {path} is not a JSON object")
+            yield f"line {line_no} of {path}", record
+
+
+def load_jsonl(path: str | Path, prompt_key: str = "prompt", response_key: str = "response") -> list[dict[str, str]]:
+    """Read (prompt, response) pairs from a jsonl file, one JSON object per line."""
+    pairs = []
+    for where, record in read_jsonl(path):
+        missing = [k for k in (prompt_key, response_key) if k not in record]
+        if missing:
+            raise ValueError(f"path: {where} lacks key(s) {missing}")
+        pairs.append({"prompt": str(record[prompt_key]), "response": str(record[response_key])})
     if not pairs:
         raise ValueError(f"path: {path} holds no examples")
     return pairs

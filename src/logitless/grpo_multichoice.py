@@ -8,11 +8,11 @@ judge a frozen causal LM (by default a copy of the initial policy). Checkpoints 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from logitless._checks import check_generations, check_positive, check_positive_ints, dataclass_from_dict
 from logitless.models import load_model_and_tokenizer
 from logitless.plots import plot_curves
 
@@ -34,23 +34,15 @@ class MultichoiceGRPOConfig:
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("steps", "completions_per_step", "num_generations", "max_completion_length", "save_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        if self.num_generations < 2 or self.completions_per_step % self.num_generations:
-            raise ValueError(f"num_generations: must be >= 2 and divide completions_per_step "
-                             f"({self.completions_per_step}), got {self.num_generations}")
-        if not self.learning_rate > 0 or not self.temperature > 0:
-            raise ValueError("learning_rate and temperature: must be > 0")
+        check_positive_ints(self, ("steps", "completions_per_step", "num_generations", "max_completion_length",
+                                   "save_every"))
+        check_generations(self.num_generations, self.completions_per_step)
+        for name in ("learning_rate", "temperature"):
+            check_positive(name, getattr(self, name))
 
     @classmethod
     def from_dict(cls, values: dict) -> MultichoiceGRPOConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"config: unknown key(s) {unknown}; known: {sorted(known)}")
-        return cls(**values)
+        return dataclass_from_dict(cls, values)
 
 
 def _records(config: MultichoiceGRPOConfig) -> list[dict]:

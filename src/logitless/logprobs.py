@@ -49,13 +49,28 @@ def lm_head_of(model) -> LMHead:
     return LMHead(head.weight, getattr(head, "bias", None), scale)
 
 
-def final_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, T) -> (B, T, H): the hidden states the LM head would read, without computing logits."""
+def model_body(model):
+    """The transformer under a causal LM's head (``model.model`` for Qwen2, ``model.transformer`` for GPT-2)."""
     body = getattr(model, model.base_model_prefix, None)
     if body is None or body is model:
         raise TypeError(f"model: cannot find the body of {type(model).__name__} (base_model_prefix "
                         f"{model.base_model_prefix!r}); use impl='materialized'")
-    return body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    return body
+
+
+def position_ids_for(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Positions that start at 0 at each row's first unmasked token, so left padding does not shift them.
+
+    Rotary models (Qwen2) are indifferent to a constant shift; models with absolute position
+    embeddings (GPT-2) are not, and would score a left-padded row differently from the same row alone.
+    """
+    return None if attention_mask is None else (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def final_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T) -> (B, T, H): the hidden states the LM head would read, without computing logits."""
+    return model_body(model)(input_ids=input_ids, attention_mask=attention_mask,
+                             position_ids=position_ids_for(attention_mask), use_cache=False).last_hidden_state
 
 
 def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor, return_token_entropy: bool = False,
@@ -78,7 +93,8 @@ def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor,
     check_token_ids("labels", labels, vocab_size)
 
     if impl == "materialized":
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # (B, T, V)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask),
+                       use_cache=False).logits  # (B, T, V)
         log_probs, entropy = logprobs_from_logits(logits, labels, temperature, return_token_entropy)
     else:
         head = lm_head_of(model)

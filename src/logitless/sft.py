@@ -8,7 +8,6 @@ tokenized with `tokenize_prompt_and_output`, scored with `get_response_log_probs
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from logitless._checks import check_positive, check_positive_ints, dataclass_from_dict
 from logitless.checkpoint import has_checkpoint, load_checkpoint_state, save_checkpoint
 from logitless.data import arithmetic_sft_examples, iterate_batches, load_jsonl, tokenize_prompt_and_output
 from logitless.logprobs import get_response_log_probs
@@ -42,21 +42,13 @@ class SFTConfig:
     resume: bool = True
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "gradient_accumulation_steps", "save_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        check_positive_ints(self, ("steps", "batch_size", "gradient_accumulation_steps", "save_every"))
         for name in ("learning_rate", "max_grad_norm"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)!r}")
+            check_positive(name, getattr(self, name))
 
     @classmethod
     def from_dict(cls, values: dict) -> SFTConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"config: unknown key(s) {unknown}; known: {sorted(known)}")
-        return cls(**values)
+        return dataclass_from_dict(cls, values)
 
 
 def train_sft(config: SFTConfig, *, progress: bool = True) -> dict:

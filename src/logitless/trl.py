@@ -26,7 +26,7 @@ import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import nanmax, nanmin
 
-from logitless.logprobs import lm_head_of
+from logitless.logprobs import lm_head_of, model_body
 from logitless.ops.fused import fused_grpo_loss, fused_linear_logprobs
 from logitless.ops.lazy import CompletionLogits
 
@@ -53,7 +53,7 @@ def _add_hidden_states_forward(model) -> None:
     Going through ``model.forward`` (not the body directly) keeps DDP/FSDP wrappers' hooks in play.
     """
     original_forward = model.forward
-    body = getattr(model, model.base_model_prefix)
+    body = model_body(model)
 
     @functools.wraps(type(model).forward)
     def forward(self, *args, logitless_hidden_states: bool = False, **kwargs):

@@ -7,14 +7,13 @@ held once the trainer was built (`bench.memory.PeakMemory`).
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+
+from logitless.bench.worker import run_worker_process, worker_main
 
 TRAINERS = ("trl", "logitless")
 
@@ -30,6 +29,9 @@ class GRPOBenchConfig:
 
 def _prompts(count: int) -> list[str]:
     return [f"Question {i}: what is {i} + {2 * i}? Think, then answer." for i in range(count)]
+
+
+CONFIG = GRPOBenchConfig  # what `logitless bench grpo` builds from its options
 
 
 def run_worker(trainer_name: str, model_dir: str, config: GRPOBenchConfig) -> dict:
@@ -72,13 +74,8 @@ def run(config: GRPOBenchConfig, progress: bool = True) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         save_model_and_tokenizer(tiny_qwen2(seed=0, hidden_size=config.hidden_size), qwen_tokenizer(), scratch)
         for name in tqdm(TRAINERS, desc="bench grpo", disable=not progress):
-            command = [sys.executable, "-m", "logitless.bench.grpo", "--worker", name, "--model-dir", scratch,
-                       "--config", json.dumps(asdict(config))]
-            done = subprocess.run(command, capture_output=True, text=True,
-                                  env=dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072"))
-            if done.returncode != 0:
-                raise RuntimeError(f"{name} failed:\n{done.stderr[-3000:]}")
-            results[name] = json.loads(done.stdout.strip().splitlines()[-1])
+            results[name] = run_worker_process("logitless.bench.grpo", ["--worker", name, "--model-dir", scratch,
+                                                                        "--config", json.dumps(asdict(config))])
     for result in results.values():
         result["time_ratio"] = result["time_s"] / results["trl"]["time_s"]
         result["peak_ratio"] = result["peak_mb"] / results["trl"]["peak_mb"]
@@ -96,15 +93,5 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--worker", choices=TRAINERS, required=True)
-    parser.add_argument("--model-dir", required=True)
-    parser.add_argument("--config", required=True)
-    args = parser.parse_args()
-    print(json.dumps(run_worker(args.worker, args.model_dir, GRPOBenchConfig(**json.loads(args.config)))))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(worker_main(run_worker, GRPOBenchConfig, TRAINERS, "--model-dir"))

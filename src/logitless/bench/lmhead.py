@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from logitless.bench.worker import run_worker_process
 
 IMPLEMENTATIONS = ("materialized", "torch_chunked", "liger", "logitless")
 BETA, TEMPERATURE = 0.04, 1.0
@@ -176,15 +176,8 @@ def run_worker(implementation: str, shape: Shape, repeats: int, grads_path: str 
 
 
 def _spawn(implementation: str, shape: Shape, repeats: int, grads_path: str) -> dict:
-    command = [sys.executable, "-m", "logitless.bench.lmhead", "--worker", implementation,
-               "--shape", json.dumps(asdict(shape)), "--repeats", str(repeats), "--grads", grads_path]
-    # A fixed mmap threshold makes glibc return large freed blocks to the OS, so the warm-up step
-    # leaves nothing behind that would hide the measured step's allocations from the RSS peak.
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        raise RuntimeError(f"{implementation} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_worker_process("logitless.bench.lmhead", ["--worker", implementation, "--shape", json.dumps(asdict(shape)),
+                                                         "--repeats", str(repeats), "--grads", grads_path])
 
 
 def run(shape: Shape, implementations=IMPLEMENTATIONS, repeats: int = 3, progress: bool = True) -> dict:

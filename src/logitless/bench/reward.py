@@ -15,16 +15,16 @@ growth while it ran.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 
 import torch
+
+from logitless.bench.worker import run_worker_process, worker_main
 
 VARIANTS = ("fallback", "logits")
 
@@ -36,6 +36,9 @@ class RewardBenchConfig:
     num_generations: int = 4
     steps: int = 2
     warm_start_steps: int = 40
+
+
+CONFIG = RewardBenchConfig  # what `logitless bench reward` builds from its options
 
 
 def run_worker(variant: str, policy_dir: str, config: RewardBenchConfig) -> dict:
@@ -97,13 +100,9 @@ def run(config: RewardBenchConfig, progress: bool = True) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         warm_start_policy(scratch, steps=config.warm_start_steps, progress=False)
         for variant in tqdm(VARIANTS, desc="bench reward", disable=not progress):
-            command = [sys.executable, "-m", "logitless.bench.reward", "--worker", variant,
-                       "--policy-dir", os.path.join(scratch, "checkpoint"), "--config", json.dumps(asdict(config))]
-            done = subprocess.run(command, capture_output=True, text=True,
-                                  env=dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072"))
-            if done.returncode != 0:
-                raise RuntimeError(f"{variant} failed:\n{done.stderr[-3000:]}")
-            results[variant] = json.loads(done.stdout.strip().splitlines()[-1])
+            results[variant] = run_worker_process(
+                "logitless.bench.reward", ["--worker", variant, "--policy-dir", os.path.join(scratch, "checkpoint"),
+                                           "--config", json.dumps(asdict(config))])
     for result in results.values():
         result["time_ratio"] = result["reward_time_s"] / results["fallback"]["reward_time_s"]
         result["peak_ratio"] = result["peak_mb"] / max(results["fallback"]["peak_mb"], 1e-9)
@@ -123,15 +122,5 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--worker", choices=VARIANTS, required=True)
-    parser.add_argument("--policy-dir", required=True)
-    parser.add_argument("--config", required=True)
-    args = parser.parse_args()
-    print(json.dumps(run_worker(args.worker, args.policy_dir, RewardBenchConfig(**json.loads(args.config)))))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(worker_main(run_worker, RewardBenchConfig, VARIANTS, "--policy-dir"))

@@ -1,5 +1,8 @@
-"""Reward functions: math answers (boxed / <answer> grading)."""
+"""Reward functions: math answers (boxed / <answer> grading) and multiple choice (logits + judge)."""
 
 from logitless.rewards.math import extract_answer, math_reward, normalize_answer
+from logitless.rewards.multichoice import (MultichoiceJudge, extract_answer_probability_from_logits,
+                                           multichoice_judge_reward)
 
-__all__ = ["extract_answer", "math_reward", "normalize_answer"]
+__all__ = ["MultichoiceJudge", "extract_answer", "extract_answer_probability_from_logits", "math_reward",
+           "multichoice_judge_reward", "normalize_answer"]

@@ -1,0 +1,157 @@
+"""Multiple-choice questions: a synthetic set, loading a user's set, and the TRL dataset for GRPO.
+
+A record is ``{"question": text without the options, "choices": [option texts], "answer": letter,
+"prompt": formatted prompt}``. The prompt lists the options as "A) ..." lines and asks the model to
+reason briefly and finish with "ANSWER: <letter>", the marker the multichoice rewards look for.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from logitless.data import read_jsonl
+
+INSTRUCTION = "Think briefly, then finish with a line of the form ANSWER: <letter>."
+
+
+def _check_letters(name: str, letters) -> str:
+    if not isinstance(letters, str) or not letters:
+        raise TypeError(f"{name}: expected a non-empty string of answer letters such as 'ABCD', got {letters!r}")
+    if len(set(letters)) != len(letters):
+        raise ValueError(f"{name}: letters must be distinct, got {letters!r}")
+    return letters
+
+
+def format_question(question: str, choices: list[str], letters: str = "ABCD") -> str:
+    """The question followed by one "A) option" line per choice."""
+    _check_letters("letters", letters)
+    if not isinstance(question, str):
+        raise TypeError(f"question: expected a string, got {type(question).__name__}")
+    if isinstance(choices, str) or not isinstance(choices, (list, tuple)) or not choices:
+        raise TypeError(f"choices: expected a non-empty list of option texts, got {choices!r}")
+    if len(choices) > len(letters):
+        raise ValueError(f"choices: {len(choices)} options but only {len(letters)} letters {letters!r}")
+    options = "\n".join(f"{letter}) {option}" for letter, option in zip(letters, choices))
+    return f"{question}\n{options}"
+
+
+def format_prompt(question: str, choices: list[str], letters: str = "ABCD") -> str:
+    """The question, its options as "A) ..." lines, and the instruction to end with "ANSWER: <letter>"."""
+    return f"{format_question(question, choices, letters)}\n{INSTRUCTION}\n"
+
+
+def _largest_number_question(rng: random.Random, count: int) -> tuple[str, list[str], int]:
+    numbers = rng.sample(range(1, 100), count)
+    return "Which number is the largest?", [str(n) for n in numbers], numbers.index(max(numbers))
+
+
+def _sum_question(rng: random.Random, count: int) -> tuple[str, list[str], int]:
+    a, b = rng.randint(1, 50), rng.randint(1, 50)
+    wrong = rng.sample([a + b + d for d in range(-9, 10) if d != 0], count - 1)
+    options = [a + b, *wrong]
+    rng.shuffle(options)
+    return f"What is {a} + {b}?", [str(n) for n in options], options.index(a + b)
+
+
+def synthetic_multichoice(count: int = 64, seed: int = 0, choices: str = "ABCD") -> list[dict]:
+    """``count`` questions with a known answer: "Which number is the largest?" or "What is a + b?".
+
+    Each has one option per letter of ``choices`` (2 to 10 letters), exactly one of them right.
+    """
+    _check_letters("choices", choices)
+    if not 2 <= len(choices) <= 10:
+        raise ValueError(f"choices: expected 2 to 10 letters, got {len(choices)}")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count: expected a positive int, got {count!r}")
+    rng = random.Random(seed)
+    records = []
+    for _ in range(count):
+        make = rng.choice((_largest_number_question, _sum_question))
+        question, options, correct = make(rng, len(choices))
+        records.append({"question": question, "choices": options, "answer": choices[correct],
+                        "prompt": format_prompt(question, options, choices)})
+    return records
+
+
+def _record(raw, where: str, letters: str) -> dict:
+    """A loaded row -> a record; ``where`` ("line 3 of f.jsonl", "row 3") goes into every error."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"path_or_name: {where} is not an object with question/choices/answer")
+    missing = [key for key in ("question", "choices", "answer") if key not in raw]
+    if missing:
+        raise ValueError(f"path_or_name: {where} lacks key(s) {missing}")
+    question, options, answer = raw["question"], raw["choices"], raw["answer"]
+    if not isinstance(question, str):
+        raise ValueError(f"path_or_name: {where} has a question that is not a string: {question!r}")
+    if not isinstance(options, (list, tuple)) or not 2 <= len(options) <= len(letters):
+        raise ValueError(f"path_or_name: {where} needs 'choices' as a list of 2 to {len(letters)} options, "
+                         f"got {options!r}")
+    options = [str(option) for option in options]
+    valid = letters[: len(options)]
+    if isinstance(answer, int) and not isinstance(answer, bool) and 0 <= answer < len(options):
+        answer = valid[answer]
+    elif isinstance(answer, str) and len(answer.strip()) == 1 and answer.strip() in valid:
+        answer = answer.strip()
+    else:
+        raise ValueError(f"path_or_name: {where} has answer {answer!r}; expected one of the letters {valid!r} "
+                         f"or an index in [0, {len(options)})")
+    return {"question": question, "choices": options, "answer": answer,
+            "prompt": format_prompt(question, options, letters)}
+
+
+def load_multichoice(path_or_name: str | Path, split: str = "train", choices: str = "ABCD") -> list[dict]:
+    """Records from a jsonl file (one object per line), a dataset saved with ``save_to_disk``, or the hub.
+
+    Each row needs ``question`` (str), ``choices`` (a list of option texts) and ``answer`` (a letter of
+    ``choices``, or an int index, converted to its letter). A directory is read with
+    ``datasets.load_from_disk`` (its ``split`` when it holds a DatasetDict); a name that is not a
+    path is a Hugging Face dataset id loaded with ``datasets.load_dataset(name, split=split)``.
+    """
+    _check_letters("choices", choices)
+    if not isinstance(path_or_name, (str, Path)) or not str(path_or_name):
+        raise TypeError(f"path_or_name: expected a file, directory or dataset name, got {path_or_name!r}")
+    path = Path(path_or_name)
+    if path.is_file():
+        records = [_record(raw, where, choices) for where, raw in read_jsonl(path, "path_or_name")]
+    else:
+        import datasets
+
+        if path.is_dir():
+            loaded = datasets.load_from_disk(str(path))
+            if isinstance(loaded, datasets.DatasetDict):
+                if split not in loaded:
+                    raise ValueError(f"split: {path} has splits {sorted(loaded)}, not {split!r}")
+                loaded = loaded[split]
+        else:
+            loaded = datasets.load_dataset(str(path_or_name), split=split)
+        records = [_record(row, f"row {i} of {path_or_name}", choices) for i, row in enumerate(loaded)]
+    if not records:
+        raise ValueError(f"path_or_name: {path_or_name} holds no questions")
+    return records
+
+
+def to_trl_dataset(records: list[dict], letters: str = "ABCD"):
+    """A ``datasets.Dataset`` for TRL's GRPOTrainer with columns prompt, question, answer.
+
+    ``prompt`` is the plain-text prompt; ``question`` is the question with its "A) ..." options, what
+    the multichoice judge reads; ``answer`` is the letter (``letters`` as used to build the records).
+    """
+    import datasets
+
+    _check_letters("letters", letters)
+    if not isinstance(records, list) or not records:
+        raise TypeError(f"records: expected a non-empty list of records, got {type(records).__name__}")
+    columns = {"prompt": [], "question": [], "answer": []}
+    for i, record in enumerate(records):
+        missing = [key for key in ("question", "choices", "answer", "prompt") if key not in record]
+        if missing:
+            raise ValueError(f"records[{i}]: lacks key(s) {missing}")
+        answer = record["answer"]
+        if not isinstance(answer, str) or len(answer) != 1 or answer not in letters[: len(record["choices"])]:
+            raise ValueError(f"records[{i}]: answer {answer!r} is not one of the letters "
+                             f"{letters[: len(record['choices'])]!r}")
+        columns["prompt"].append(record["prompt"])
+        columns["question"].append(format_question(record["question"], record["choices"], letters))
+        columns["answer"].append(answer)
+    return datasets.Dataset.from_dict(columns)
