@@ -12,9 +12,16 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from transformers import ProgressCallback
+
 from logitless._checks import check_generations, check_positive, check_positive_ints, dataclass_from_dict
 from logitless.models import load_model_and_tokenizer
 from logitless.plots import plot_curves
+
+
+class _QuietProgress(ProgressCallback):
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        pass
 
 
 @dataclass
@@ -57,12 +64,14 @@ def _records(config: MultichoiceGRPOConfig) -> list[dict]:
 def train_grpo_multichoice(config: MultichoiceGRPOConfig, *, progress: bool = True) -> dict:
     """Train; returns the per-step history of reward, both reward factors, loss and entropy."""
     from transformers.trainer_utils import get_last_checkpoint
+    from transformers.utils import logging as hf_logging
     from trl import GRPOConfig
 
     from logitless.multichoice_data import to_trl_dataset
     from logitless.rewards.multichoice import MultichoiceJudge, multichoice_judge_reward
     from logitless.trl import GRPOTrainerWithLogits
 
+    hf_logging.disable_progress_bar()  # no bars for each checkpoint write and model load
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     policy, tokenizer = load_model_and_tokenizer(config.model, seed=config.seed)
@@ -77,6 +86,9 @@ def train_grpo_multichoice(config: MultichoiceGRPOConfig, *, progress: bool = Tr
                       seed=config.seed, disable_dropout=True, disable_tqdm=not progress)
     trainer = GRPOTrainerWithLogits(model=policy, reward_funcs=reward, args=args,
                                     train_dataset=to_trl_dataset(_records(config)), processing_class=tokenizer)
+    if progress:  # the bar, without a printed dict of every metric at each step (history.json has them)
+        trainer.remove_callback(ProgressCallback)
+        trainer.add_callback(_QuietProgress)
     trainer.train(resume_from_checkpoint=get_last_checkpoint(str(output_dir)))
 
     logged = [entry for entry in trainer.state.log_history if "reward" in entry]
