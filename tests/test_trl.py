@@ -155,6 +155,15 @@ def test_completion_views_match_hidden_states(model_dir, tokenizer, tmp_path):
                                atol=1e-5, rtol=0)
 
 
+def test_logit_rewards_refuse_generation_paths_without_capture(model_dir, tokenizer, tmp_path):
+    def wants_logits(completions, completion_logits, **kwargs):
+        return [0.0] * len(completions)
+
+    with pytest.raises(NotImplementedError, match="continuous batching"):
+        _trainer(GRPOTrainerWithLogits, model_dir, tokenizer, tmp_path, reward_funcs=wants_logits,
+                 use_transformers_continuous_batching=True)
+
+
 def test_unsupported_options_fall_back_to_trl(model_dir, tokenizer, tmp_path):
     trainer = _trainer(GRPOTrainerWithLogits, model_dir, tokenizer, tmp_path, loss_type="cispo")
     assert "cispo" in trainer._fallback_reason

@@ -13,6 +13,8 @@ Adopt it by changing one import; every GRPOConfig option keeps its meaning.
    head's input while ``generate`` runs), divided by the loss's temperature. ``completion_logprobs[i]``
    is the (C_i,) log-prob of each sampled token. No reward causes another generation or another
    policy forward, and nothing of size (C, V) is stored. Other reward functions are called as before.
+   (Generation through vLLM, continuous batching, ``rollout_func`` or tools is not supported with
+   them yet: the trainer raises when it is built.)
 """
 
 from __future__ import annotations
@@ -71,10 +73,12 @@ class GRPOTrainerWithLogits(GRPOTrainer):
         super().__init__(*args, **kwargs)
         self._logit_reward_funcs = {i: wanted for i, f in enumerate(self.reward_funcs)
                                     if (wanted := wanted_logit_kwargs(f))}
-        if self._logit_reward_funcs and (self.use_vllm or self.rollout_func is not None or self.tools):
+        other_generation = (self.use_vllm or self.use_transformers_continuous_batching or self.rollout_func is not None
+                            or self.tools)
+        if self._logit_reward_funcs and other_generation:
             raise NotImplementedError(
                 "reward_funcs: completion_logits/completion_logprobs are captured during transformers' generate; "
-                "vLLM generation, rollout_func and tools are not supported with them yet")
+                "vLLM, continuous batching, rollout_func and tools are not supported with them yet")
         self._fallback_reason = self._why_not_fused()
         if self._fallback_reason:
             logger.warning("GRPOTrainerWithLogits: using TRL's own loss because %s", self._fallback_reason)
