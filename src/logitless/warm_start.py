@@ -13,11 +13,14 @@ from logitless.multichoice_data import synthetic_multichoice
 from logitless.sft import SFTConfig, train_sft
 
 
-def multichoice_sft_pairs(records: list[dict]) -> list[dict[str, str]]:
-    """(prompt, response) pairs whose response names the right option and ends with "ANSWER: X"."""
+def multichoice_sft_pairs(records: list[dict], letters: str = "ABCD") -> list[dict[str, str]]:
+    """(prompt, response) pairs whose response names the right option and ends with "ANSWER: X".
+
+    ``letters`` are the answer letters the records were built with (`synthetic_multichoice`'s ``choices``).
+    """
     pairs = []
     for record in records:
-        option = record["choices"]["ABCDEFGHIJ".index(record["answer"])]
+        option = record["choices"][letters.index(record["answer"])]
         pairs.append({"prompt": record["prompt"],
                       "response": f" Option {record['answer']} is {option}. ANSWER: {record['answer']}"})
     return pairs
