@@ -56,3 +56,26 @@ def test_bench_reward_logits_path_makes_no_policy_forward(tmp_path):
     assert results["fallback"]["policy_forwards"] == 4  # one per completion
     # the same generations and the same rewards either way
     assert results["logits"]["mean_reward"] == pytest.approx(results["fallback"]["mean_reward"], abs=1e-5)
+
+
+def test_a_reference_peak_below_resolution_gives_no_ratio(tmp_path):
+    # tiny shapes can leave the reference's CPU peak at 0 MB (its work fits in pages already resident)
+    from logitless.bench import lmhead
+    from logitless.bench.ratios import add_ratios
+
+    def result(time_s, peak_mb):
+        return dict(time_s=time_s, peak_mb=peak_mb, peak_with_grads_mb=peak_mb, loss_diff=0.0,
+                    max_abs_grad_diff=0.0, tflops=1.0)
+
+    results = {"materialized": result(2.0, 0.0), "logitless": result(1.0, 0.5)}
+    add_ratios(results, "materialized")
+    assert results["logitless"]["time_ratio"] == 0.5
+    assert results["logitless"]["peak_ratio"] is None and results["materialized"]["peak_ratio"] is None
+    report = {"shape": {"batch": 1, "seq": 1, "hidden": 1, "vocab": 2, "dtype": "float32", "device": "cpu"},
+              "results": results}
+    assert lmhead.format_table(report).splitlines()[-1].split()[4] == "n/a"
+    assert lmhead.plot(report, tmp_path / "p.png").stat().st_size > 5000
+
+    results = {"materialized": result(2.0, 40.0), "logitless": result(1.0, 4.0)}
+    add_ratios(results, "materialized")
+    assert results["logitless"]["peak_ratio"] == 0.1

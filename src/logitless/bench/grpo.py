@@ -13,6 +13,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
+from logitless.bench.ratios import add_ratios, format_ratio
 from logitless.bench.worker import run_worker_process, worker_main
 
 TRAINERS = ("trl", "logitless")
@@ -76,9 +77,7 @@ def run(config: GRPOBenchConfig, progress: bool = True) -> dict:
         for name in tqdm(TRAINERS, desc="bench grpo", disable=not progress):
             results[name] = run_worker_process("logitless.bench.grpo", ["--worker", name, "--model-dir", scratch,
                                                                         "--config", json.dumps(asdict(config))])
-    for result in results.values():
-        result["time_ratio"] = result["time_s"] / results["trl"]["time_s"]
-        result["peak_ratio"] = result["peak_mb"] / results["trl"]["peak_mb"]
+    add_ratios(results, "trl")
     return {"config": asdict(config), "vocab_size": 151936, "results": results}
 
 
@@ -88,7 +87,7 @@ def format_table(report: dict) -> str:
              f"tiny Qwen2 (hidden {c['hidden_size']}, vocabulary {report['vocab_size']}), CPU",
              f"{'trainer':<12}{'wall s':>9}{'x TRL':>7}{'peak MB':>10}{'x TRL':>7}  losses"]
     for name, r in report["results"].items():
-        lines.append(f"{name:<12}{r['time_s']:>9.1f}{r['time_ratio']:>7.2f}{r['peak_mb']:>10.0f}{r['peak_ratio']:>7.2f}"
+        lines.append(f"{name:<12}{r['time_s']:>9.1f}{format_ratio(r['time_ratio'], 7)}{r['peak_mb']:>10.0f}{format_ratio(r['peak_ratio'], 7)}"
                      f"  {', '.join(f'{x:.4f}' for x in r['losses'])}")
     return "\n".join(lines)
 

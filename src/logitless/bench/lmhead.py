@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from logitless.bench.ratios import add_ratios, format_ratio
 from logitless.bench.worker import run_worker_process
 
 IMPLEMENTATIONS = ("materialized", "torch_chunked", "liger", "logitless")
@@ -197,9 +198,8 @@ def run(shape: Shape, implementations=IMPLEMENTATIONS, repeats: int = 3, progres
             grads = load_file(str(Path(scratch) / f"{name}.safetensors"))
             result["max_abs_grad_diff"] = max((grads[k] - reference[k]).abs().max().item() for k in reference)
             result["loss_diff"] = abs(result["loss"] - results["materialized"]["loss"])
-            result["time_ratio"] = result["time_s"] / results["materialized"]["time_s"]
-            result["peak_ratio"] = result["peak_mb"] / results["materialized"]["peak_mb"]
             result["tflops"] = flops / result["time_s"] / 1e12
+    add_ratios(results, "materialized")
     return {"shape": asdict(shape), "flops_6NHV": flops, "repeats": repeats, "results": results}
 
 
@@ -208,8 +208,8 @@ def format_table(report: dict) -> str:
              f"{'impl':<14}{'time s':>9}{'x mat':>7}{'peak MB':>10}{'x mat':>7}{'+grads MB':>10}{'loss diff':>11}"
              f"{'max|dgrad|':>12}{'TFLOP/s':>9}"]
     for name, r in report["results"].items():
-        lines.append(f"{name:<14}{r['time_s']:>9.3f}{r['time_ratio']:>7.2f}{r['peak_mb']:>10.0f}"
-                     f"{r['peak_ratio']:>7.2f}{r['peak_with_grads_mb']:>10.0f}{r['loss_diff']:>11.1e}{r['max_abs_grad_diff']:>12.1e}"
+        lines.append(f"{name:<14}{r['time_s']:>9.3f}{format_ratio(r['time_ratio'], 7)}{r['peak_mb']:>10.0f}"
+                     f"{format_ratio(r['peak_ratio'], 7)}{r['peak_with_grads_mb']:>10.0f}{r['loss_diff']:>11.1e}{r['max_abs_grad_diff']:>12.1e}"
                      f"{r['tflops']:>9.2f}")
     return "\n".join(lines)
 
@@ -225,9 +225,10 @@ def plot(report: dict, path: str | Path) -> Path:
         values = [report["results"][n][key] for n in names]
         bars = axis.bar(names, values, color=["#999999" if n == "materialized" else "#4c72b0" for n in names])
         for bar, name in zip(bars, names):
-            axis.annotate(f"{report['results'][name][key.replace('_s', '_ratio').replace('_mb', '_ratio')]:.2f}x",
+            value = report["results"][name][key.replace("_s", "_ratio").replace("_mb", "_ratio")]
+            axis.annotate("n/a" if value is None else f"{value:.2f}x",
                           (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
-        axis.set_ylim(top=max(values) * 1.18)  # room for the ratio labels
+        axis.set_ylim(top=max(values) * 1.18 or 1.0)  # room for the ratio labels (1.0: all zero)
         axis.set_title(label)
         axis.tick_params(axis="x", rotation=20)
     s = report["shape"]

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from logitless.bench.ratios import add_ratios, format_ratio
 from logitless.bench.worker import run_worker_process, worker_main
 
 VARIANTS = ("fallback", "logits")
@@ -103,9 +104,7 @@ def run(config: RewardBenchConfig, progress: bool = True) -> dict:
             results[variant] = run_worker_process(
                 "logitless.bench.reward", ["--worker", variant, "--policy-dir", os.path.join(scratch, "checkpoint"),
                                            "--config", json.dumps(asdict(config))])
-    for result in results.values():
-        result["time_ratio"] = result["reward_time_s"] / results["fallback"]["reward_time_s"]
-        result["peak_ratio"] = result["peak_mb"] / max(results["fallback"]["peak_mb"], 1e-9)
+    add_ratios(results, "fallback", time_key="reward_time_s")
     return {"config": asdict(config), "results": results}
 
 
@@ -116,8 +115,8 @@ def format_table(report: dict) -> str:
              f"{'variant':<10}{'reward s':>10}{'x fallback':>12}{'policy fwd':>12}{'peak MB':>10}{'x fallback':>12}"
              "  mean reward per step"]
     for name, r in report["results"].items():
-        lines.append(f"{name:<10}{r['reward_time_s']:>10.2f}{r['time_ratio']:>12.2f}{r['policy_forwards']:>12d}"
-                     f"{r['peak_mb']:>10.0f}{r['peak_ratio']:>12.2f}  "
+        lines.append(f"{name:<10}{r['reward_time_s']:>10.2f}{format_ratio(r['time_ratio'], 12)}{r['policy_forwards']:>12d}"
+                     f"{r['peak_mb']:>10.0f}{format_ratio(r['peak_ratio'], 12)}  "
                      f"{', '.join(f'{x:.4f}' for x in r['mean_reward'])}")
     return "\n".join(lines)
 

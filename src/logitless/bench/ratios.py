@@ -1,0 +1,28 @@
+"""Ratios against a benchmark's reference, and how they print.
+
+A tiny shape can leave the reference's peak memory at 0 MB: on CPU the peak is the growth of the
+resident set, and small work fits in pages the process already holds. A ratio to such a reference
+means nothing, so it is None (JSON null) and prints as "n/a".
+"""
+
+from __future__ import annotations
+
+MEASURABLE_MB = 1.0  # below this a CPU peak is page reuse, not a measurement
+
+
+def ratio(value: float, reference: float, *, floor: float = 0.0) -> float | None:
+    """``value / reference``, or None when the reference is at or below ``floor``."""
+    return None if reference <= floor else value / reference
+
+
+def add_ratios(results: dict, reference: str, time_key: str = "time_s") -> None:
+    """Add ``time_ratio`` and ``peak_ratio`` to every result, relative to ``results[reference]``."""
+    base = results[reference]
+    for result in results.values():
+        result["time_ratio"] = ratio(result[time_key], base[time_key])
+        result["peak_ratio"] = ratio(result["peak_mb"], base["peak_mb"], floor=MEASURABLE_MB)
+
+
+def format_ratio(value: float | None, width: int) -> str:
+    text = "n/a" if value is None else f"{value:.2f}"
+    return f"{text:>{width}}"
