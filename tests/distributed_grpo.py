@@ -20,7 +20,7 @@ def main(model_dir: str, output_path: str) -> None:
     dataset = Dataset.from_dict({"prompt": ["What is 2+2?", "Name a color.", "Say hi.", "Count to three:"] * 2})
     saved = {}
     for cls in (GRPOTrainer, GRPOTrainerWithLogits):
-        args = GRPOConfig(output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, gradient_checkpointing=False,
+        args = GRPOConfig(output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, activation_checkpointing=False,
                           per_device_train_batch_size=2, num_generations=2, max_completion_length=6, max_steps=2,
                           logging_steps=1, report_to="none", save_strategy="no", seed=0, disable_dropout=True,
                           learning_rate=1e-2, loss_type="bnpo")

@@ -24,7 +24,7 @@ def model_dir(tmp_path_factory, tokenizer):
 
 
 def _config(tmp_path, **overrides):
-    settings = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, gradient_checkpointing=False,
+    settings = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, activation_checkpointing=False,
                     per_device_train_batch_size=4, num_generations=2, max_completion_length=8, max_steps=1,
                     logging_steps=1, report_to="none", save_strategy="no", seed=0, disable_dropout=True,
                     learning_rate=1e-3)

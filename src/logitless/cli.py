@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 import yaml
@@ -202,7 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.handler(args)
+    # TRL 1.16 reads model.is_gradient_checkpointing at every generation, which transformers 5 deprecates:
+    # a warning per step that the user can do nothing about
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return args.handler(args)
 
 
 if __name__ == "__main__":

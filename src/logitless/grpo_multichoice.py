@@ -78,7 +78,7 @@ def train_grpo_multichoice(config: MultichoiceGRPOConfig, *, progress: bool = Tr
     judge_model, _ = load_model_and_tokenizer(config.judge or config.model, seed=config.seed)
     judge_model.requires_grad_(False)
     reward = multichoice_judge_reward(MultichoiceJudge(judge_model, tokenizer), tokenizer)
-    args = GRPOConfig(output_dir=str(output_dir), use_cpu=True, bf16=False, gradient_checkpointing=False,
+    args = GRPOConfig(output_dir=str(output_dir), use_cpu=True, bf16=False, activation_checkpointing=False,
                       per_device_train_batch_size=config.completions_per_step, num_generations=config.num_generations,
                       max_completion_length=config.max_completion_length, max_steps=config.steps,
                       learning_rate=config.learning_rate, loss_type=config.loss_type, temperature=config.temperature,

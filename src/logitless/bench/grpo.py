@@ -47,7 +47,7 @@ def run_worker(trainer_name: str, model_dir: str, config: GRPOBenchConfig) -> di
     _, tokenizer = load_model_and_tokenizer(model_dir)
     cls = GRPOTrainer if trainer_name == "trl" else GRPOTrainerWithLogits
     with tempfile.TemporaryDirectory() as output_dir:
-        args = GRPOConfig(output_dir=output_dir, use_cpu=True, bf16=False, gradient_checkpointing=False,
+        args = GRPOConfig(output_dir=output_dir, use_cpu=True, bf16=False, activation_checkpointing=False,
                           per_device_train_batch_size=config.completions, num_generations=config.num_generations,
                           max_completion_length=config.completion_length, max_steps=config.steps, logging_steps=1,
                           report_to="none", save_strategy="no", seed=0, disable_dropout=True, learning_rate=1e-4,

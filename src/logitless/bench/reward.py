@@ -78,7 +78,7 @@ def run_worker(variant: str, policy_dir: str, config: RewardBenchConfig) -> dict
 
     records = synthetic_multichoice(count=config.completions // config.num_generations * config.steps, seed=1)
     with tempfile.TemporaryDirectory() as output_dir:
-        args = GRPOConfig(output_dir=output_dir, use_cpu=True, bf16=False, gradient_checkpointing=False,
+        args = GRPOConfig(output_dir=output_dir, use_cpu=True, bf16=False, activation_checkpointing=False,
                           per_device_train_batch_size=config.completions, num_generations=config.num_generations,
                           max_completion_length=config.completion_length, max_steps=config.steps, report_to="none",
                           save_strategy="no", seed=0, disable_dropout=True, learning_rate=1e-5, disable_tqdm=True)
