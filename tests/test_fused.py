@@ -69,37 +69,62 @@ def test_masked_tokens_get_zero_and_no_gradient():
     assert (grad_hidden[~mask] == 0).all() and grad_hidden[3].abs().sum() > 0
 
 
-def test_gradcheck_float64():
+@pytest.mark.parametrize("softcap", [None, 0.7])
+def test_gradcheck_float64(softcap):
     hidden, weight, bias, targets = _inputs(7, 3, 11, torch.float64)
     mask = torch.tensor([1, 1, 0, 1, 1, 1, 1], dtype=torch.bool)
 
     def both(h, w, b):
         return fused_linear_logprobs(h, w, targets, bias=b, temperature=0.8, return_entropy=True, chunk_size=3,
-                                     mask=mask)
+                                     mask=mask, softcap=softcap)
 
     assert torch.autograd.gradcheck(both, (hidden, weight, bias))
 
     def cross(h, w, b):
-        return fused_linear_cross_entropy(h, w, targets, bias=b, label_smoothing=0.1, chunk_size=3)
+        return fused_linear_cross_entropy(h, w, targets, bias=b, label_smoothing=0.1, chunk_size=3, softcap=softcap)
 
     assert torch.autograd.gradcheck(cross, (hidden, weight, bias))
 
 
 @settings(max_examples=25, deadline=None)
 @given(n=st.integers(1, 40), h=st.integers(1, 12), v=st.integers(2, 300), chunk=st.integers(1, 17),
-       temperature=st.floats(0.3, 2.0), seed=st.integers(0, 2**16))
-def test_random_shapes_match_reference(n, h, v, chunk, temperature, seed):
+       temperature=st.floats(0.3, 2.0), softcap=st.one_of(st.none(), st.floats(0.5, 30.0)),
+       seed=st.integers(0, 2**16))
+def test_random_shapes_match_reference(n, h, v, chunk, temperature, softcap, seed):
     torch.manual_seed(seed)
     hidden, weight, bias, targets = _inputs(n, h, v)
     log_probs, entropy = fused_linear_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
-                                               return_entropy=True, chunk_size=chunk)
+                                               return_entropy=True, chunk_size=chunk, softcap=softcap)
     ref_log_probs, ref_entropy = linear_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
-                                                 return_entropy=True)
+                                                 return_entropy=True, softcap=softcap)
     _close(log_probs, ref_log_probs, torch.float32)
     _close(entropy, ref_entropy, torch.float32)
     for g, w in zip(_grads((log_probs - entropy).sum(), (hidden, weight, bias)),
                     _grads((ref_log_probs - ref_entropy).sum(), (hidden, weight, bias))):
         _close(g, w, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcapped_logits_values_and_grads(dtype):
+    # logits of std ~3 against a cap of 2: most rows sit on the tanh's bend, where the cap matters
+    hidden, weight, bias, targets = _inputs(45, 16, 509, dtype, batch=3)
+    inputs, oracle_inputs = (hidden, weight, bias), [t.detach().float().requires_grad_() for t in (hidden, weight, bias)]
+    log_probs, entropy = fused_linear_logprobs(hidden, weight, targets, bias=bias, temperature=0.8,
+                                               return_entropy=True, chunk_size=8, softcap=2.0)
+    ref_log_probs, ref_entropy = linear_logprobs(*oracle_inputs[:2], targets, bias=oracle_inputs[2], temperature=0.8,
+                                                 return_entropy=True, softcap=2.0)
+    uncapped = linear_logprobs(*oracle_inputs[:2], targets, bias=oracle_inputs[2], temperature=0.8)[0]
+    assert (uncapped - ref_log_probs).abs().max() > 0.5  # the cap changes the answer
+    cross = fused_linear_cross_entropy(hidden, weight, targets, bias=bias, label_smoothing=0.1, softcap=2.0)
+    ref_cross = cross_entropy(linear_logits(*oracle_inputs, softcap=2.0), targets, label_smoothing=0.1)
+    got = [log_probs, entropy, cross, *_grads((log_probs - 0.5 * entropy).sum() + cross, inputs)]
+    want = [ref_log_probs, ref_entropy, ref_cross,
+            *_grads((ref_log_probs - 0.5 * ref_entropy).sum() + ref_cross, oracle_inputs)]
+    for g, w in zip(got, want):
+        if dtype == torch.float32:
+            _close(g, w, dtype)
+        else:
+            torch.testing.assert_close(g.float(), w, atol=2e-2 * w.abs().max().item(), rtol=0)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -161,6 +186,7 @@ def test_bad_input_errors_name_the_argument():
         (dict(bias=torch.zeros(4)), ValueError, "bias: length"),
         (dict(weight=torch.randn(5, 3, dtype=torch.float64)), TypeError, "weight: dtype"),
         (dict(chunk_size=0), ValueError, "chunk_size"),
+        (dict(softcap=-30.0), ValueError, "softcap: must be > 0"),
     ]
     for overrides, error, match in cases:
         args = dict(hidden=hidden, weight=weight, targets=targets) | overrides

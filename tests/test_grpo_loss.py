@@ -42,7 +42,7 @@ def _run(fn, batch, **kwargs):
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("options", [dict(beta=0.0), dict(beta=0.04, use_bias_correction_kl=True),
                                      dict(beta=0.1, delta=1.5, epsilon_high=0.28, gradient_accumulation_steps=2,
-                                          max_completion_length=16, num_items_in_batch=40)])
+                                          max_completion_length=16, num_items_in_batch=40, softcap=1.5)])
 def test_fused_equals_materialized(loss_type, options):
     batch = _batch()
     fused = _run(fused_grpo_loss, batch, loss_type=loss_type, temperature=0.8, chunk_size=7, **options)

@@ -16,6 +16,12 @@ def test_rows_equal_materialized_logits():
     assert view[0].dtype == torch.float32 and not view[0].requires_grad
 
 
+def test_softcapped_rows():
+    hidden, weight = torch.randn(4, 5), torch.randn(101, 5)
+    view = CompletionLogits(hidden, weight, temperature=0.5, softcap=1.5)
+    torch.testing.assert_close(view[1:3], 1.5 * torch.tanh((hidden[1:3] @ weight.T) / 1.5) / 0.5)
+
+
 def test_keeps_no_vocabulary_sized_tensor():
     weight = torch.randn(151936, 8)
     view = CompletionLogits(torch.randn(100, 8), weight)

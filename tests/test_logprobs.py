@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from logitless import get_response_log_probs
+from logitless import fused_linear_logprobs, get_response_log_probs
+from logitless.logprobs import LMHead, lm_head_of
 from logitless.models import tiny_qwen2
 
 
@@ -72,15 +73,33 @@ def test_head_with_bias_phi():
     _assert_agree(*_both(model, input_ids, labels))
 
 
-def test_softcapped_head_is_refused_with_advice():
+def test_softcapped_head_gemma2():
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
+    torch.manual_seed(0)
     model = Gemma2ForCausalLM(Gemma2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                           final_logit_softcapping=1.0, tie_word_embeddings=False))
+    torch.nn.init.normal_(model.get_output_embeddings().weight, std=0.5)  # logits of std ~3: the cap bites
     input_ids, labels = _batch(vocab=97)
-    with pytest.raises(ValueError, match="final_logit_softcapping.*impl='materialized'"):
-        get_response_log_probs(model, input_ids, labels)
-    assert get_response_log_probs(model, input_ids, labels, impl="materialized")["log_probs"].shape == (2, 13)
+    fused, materialized = _both(model, input_ids, labels, temperature=0.7)
+    _assert_agree(fused, materialized)
+    assert lm_head_of(model).softcap == 1.0
+    model.config.final_logit_softcapping = None
+    uncapped = get_response_log_probs(model, input_ids, labels)["log_probs"]
+    assert (uncapped - fused[0]["log_probs"]).abs().max() > 0.5
+
+
+def test_scale_and_softcap_fold_into_the_fused_options():
+    # cap(s * x) / T, the head's definition, computed by the fused op from LMHead.logit_options
+    hidden, weight = torch.randn(2, 5, 8), torch.randn(53, 8)
+    targets = torch.randint(0, 53, (2, 5))
+    head = LMHead(weight, None, scale=0.25, softcap=0.6)
+    got = fused_linear_logprobs(hidden, weight, targets, **head.logit_options(0.9))
+    logits = 0.6 * torch.tanh(0.25 * (hidden @ weight.T) / 0.6) / 0.9
+    want = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(head.logits_from(hidden @ weight.T), logits * 0.9)
 
 
 def test_bad_inputs(tiny_model):

@@ -109,7 +109,7 @@ if INTERPRETED or torch.cuda.is_available():
 
         advantages, old = torch.randn(2, device=DEVICE), (ref_log_probs.detach() + 0.2)
         args = (hidden, weight, ids, mask, advantages)
-        kwargs = dict(old_logprobs=old, ref_logprobs=old - 0.1, beta=0.04, temperature=0.7)
+        kwargs = dict(old_logprobs=old, ref_logprobs=old - 0.1, beta=0.04, temperature=0.7, softcap=1.5)
         loss, _ = fused_grpo_loss(*args, **kwargs, chunk_size=4)
         ref_loss, _ = reference.grpo_loss(*args, **kwargs)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)

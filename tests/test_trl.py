@@ -51,9 +51,32 @@ def _loss_and_grads(trainer, inputs):
     return loss.detach(), grads, {name: values[-1] for name, values in trainer._metrics["train"].items()}
 
 
+@pytest.fixture(scope="module")
+def softcapped_model_dir(tmp_path_factory, tokenizer):
+    """A one-layer Gemma 2 whose logits are soft-capped at 1.0 (std ~3 before the cap, so the cap bites)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(Gemma2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                           head_dim=16, final_logit_softcapping=1.0, tie_word_embeddings=False,
+                                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                           bos_token_id=None))
+    torch.nn.init.normal_(model.get_output_embeddings().weight, std=0.5)
+    return str(save_model_and_tokenizer(model, tokenizer, tmp_path_factory.mktemp("gemma2")))
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_one_step_equals_stock_trl(model_dir, tokenizer, tmp_path, loss_type, beta):
+    _assert_one_step_equals_stock_trl(model_dir, tokenizer, tmp_path, loss_type=loss_type, beta=beta)
+
+
+def test_softcapped_model_equals_stock_trl(softcapped_model_dir, tokenizer, tmp_path):
+    _assert_one_step_equals_stock_trl(softcapped_model_dir, tokenizer, tmp_path, loss_type="dapo", beta=0.04)
+
+
+def _assert_one_step_equals_stock_trl(model_dir, tokenizer, tmp_path, loss_type, beta):
     options = dict(loss_type=loss_type, beta=beta, epsilon_high=0.28, temperature=0.9)
     stock = _trainer(trl.GRPOTrainer, model_dir, tokenizer, tmp_path / "stock", **options)
     ours = _trainer(GRPOTrainerWithLogits, model_dir, tokenizer, tmp_path / "ours", **options)
@@ -137,8 +160,9 @@ def test_logit_aware_rewards_during_training(model_dir, tokenizer, tmp_path):
     assert logged and all(entry["entropy"] > 0 for entry in logged)
 
 
-def test_completion_views_match_hidden_states(model_dir, tokenizer, tmp_path):
-    trainer = _trainer(GRPOTrainerWithLogits, model_dir, tokenizer, tmp_path,
+@pytest.mark.parametrize("model_fixture", ["model_dir", "softcapped_model_dir"])
+def test_completion_views_match_hidden_states(model_fixture, request, tokenizer, tmp_path):
+    trainer = _trainer(GRPOTrainerWithLogits, request.getfixturevalue(model_fixture), tokenizer, tmp_path,
                        reward_funcs=[lambda completions, completion_logprobs, **kw: [0.0] * len(completions)],
                        temperature=0.7)
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -148,7 +172,8 @@ def test_completion_views_match_hidden_states(model_dir, tokenizer, tmp_path):
     lengths = [3, hidden.shape[1]]
     views, log_probs = trainer.completion_views([ids[0, 1:4].tolist(), ids[1, 1:].tolist() + [0]])
     assert [len(v) for v in views] == lengths
-    expected = model.lm_head(hidden[1]) / 0.7
+    with torch.no_grad():
+        expected = model(ids).logits[1] / 0.7  # the model's own head (soft cap included)
     torch.testing.assert_close(views[1][: lengths[1]], expected, atol=1e-5, rtol=0)
     targets = ids[1, 1:].tolist() + [0]
     torch.testing.assert_close(log_probs[1], torch.log_softmax(expected, -1)[torch.arange(lengths[1]), targets],

@@ -12,41 +12,54 @@ from dataclasses import dataclass
 import torch
 
 from logitless._checks import check_choice, check_positive, check_same_shape, check_tensor, check_token_ids
+from logitless.ops.chunks import softcap_
 from logitless.ops.fused import fused_linear_logprobs
 from logitless.ops.reference import logprobs_from_logits
 
 
 @dataclass
 class LMHead:
-    """What turns final hidden states into logits: ``logits = scale * (hidden @ weight.T + bias)``."""
+    """What turns final hidden states into logits: ``logits = cap(scale * (hidden @ weight.T + bias))``.
+
+    ``cap(x) = softcap * tanh(x / softcap)`` when the model soft-caps its logits (Gemma 2/3n,
+    nanochat), the identity when ``softcap`` is None.
+    """
 
     weight: torch.Tensor  # (V, H)
     bias: torch.Tensor | None  # (V,)
     scale: float
+    softcap: float | None = None
+
+    def logits_from(self, raw: torch.Tensor) -> torch.Tensor:
+        """The model's logits (fp32) from ``hidden @ weight.T + bias``, of any shape (or a subset of columns)."""
+        return softcap_(raw.float() * self.scale, self.softcap)
+
+    def logit_options(self, temperature: float) -> dict:
+        """``temperature`` and ``softcap`` for the fused ops, with the scale folded into both:
+        cap_c(s * x) / T = s * cap_{c/s}(x) / T = cap_{c/s}(x) / (T / s)."""
+        return {"temperature": temperature / self.scale,
+                "softcap": None if self.softcap is None else self.softcap / self.scale}
 
 
 # Config attributes of models whose logits are a multiple of the LM head's output.
 _LOGIT_MULTIPLIERS = ("logit_scale", "output_multiplier", "lm_head_multiplier")  # Cohere; Falcon-H1
 _LOGIT_DIVISORS = ("logits_scaling",)  # Granite: logits / logits_scaling
-_UNSUPPORTED_HEAD_OPS = ("final_logit_softcapping", "logits_soft_cap")  # Gemma 2/3: tanh soft-capping
+_SOFTCAP = "final_logit_softcapping"  # Gemma 2/3/3n/4, nanochat, Mistral Large 4: cap * tanh(logits / cap)
 
 
 def lm_head_of(model) -> LMHead:
-    """The output embedding of ``model`` (tied or not, with bias and logit scale if it has them)."""
+    """The output embedding of ``model`` (tied or not, with bias, logit scale and soft cap if it has them)."""
     head = model.get_output_embeddings()
     if head is None or not hasattr(head, "weight"):
         raise TypeError(f"model: {type(model).__name__} has no output embedding (get_output_embeddings())")
-    config = model.config
-    for name in _UNSUPPORTED_HEAD_OPS:
-        if getattr(config, name, None):
-            raise ValueError(f"model: its config sets {name}, which the fused path does not support; "
-                             f"use impl='materialized'")
+    config = model.config.get_text_config()  # composite (vision-language) configs keep these on the text part
     scale = 1.0
     for name in _LOGIT_MULTIPLIERS:
         scale *= float(getattr(config, name, None) or 1.0)
     for name in _LOGIT_DIVISORS:
         scale /= float(getattr(config, name, None) or 1.0)
-    return LMHead(head.weight, getattr(head, "bias", None), scale)
+    softcap = getattr(config, _SOFTCAP, None)
+    return LMHead(head.weight, getattr(head, "bias", None), scale, None if softcap is None else float(softcap))
 
 
 def model_body(model):
@@ -100,7 +113,7 @@ def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor,
         head = lm_head_of(model)
         hidden = final_hidden_states(model, input_ids, attention_mask).contiguous()  # (B, T, H)
         result = fused_linear_logprobs(hidden, head.weight, labels, bias=head.bias,
-                                       temperature=temperature / head.scale, return_entropy=return_token_entropy)
+                                       return_entropy=return_token_entropy, **head.logit_options(temperature))
         log_probs, entropy = result if return_token_entropy else (result, None)
     out = {"log_probs": log_probs}
     if return_token_entropy:

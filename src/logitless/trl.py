@@ -6,7 +6,7 @@ Adopt it by changing one import; every GRPOConfig option keeps its meaning.
    (B, T, V) logits or logits gradient exist in training, and the entropy metric is kept. Options
    outside what the fused loss computes (loss types cispo/sapo/vespo/luspo, sequence-level
    importance sampling, entropy masking or bonus, off-policy masking, vLLM importance-sampling
-   correction, router aux loss, soft-capped heads, tool masks) use TRL's own loss, with a warning.
+   correction, router aux loss, tool masks) use TRL's own loss, with a warning.
 2. Reward functions that declare a ``completion_logits`` and/or ``completion_logprobs`` parameter
    receive them. ``completion_logits[i]`` is a `CompletionLogits` view of completion i: its rows are
    computed on demand from the hidden states generation already produced (captured from the LM
@@ -135,7 +135,7 @@ class GRPOTrainerWithLogits(GRPOTrainer):
             raise RuntimeError(f"captured {hidden.shape[0]} rows of hidden states for {len(completion_ids_list)} "
                                "completions")
         head = lm_head_of(self.accelerator.unwrap_model(self.model))
-        temperature = self.temperature / head.scale
+        options = head.logit_options(self.temperature)
         lengths = [len(ids) for ids in completion_ids_list]
         ids = torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)
         mask = torch.zeros(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
@@ -144,8 +144,8 @@ class GRPOTrainerWithLogits(GRPOTrainer):
             mask[row, : len(completion)] = True
         with torch.no_grad():
             log_probs = fused_linear_logprobs(hidden.contiguous(), head.weight.to(hidden.dtype), ids,
-                                              bias=head.bias, temperature=temperature, mask=mask)  # (B, steps)
-        views = [CompletionLogits(hidden[row, :length], head.weight, head.bias, temperature)
+                                              bias=head.bias, mask=mask, **options)  # (B, steps)
+        views = [CompletionLogits(hidden[row, :length], head.weight, head.bias, **options)
                  for row, length in enumerate(lengths)]
         return views, [log_probs[row, :length] for row, length in enumerate(lengths)]
 
@@ -192,7 +192,7 @@ class GRPOTrainerWithLogits(GRPOTrainer):
             completion_hidden, weight, completion_ids, completion_mask, inputs["advantages"], bias=bias,
             old_logprobs=inputs.get("old_per_token_logps"), ref_logprobs=inputs.get("ref_per_token_logps"),
             beta=self.beta, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, delta=self.args.delta,
-            loss_type=self.loss_type, temperature=self.temperature / head.scale,
+            loss_type=self.loss_type, **head.logit_options(self.temperature),
             max_completion_length=self.max_completion_length, num_items_in_batch=dapo_normalizer,
             gradient_accumulation_steps=accumulation, use_bias_correction_kl=self.args.use_bias_correction_kl)
         self._log_loss_metrics(mode, metrics, completion_mask)

@@ -1,7 +1,8 @@
 """The chunk loop shared by every fused LM-head op.
 
-Rows of ``hidden`` are processed ``chunk_rows`` at a time: a chunk's logits ``z = h @ W.T / T``
-(``(n, V)``, fp32) exist only while that chunk is worked on. From ``z`` we take three per-token
+Rows of ``hidden`` are processed ``chunk_rows`` at a time: a chunk's logits ``z = cap(h @ W.T + b) / T``
+(``(n, V)``, fp32) exist only while that chunk is worked on; ``cap(x) = c * tanh(x / c)`` is the soft
+cap of Gemma 2/3n, nanochat and others when a ``softcap`` c is given, the identity otherwise. From ``z`` we take three per-token
 statistics, each with a closed-form gradient with respect to ``z``:
 
     log_prob   = z[target] - lse(z)          d/dz = onehot(target) - p
@@ -47,11 +48,19 @@ class ChunkStats(NamedTuple):
     mean_log_prob: torch.Tensor  # (n,) mean over the vocabulary of log p
 
 
+def softcap_(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """In place: ``softcap * tanh(logits / softcap)``, or nothing when ``softcap`` is None."""
+    return logits if softcap is None else logits.div_(softcap).tanh_().mul_(softcap)
+
+
 def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 temperature: float) -> torch.Tensor:
-    """(n, H) x (V, H) -> (n, V) logits (stat_dtype) divided by temperature. The matmul runs in the input dtype."""
+                 temperature: float, softcap: float | None = None) -> torch.Tensor:
+    """(n, H) x (V, H) -> (n, V) logits (stat_dtype), soft-capped, divided by temperature.
+
+    The matmul runs in the input dtype.
+    """
     logits = hidden @ weight.T if bias is None else torch.addmm(bias, hidden, weight.T)
-    logits = logits.to(stat_dtype(logits.dtype))
+    logits = softcap_(logits.to(stat_dtype(logits.dtype)), softcap)
     if temperature != 1.0:
         logits.div_(temperature)
     return logits
@@ -100,6 +109,17 @@ def logits_grad(logits: torch.Tensor, stats: ChunkStats, targets: torch.Tensor, 
     if temperature != 1.0:
         grad.div_(temperature)
     return grad
+
+
+def raw_logits_grad(kernels, logits: torch.Tensor, stats: ChunkStats, targets: torch.Tensor, temperature: float,
+                    softcap: float | None, *stat_grads: torch.Tensor | None) -> torch.Tensor:
+    """`logits_grad` (of ``kernels``: this module or the Triton one) carried through the soft cap, to
+    ``h @ W.T + b``. The cap's slope 1 - tanh^2 = 1 - (z * T / c)^2 is read from the chunk's logits z
+    before `logits_grad` consumes them.
+    """
+    slope = None if softcap is None else logits.mul(temperature / softcap).square_().neg_().add_(1.0)  # (n, V)
+    grad = kernels.logits_grad(logits, stats, targets, temperature, *stat_grads)
+    return grad if slope is None else grad.mul_(slope)
 
 
 class LinearGrads:

@@ -10,16 +10,19 @@ from __future__ import annotations
 import torch
 
 from logitless._checks import check_positive, check_tensor
+from logitless.ops.chunks import softcap_
 
 
 class CompletionLogits:
-    """Lazy ``(C, V)`` logits of one completion: ``(hidden @ weight.T + bias) / temperature``, fp32.
+    """Lazy ``(C, V)`` logits of one completion: ``cap(hidden @ weight.T + bias) / temperature``, fp32.
+
+    ``cap(x) = softcap * tanh(x / softcap)``, or the identity when ``softcap`` is None.
 
     Row t is the distribution completion token t was sampled from. Nothing of size V is stored.
     """
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 temperature: float = 1.0):
+                 temperature: float = 1.0, softcap: float | None = None):
         check_tensor("hidden", hidden, ndim=2, floating=True)
         check_tensor("weight", weight, ndim=2, floating=True)
         if hidden.shape[1] != weight.shape[1]:
@@ -28,6 +31,7 @@ class CompletionLogits:
         self.weight = weight.detach()  # (V, H), shared, not copied
         self.bias = None if bias is None else bias.detach()
         self.temperature = check_positive("temperature", temperature)
+        self.softcap = None if softcap is None else check_positive("softcap", softcap)
 
     @property
     def shape(self) -> torch.Size:
@@ -48,7 +52,7 @@ class CompletionLogits:
             logits = rows @ self.weight.T
             if self.bias is not None:
                 logits = logits + self.bias
-            return logits.float() / self.temperature
+            return softcap_(logits.float(), self.softcap) / self.temperature
 
     def __repr__(self) -> str:
         return f"CompletionLogits(shape={tuple(self.shape)}, temperature={self.temperature})"

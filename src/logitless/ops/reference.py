@@ -36,19 +36,21 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperatur
     return log_probs, entropy
 
 
-def linear_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The [..., V] logits of an LM head, in fp32: hidden @ weight.T (+ bias)."""
+def linear_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  softcap: float | None = None) -> torch.Tensor:
+    """The [..., V] logits of an LM head, in fp32: hidden @ weight.T (+ bias), soft-capped by ``softcap``."""
     logits = hidden @ weight.T  # matmul in the input dtype, result upcast below
     if bias is not None:
         logits = logits + bias
-    return logits.to(stat_dtype(logits.dtype))
+    logits = logits.to(stat_dtype(logits.dtype))
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
 
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                    bias: torch.Tensor | None = None, temperature: float = 1.0,
-                    return_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    bias: torch.Tensor | None = None, temperature: float = 1.0, return_entropy: bool = False,
+                    softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Oracle for `fused_linear_logprobs`: materializes the (..., V) logits."""
-    return logprobs_from_logits(linear_logits(hidden, weight, bias), targets, temperature, return_entropy)
+    return logprobs_from_logits(linear_logits(hidden, weight, bias, softcap), targets, temperature, return_entropy)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
@@ -63,13 +65,13 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
               beta: float = 0.0, epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None,
               loss_type: str = "grpo", temperature: float = 1.0, max_completion_length: int | None = None,
               num_items_in_batch: float | None = None, gradient_accumulation_steps: int = 1,
-              use_bias_correction_kl: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+              use_bias_correction_kl: bool = False, softcap: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Oracle for `fused_grpo_loss`: (B, T, V) logits -> log-probs -> TRL's GRPO loss and metrics."""
     batch = check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs, ref_logprobs, beta,
                               epsilon_low, epsilon_high, delta, loss_type, max_completion_length, num_items_in_batch,
                               gradient_accumulation_steps, use_bias_correction_kl)
     log_probs, entropy = linear_logprobs(hidden, weight, completion_ids, bias=bias, temperature=temperature,
-                                         return_entropy=True)  # (B, T) each
+                                         return_entropy=True, softcap=softcap)  # (B, T) each
     parts = token_objective(log_probs, batch.advantages, batch.old_log_probs, batch.ref_log_probs, batch.settings)
     loss = torch.where(batch.keep, parts[0] * batch.weights, 0.0).sum()
     kept_parts = [None if part is None else part[batch.keep] for part in parts]

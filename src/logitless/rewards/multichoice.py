@@ -270,7 +270,7 @@ class MultichoiceJudge:
         id_logits = hidden @ head.weight[flat_ids].T  # (B, N): logits at the letters' ids only
         if head.bias is not None:
             id_logits = id_logits + head.bias[flat_ids]
-        letter_log_probs = _letter_log_probs(id_logits.float() * head.scale, self.token_ids)  # (B, L)
+        letter_log_probs = _letter_log_probs(head.logits_from(id_logits), self.token_ids)  # (B, L)
         check_finite("model", letter_log_probs)
         return torch.softmax(letter_log_probs, dim=-1)
 
