@@ -82,7 +82,8 @@ def _trl_formula(batch, loss_type, beta, eps_low, eps_high, temperature, max_len
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-@pytest.mark.parametrize("beta, delta, bias_kl", [(0.0, None, False), (0.04, None, False), (0.04, 1.1, True)])
+@pytest.mark.parametrize("beta, delta, bias_kl", [(0.0, None, False), (0.04, None, False), (0.04, 1.1, True),
+                                                  (0.0, 0.9, False)])
 def test_matches_trl_formula(loss_type, beta, delta, bias_kl):
     batch = _batch(seed=1)
     loss, _, grads = _run(fused_grpo_loss, batch, loss_type=loss_type, beta=beta, epsilon_high=0.28,
@@ -195,6 +196,20 @@ def test_same_loss_as_liger(loss_type, beta):
         assert ours[1]["kl"] == pytest.approx(liger_metrics[0].item(), rel=1e-4)
 
 
+def test_per_token_advantages():
+    # TRL lets a subclass hand (B, T) advantages to the loss; a row of equal values is the (B,) case
+    batch = _batch()
+    per_token = batch["advantages"][:, None].expand_as(batch["completion_mask"]).contiguous()
+    per_sequence = _run(fused_grpo_loss, batch, beta=0.04)
+    expanded = _run(fused_grpo_loss, batch | dict(advantages=per_token), beta=0.04)
+    torch.testing.assert_close(expanded[0], per_sequence[0])
+    varied = batch | dict(advantages=torch.randn(per_token.shape, generator=torch.Generator().manual_seed(3)))
+    fused, reference = _run(fused_grpo_loss, varied, beta=0.04), _run(grpo_loss, varied, beta=0.04)
+    torch.testing.assert_close(fused[0], reference[0], atol=1e-5, rtol=1e-5)
+    for got, want in zip(fused[2], reference[2]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("overrides, error, match", [
     (dict(loss_type="ppo"), ValueError, "loss_type"),
     (dict(beta=0.1, ref_logprobs=None), ValueError, "ref_logprobs: required"),
@@ -203,7 +218,8 @@ def test_same_loss_as_liger(loss_type, beta):
     (dict(completion_mask=torch.ones(3, 5)), ValueError, "completion_mask: shape"),
     (dict(old_logprobs=torch.zeros(3, 4)), ValueError, "old_logprobs: shape"),
     (dict(epsilon_low=-0.1), ValueError, "epsilon_low"),
-    (dict(delta=0.9), ValueError, "delta"),
+    (dict(delta=0.0), ValueError, "delta"),
+    (dict(advantages=torch.zeros(3, 5)), ValueError, "advantages: expected"),
     (dict(temperature=-1.0), ValueError, "temperature"),
     (dict(completion_ids=torch.full((3, 11), 997)), ValueError, "targets: token ids"),
     (dict(hidden=torch.randn(33, 16)), ValueError, "hidden: expected 3 dimensions"),

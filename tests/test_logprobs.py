@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from logitless import fused_linear_logprobs, get_response_log_probs
-from logitless.logprobs import LMHead, lm_head_of
+from logitless.logprobs import LMHead, final_hidden_states, lm_head_of
 from logitless.models import tiny_qwen2
 
 
@@ -60,6 +60,23 @@ def test_head_with_logit_scale_cohere():
                                            pad_token_id=0, bos_token_id=1, eos_token_id=2))
     input_ids, labels = _batch(vocab=503)
     _assert_agree(*_both(model, input_ids, labels, temperature=0.8))
+
+
+@pytest.mark.parametrize("family, scaling", [("Granite", 4.0), ("HyperCLOVAX", 4.0)])
+def test_head_with_logits_scaling(family, scaling):
+    # Granite divides the logits by logits_scaling, HyperCLOVA X multiplies them by it
+    import transformers
+
+    config = getattr(transformers, f"{family}Config")(vocab_size=211, hidden_size=32, intermediate_size=64,
+                                                      num_hidden_layers=1, num_attention_heads=4,
+                                                      num_key_value_heads=2, logits_scaling=scaling, pad_token_id=0)
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
+    input_ids, labels = _batch(vocab=211)
+    _assert_agree(*_both(model, input_ids, labels, temperature=0.8))
+    with torch.no_grad():  # the head's scale is the one the model's own forward applies
+        logits = model(input_ids).logits
+        raw = model.get_output_embeddings()(final_hidden_states(model, input_ids))
+    torch.testing.assert_close(logits, raw * lm_head_of(model).scale)
 
 
 def test_head_with_bias_phi():

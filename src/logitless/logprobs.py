@@ -41,9 +41,12 @@ class LMHead:
                 "softcap": None if self.softcap is None else self.softcap / self.scale}
 
 
-# Config attributes of models whose logits are a multiple of the LM head's output.
-_LOGIT_MULTIPLIERS = ("logit_scale", "output_multiplier", "lm_head_multiplier")  # Cohere; Falcon-H1
-_LOGIT_DIVISORS = ("logits_scaling",)  # Granite: logits / logits_scaling
+# Config attributes that scale the LM head's output, looked up in this order; the first one set wins
+# (as transformers' models and TRL read them). Cohere: logit_scale; Muse Glimmer: output_multiplier;
+# Falcon-H1: lm_head_multiplier; Granite, MiniCPM3: logits / logits_scaling, HyperCLOVA X: logits * logits_scaling.
+_LOGIT_MULTIPLIERS = ("logit_scale", "output_multiplier", "lm_head_multiplier")
+_LOGIT_DIVISOR = "logits_scaling"
+_MULTIPLIES_BY_LOGITS_SCALING = ("hyperclovax",)
 _SOFTCAP = "final_logit_softcapping"  # Gemma 2/3/3n/4, nanochat, Mistral Large 4: cap * tanh(logits / cap)
 
 
@@ -53,11 +56,12 @@ def lm_head_of(model) -> LMHead:
     if head is None or not hasattr(head, "weight"):
         raise TypeError(f"model: {type(model).__name__} has no output embedding (get_output_embeddings())")
     config = model.config.get_text_config()  # composite (vision-language) configs keep these on the text part
-    scale = 1.0
-    for name in _LOGIT_MULTIPLIERS:
-        scale *= float(getattr(config, name, None) or 1.0)
-    for name in _LOGIT_DIVISORS:
-        scale /= float(getattr(config, name, None) or 1.0)
+    scale = next((getattr(config, name) for name in _LOGIT_MULTIPLIERS if getattr(config, name, None) is not None),
+                 None)
+    if scale is None and getattr(config, _LOGIT_DIVISOR, None) is not None:
+        divisor = float(getattr(config, _LOGIT_DIVISOR))
+        scale = divisor if config.model_type in _MULTIPLIES_BY_LOGITS_SCALING else 1.0 / divisor
+    scale = 1.0 if scale is None else float(scale)
     softcap = getattr(config, _SOFTCAP, None)
     return LMHead(head.weight, getattr(head, "bias", None), scale, None if softcap is None else float(softcap))
 

@@ -216,7 +216,7 @@ def fused_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: 
     """The GRPO loss of TRL's GRPOTrainer, from hidden states (B, T, H) and the LM head, without logits.
 
     ``completion_ids``/``completion_mask``/``old_logprobs``/``ref_logprobs`` are (B, T); ``advantages``
-    (B,) or (B, 1). ``loss_type`` is grpo | bnpo | dr_grpo | dapo (see `ops.grpo.token_weights`;
+    (B,), (B, 1) or (B, T) per token. ``loss_type`` is grpo | bnpo | dr_grpo | dapo (see `ops.grpo.token_weights`;
     ``max_completion_length`` defaults to T, ``num_items_in_batch`` to the mask's token count).
     ``beta > 0`` adds the k3 KL to ``ref_logprobs``. ``softcap`` as in `fused_linear_logprobs`.
     Gradients are computed during forward.

@@ -127,7 +127,7 @@ class GRPOBatch(NamedTuple):
     """Validated GRPO inputs, per token (B, T) except where noted."""
 
     keep: torch.Tensor  # bool completion mask
-    advantages: torch.Tensor  # (B, 1) fp32
+    advantages: torch.Tensor  # (B, 1), or (B, T) per token; fp32
     old_log_probs: torch.Tensor | None
     ref_log_probs: torch.Tensor | None
     weights: torch.Tensor  # token_weights(...)
@@ -141,9 +141,10 @@ def check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs,
     check_tensor("completion_ids", completion_ids, ndim=2, integer=True)
     keep = check_mask("completion_mask", completion_mask, "completion_ids", completion_ids)
     check_tensor("advantages", advantages, ndim=(1, 2), floating=True)
-    if advantages.numel() != completion_ids.shape[0] or advantages.shape[0] != completion_ids.shape[0]:
-        raise ValueError(f"advantages: expected ({completion_ids.shape[0]},) or ({completion_ids.shape[0]}, 1), "
-                         f"got {tuple(advantages.shape)}")
+    num_sequences, length = completion_ids.shape
+    if tuple(advantages.shape) not in ((num_sequences,), (num_sequences, 1), (num_sequences, length)):
+        raise ValueError(f"advantages: expected ({num_sequences},), ({num_sequences}, 1) or per token "
+                         f"({num_sequences}, {length}), got {tuple(advantages.shape)}")
     check_finite("advantages", advantages)
     for name, value in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
         if value is not None:
@@ -154,8 +155,8 @@ def check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs,
             raise ValueError(f"{name}: expected a number >= 0, got {value!r}")
     if beta != 0 and ref_logprobs is None:
         raise ValueError("ref_logprobs: required when beta != 0 (the KL penalty needs the reference log-probs)")
-    if delta is not None and not delta > 1.0:
-        raise ValueError(f"delta: the two-sided clipping bound must be > 1, got {delta!r}")
+    if delta is not None and (isinstance(delta, bool) or not isinstance(delta, (int, float)) or not delta > 0):
+        raise ValueError(f"delta: the upper bound on the ratio must be a number > 0, got {delta!r}")
     for name, value in (("max_completion_length", max_completion_length),
                         ("gradient_accumulation_steps", gradient_accumulation_steps)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -164,5 +165,5 @@ def check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs,
         raise ValueError(f"num_items_in_batch: must be > 0, got {num_items_in_batch!r}")
     settings = GRPOSettings(float(beta), float(epsilon_low), float(epsilon_high), delta, bool(use_bias_correction_kl))
     weights = token_weights(keep, loss_type, max_completion_length, num_items_in_batch, gradient_accumulation_steps)
-    return GRPOBatch(keep, advantages.reshape(-1, 1).float(), old_logprobs, ref_logprobs,
+    return GRPOBatch(keep, advantages.reshape(num_sequences, -1).float(), old_logprobs, ref_logprobs,
                      weights.to(completion_ids.device), settings)
