@@ -76,6 +76,29 @@ def test_softcapped_model_equals_stock_trl(softcapped_model_dir, tokenizer, tmp_
     _assert_one_step_equals_stock_trl(softcapped_model_dir, tokenizer, tmp_path, loss_type="dapo", beta=0.04)
 
 
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_mixed_precision_equals_stock_trl(model_dir, tokenizer, tmp_path, model_dtype):
+    # GRPOConfig's default bf16=True: autocast around the body, whose output accelerate hands back in fp32.
+    # The head must run under the same autocast as TRL's old/reference log-probs: on policy, KL exactly 0.
+    options = dict(bf16=True, beta=0.04, num_iterations=2, model_init_kwargs={"dtype": model_dtype})
+    stock = _trainer(trl.GRPOTrainer, model_dir, tokenizer, tmp_path / "stock", **options)
+    ours = _trainer(GRPOTrainerWithLogits, model_dir, tokenizer, tmp_path / "ours", **options)
+    assert ours._fallback_reason is None and ours.model.dtype == model_dtype
+    torch.manual_seed(0)
+    inputs = stock._generate_and_score_completions([{"prompt": p} for p in PROMPTS[:2] for _ in range(2)])
+    assert inputs["old_per_token_logps"] is not None and inputs["ref_per_token_logps"] is not None
+    inputs["advantages"] = torch.randn(inputs["advantages"].shape, generator=torch.Generator().manual_seed(1))
+    stock_loss, stock_grads, stock_metrics = _loss_and_grads(stock, inputs)
+    our_loss, our_grads, our_metrics = _loss_and_grads(ours, inputs)
+    assert stock_metrics["kl"] == 0.0 and abs(our_metrics["kl"]) < 1e-8  # 1e-7 with the head outside autocast
+    assert our_metrics["entropy"] == pytest.approx(stock_metrics["entropy"], rel=1e-6)
+    torch.testing.assert_close(our_loss, stock_loss, atol=1e-6, rtol=0)
+    for name in stock_grads:  # bf16 matmuls either way; ours accumulate the head's gradients in fp32
+        scale = stock_grads[name].abs().max().item()
+        torch.testing.assert_close(our_grads[name].float(), stock_grads[name].float(), atol=2e-2 * scale, rtol=0,
+                                   msg=name)
+
+
 def _assert_one_step_equals_stock_trl(model_dir, tokenizer, tmp_path, loss_type, beta):
     options = dict(loss_type=loss_type, beta=beta, epsilon_high=0.28, temperature=0.9)
     stock = _trainer(trl.GRPOTrainer, model_dir, tokenizer, tmp_path / "stock", **options)
@@ -194,3 +217,23 @@ def test_unsupported_options_fall_back_to_trl(model_dir, tokenizer, tmp_path):
     assert "cispo" in trainer._fallback_reason
     trainer = _trainer(GRPOTrainerWithLogits, model_dir, tokenizer, tmp_path, top_entropy_quantile=0.5)
     assert "top_entropy_quantile" in trainer._fallback_reason
+    trainer = _trainer(GRPOTrainerWithLogits, model_dir, tokenizer, tmp_path)
+    assert trainer._why_not_fused() is None
+    trainer.is_fsdp_enabled = True  # what accelerate sets under FSDP: the head's weight is a shard
+    assert trainer._why_not_fused() == "FSDP shards the LM head"
+
+
+def test_cast_lm_head_to_fp32_with_bf16_model_and_logit_rewards(model_dir, tokenizer, tmp_path):
+    # hidden states captured from a bf16 body meet the head TRL cast to fp32: one dtype for views and log-probs
+    seen = []
+
+    def reward(completions, completion_ids, completion_logits, completion_logprobs, **kwargs):
+        for i, ids in enumerate(completion_ids):
+            row = completion_logits[i][0]
+            seen.append(abs(torch.log_softmax(row, -1)[ids[0]].item() - completion_logprobs[i][0].item()))
+        return [0.0] * len(completions)
+
+    trainer = _trainer(GRPOTrainerWithLogits, model_dir, tokenizer, tmp_path, reward_funcs=reward, bf16=True,
+                       cast_lm_head_to_fp32=True, model_init_kwargs={"dtype": torch.bfloat16})
+    trainer.train()
+    assert len(seen) == 4 and max(seen) < 1e-5

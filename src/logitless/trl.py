@@ -6,7 +6,8 @@ Adopt it by changing one import; every GRPOConfig option keeps its meaning.
    (B, T, V) logits or logits gradient exist in training, and the entropy metric is kept. Options
    outside what the fused loss computes (loss types cispo/sapo/vespo/luspo, sequence-level
    importance sampling, entropy masking or bonus, off-policy masking, vLLM importance-sampling
-   correction, router aux loss, tool masks) use TRL's own loss, with a warning.
+   correction, router aux loss, tool masks, PEFT models, FSDP/ZeRO-3 sharded heads) use TRL's own
+   loss, with a warning.
 2. Reward functions that declare a ``completion_logits`` and/or ``completion_logprobs`` parameter
    receive them. ``completion_logits[i]`` is a `CompletionLogits` view of completion i: its rows are
    computed on demand from the hidden states generation already produced (captured from the LM
@@ -25,6 +26,8 @@ import logging
 import types
 
 import torch
+from accelerate.utils import is_peft_model
+from transformers.integrations import is_deepspeed_zero3_enabled
 from trl import GRPOTrainer
 from trl.trainer.utils import nanmax, nanmin
 
@@ -79,6 +82,10 @@ class GRPOTrainerWithLogits(GRPOTrainer):
             raise NotImplementedError(
                 "reward_funcs: completion_logits/completion_logprobs are captured during transformers' generate; "
                 "vLLM, continuous batching, rollout_func and tools are not supported with them yet")
+        if self._logit_reward_funcs and self._sharded_head():
+            raise NotImplementedError(
+                f"reward_funcs: completion_logits/completion_logprobs read the LM head's weight, which "
+                f"{self._sharded_head()} shards; not supported yet")
         self._fallback_reason = self._why_not_fused()
         if self._fallback_reason:
             logger.warning("GRPOTrainerWithLogits: using TRL's own loss because %s", self._fallback_reason)
@@ -96,6 +103,8 @@ class GRPOTrainerWithLogits(GRPOTrainer):
             (self._entropy_bonus_enabled, "an entropy bonus is set"),
             (self.aux_loss_enabled, "the router aux loss is enabled"),
             (self._is_vlm, "the model is a vision-language model"),
+            (bool(self._sharded_head()), f"{self._sharded_head()} shards the LM head"),
+            (is_peft_model(self.model), "the model is a PEFT model"),
         ]
         for failed, reason in checks:
             if failed:
@@ -105,6 +114,30 @@ class GRPOTrainerWithLogits(GRPOTrainer):
         except (TypeError, ValueError) as err:
             return str(err)
         return None
+
+    def _sharded_head(self) -> str | None:
+        """What shards the LM head's weight across processes (so it cannot be read directly), if anything."""
+        if self.is_fsdp_enabled:
+            return "FSDP"
+        if is_deepspeed_zero3_enabled():
+            return "DeepSpeed ZeRO-3"
+        return None
+
+    def _head_inputs(self, hidden: torch.Tensor, head) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Hidden states, weight and bias on the head's device and in one dtype, as TRL's fused LM head takes
+        them: fp32 with ``cast_lm_head_to_fp32``, else the head's dtype (accelerate's mixed precision hands
+        the body's output back in fp32; for a bf16 model its values are bf16's, so the cast loses nothing)."""
+        hidden = hidden.to(head.weight.device)
+        if self.args.cast_lm_head_to_fp32:
+            return hidden.float(), head.weight.float(), None if head.bias is None else head.bias.float()
+        return hidden.to(head.weight.dtype), head.weight, head.bias
+
+    def _head_precision(self):
+        """The autocast TRL runs its LM head under: the accelerator's (bf16 matmuls under ``bf16=True``, as for
+        TRL's old and reference log-probs), or none with ``cast_lm_head_to_fp32``."""
+        if self.args.cast_lm_head_to_fp32:
+            return torch.autocast(self.accelerator.device.type, enabled=False)
+        return self.accelerator.autocast()
 
     # -- logit-aware rewards -------------------------------------------------------------------
 
@@ -136,16 +169,17 @@ class GRPOTrainerWithLogits(GRPOTrainer):
                                "completions")
         head = lm_head_of(self.accelerator.unwrap_model(self.model))
         options = head.logit_options(self.temperature)
+        hidden, weight, bias = self._head_inputs(hidden, head)
         lengths = [len(ids) for ids in completion_ids_list]
         ids = torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)
         mask = torch.zeros(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
         for row, completion in enumerate(completion_ids_list):
             ids[row, : len(completion)] = torch.tensor(completion, dtype=torch.long)
             mask[row, : len(completion)] = True
-        with torch.no_grad():
-            log_probs = fused_linear_logprobs(hidden.contiguous(), head.weight.to(hidden.dtype), ids,
-                                              bias=head.bias, mask=mask, **options)  # (B, steps)
-        views = [CompletionLogits(hidden[row, :length], head.weight, head.bias, **options)
+        with torch.no_grad(), self._head_precision():
+            log_probs = fused_linear_logprobs(hidden.contiguous(), weight, ids.to(hidden.device), bias=bias,
+                                              mask=mask.to(hidden.device), **options)  # (B, steps)
+        views = [CompletionLogits(hidden[row, :length], weight, bias, **options)
                  for row, length in enumerate(lengths)]
         return views, [log_probs[row, :length] for row, length in enumerate(lengths)]
 
@@ -171,15 +205,17 @@ class GRPOTrainerWithLogits(GRPOTrainer):
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         prompt_length, completion_length = prompt_ids.shape[1], completion_ids.shape[1]
-        hidden = model(input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
-                       attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
-                       logitless_hidden_states=True)  # (B, P + C, H)
-        completion_hidden = hidden[:, prompt_length - 1: prompt_length + completion_length - 1].contiguous()
+        with self.accelerator.autocast():  # as TRL scores: the body under the mixed-precision autocast
+            hidden = model(input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
+                           attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
+                           logitless_hidden_states=True)  # (B, P + C, H)
         head = lm_head_of(self.accelerator.unwrap_model(model))
-        weight, bias = head.weight, head.bias
-        if self.args.cast_lm_head_to_fp32:
-            completion_hidden, weight = completion_hidden.float(), weight.float()
-            bias = None if bias is None else bias.float()
+        completion_hidden, weight, bias = self._head_inputs(
+            hidden[:, prompt_length - 1: prompt_length + completion_length - 1].contiguous(), head)
+        # with the model split across devices (device_map) the body can end on another device than the head
+        on_head = {name: None if inputs.get(name) is None else inputs[name].to(weight.device)
+                   for name in ("completion_ids", "completion_mask", "advantages", "old_per_token_logps",
+                                "ref_per_token_logps")}
 
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
@@ -188,13 +224,14 @@ class GRPOTrainerWithLogits(GRPOTrainer):
             dapo_normalizer = inputs["num_items_in_batch"].clamp(min=1.0).item() / self.accelerator.num_processes
             if mode == "train":
                 dapo_normalizer *= self.current_gradient_accumulation_steps / self.args.steps_per_generation
-        loss, metrics = fused_grpo_loss(
-            completion_hidden, weight, completion_ids, completion_mask, inputs["advantages"], bias=bias,
-            old_logprobs=inputs.get("old_per_token_logps"), ref_logprobs=inputs.get("ref_per_token_logps"),
-            beta=self.beta, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, delta=self.args.delta,
-            loss_type=self.loss_type, **head.logit_options(self.temperature),
-            max_completion_length=self.max_completion_length, num_items_in_batch=dapo_normalizer,
-            gradient_accumulation_steps=accumulation, use_bias_correction_kl=self.args.use_bias_correction_kl)
+        with self._head_precision():
+            loss, metrics = fused_grpo_loss(
+                completion_hidden, weight, on_head["completion_ids"], on_head["completion_mask"], on_head["advantages"],
+                bias=bias, old_logprobs=on_head["old_per_token_logps"], ref_logprobs=on_head["ref_per_token_logps"],
+                beta=self.beta, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, delta=self.args.delta,
+                loss_type=self.loss_type, **head.logit_options(self.temperature),
+                max_completion_length=self.max_completion_length, num_items_in_batch=dapo_normalizer,
+                gradient_accumulation_steps=accumulation, use_bias_correction_kl=self.args.use_bias_correction_kl)
         self._log_loss_metrics(mode, metrics, completion_mask)
         return loss
 
