@@ -41,3 +41,23 @@ def test_cli_sft_with_yaml_config(tmp_path, capsys):
         main(["sft", "--config", str(tmp_path / "missing.yaml")])
     with pytest.raises(SystemExit, match="batch_size"):
         main(["sft", "--batch-size", "0", "--output-dir", str(tmp_path / "o2")])
+
+
+def test_demo_refuses_a_directory_it_did_not_write_and_checks_options_first(tmp_path):
+    from logitless.cli import main
+    from logitless.demo import MARKER, fresh_output_dir
+
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "important.txt").write_text("keep me")
+    with pytest.raises(SystemExit, match="--output-dir: .* holds files the demo did not write"):
+        main(["demo", "--output-dir", str(precious)])
+    with pytest.raises(SystemExit, match="--steps: expected a positive int"):
+        main(["demo", "--steps", "0", "--output-dir", str(tmp_path / "new")])
+    assert (precious / "important.txt").read_text() == "keep me" and not (tmp_path / "new").exists()
+    # an earlier demo's directory (it carries the marker) is replaced
+    earlier = fresh_output_dir(str(tmp_path / "demo"))
+    (earlier / "sft").mkdir()
+    assert (earlier / MARKER).exists()
+    again = fresh_output_dir(str(earlier))
+    assert not (again / "sft").exists() and (again / MARKER).exists()

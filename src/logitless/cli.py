@@ -62,9 +62,16 @@ def run_grpo(args: argparse.Namespace) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from logitless.demo import run
+    from logitless.demo import check_output_dir, run
 
-    return run(output_dir=args.output_dir or "runs/demo", steps=args.steps or 40, grpo_steps=args.grpo_steps or 4)
+    for option, value in (("--steps", args.steps), ("--grpo-steps", args.grpo_steps)):
+        if value < 1:
+            raise SystemExit(f"{option}: expected a positive int, got {value}")
+    try:
+        check_output_dir(args.output_dir)
+    except ValueError as err:
+        raise SystemExit(f"--output-dir: {str(err).partition(': ')[2]}") from None
+    return run(output_dir=args.output_dir, steps=args.steps, grpo_steps=args.grpo_steps)
 
 
 def run_bench_lmhead(args: argparse.Namespace) -> int:
@@ -143,9 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="logitless", description="LLM post-training without [B, T, V] logits")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="SFT then GRPO of the embedded tiny Qwen2 (real Qwen vocabulary) on CPU")
-    demo.add_argument("--output-dir", dest="output_dir")
-    demo.add_argument("--steps", type=int, help="SFT steps (default 40)")
-    demo.add_argument("--grpo-steps", dest="grpo_steps", type=int, help="GRPO steps (default 4)")
+    demo.add_argument("--output-dir", dest="output_dir", default="runs/demo",
+                      help="replaced on each run; a directory the demo did not create is refused (default runs/demo)")
+    demo.add_argument("--steps", type=int, default=40, help="SFT steps (default 40)")
+    demo.add_argument("--grpo-steps", dest="grpo_steps", type=int, default=4, help="GRPO steps (default 4)")
     demo.set_defaults(handler=run_demo)
     sft = commands.add_parser("sft", help="supervised fine-tuning, resumable from output_dir/checkpoint")
     _add_sft_options(sft)

@@ -38,9 +38,38 @@ def _fused_matches_materialized(model_dir: Path) -> float:
     return difference
 
 
-def run(output_dir: str = "runs/demo", steps: int = 40, grpo_steps: int = 4) -> int:
+MARKER = ".logitless-demo"  # written into the output directory: only such a directory is ever emptied
+DEMO_OUTPUTS = {"sft", "grpo"}  # what the demo writes there (a directory holding only these is an earlier demo's)
+
+
+def check_output_dir(output_dir: str) -> Path:
+    """Raise unless ``output_dir`` is new, empty, or an earlier demo's output; touches nothing."""
     directory = Path(output_dir)
-    shutil.rmtree(directory, ignore_errors=True)  # the demo always starts fresh
+    if directory.exists():
+        if not directory.is_dir():
+            raise ValueError(f"output_dir: {output_dir} is a file, not a directory")
+        entries = {entry.name for entry in directory.iterdir()}
+        if not (MARKER in entries or entries <= DEMO_OUTPUTS):
+            raise ValueError(f"output_dir: {output_dir} holds files the demo did not write; "
+                             "choose a new or empty directory")
+    return directory
+
+
+def fresh_output_dir(output_dir: str) -> Path:
+    """The demo always starts fresh, but only empties a directory that it created itself."""
+    directory = check_output_dir(output_dir)
+    if directory.exists():
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+    (directory / MARKER).write_text("written by `logitless demo`; the next demo run replaces this directory\n")
+    return directory
+
+
+def run(output_dir: str = "runs/demo", steps: int = 40, grpo_steps: int = 4) -> int:
+    for name, value in (("steps", steps), ("grpo_steps", grpo_steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    directory = fresh_output_dir(output_dir)
     print(f"logitless demo 1/3: {steps} SFT steps of tiny-qwen2 (vocabulary 151,936) on multiple-choice answers")
     history = warm_start_policy(directory / "sft", steps=steps)
     first, last = history["loss"][0], history["loss"][-1]
