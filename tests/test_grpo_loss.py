@@ -221,7 +221,7 @@ def test_per_token_advantages():
     (dict(delta=0.0), ValueError, "delta"),
     (dict(advantages=torch.zeros(3, 5)), ValueError, "advantages: expected"),
     (dict(temperature=-1.0), ValueError, "temperature"),
-    (dict(completion_ids=torch.full((3, 11), 997)), ValueError, "targets: token ids"),
+    (dict(completion_ids=torch.full((3, 11), 997)), ValueError, "completion_ids: token ids"),
     (dict(hidden=torch.randn(33, 16)), ValueError, "hidden: expected 3 dimensions"),
 ])
 def test_bad_input(overrides, error, match):

@@ -34,9 +34,14 @@ def test_cli_sft_with_yaml_config(tmp_path, capsys):
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": f"Say {i}:", "response": f" {i}"}) for i in range(8)))
     config = tmp_path / "c.yaml"
-    config.write_text(f"steps: 2\nbatch_size: 4\ndata: {data}\n")
+    config.write_text(f"steps: 2\nbatch_size: 4\nlearning_rate: 1e-3\ndata: {data}\n")  # 1e-3: a float, not a str
     assert main(["sft", "--config", str(config), "--output-dir", str(tmp_path / "out")]) == 0
     assert "over 2 steps" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "out" / "checkpoint" / "trainer_state.json").read_text())
+    assert saved["optimizer_param_groups"][0]["lr"] == 1e-3
+    config.write_text("steps: [2\n")
+    with pytest.raises(SystemExit, match="--config: .* is not valid YAML"):
+        main(["sft", "--config", str(config)])
     with pytest.raises(SystemExit, match="--config: no such file"):
         main(["sft", "--config", str(tmp_path / "missing.yaml")])
     with pytest.raises(SystemExit, match="batch_size"):

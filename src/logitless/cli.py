@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import warnings
 from pathlib import Path
 
 import yaml
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """YAML 1.1 reads ``1e-3`` (no dot) as a string; a learning rate written that way must be a float."""
+
+
+_ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)?\.?[0-9_]*[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
 
 
 def _load_config(path: str | None) -> dict:
@@ -16,7 +26,10 @@ def _load_config(path: str | None) -> dict:
     file = Path(path)
     if not file.is_file():
         raise SystemExit(f"--config: no such file {path!r}")
-    values = yaml.safe_load(file.read_text()) or {}
+    try:
+        values = yaml.load(file.read_text(), Loader=_ConfigLoader) or {}
+    except yaml.YAMLError as err:
+        raise SystemExit(f"--config: {path} is not valid YAML: {err}") from None
     if not isinstance(values, dict):
         raise SystemExit(f"--config: {path} must hold a mapping of option: value")
     return values

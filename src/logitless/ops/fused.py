@@ -112,11 +112,13 @@ def _loss_and_grads(hidden, weight, bias, targets, temperature, softcap, chunk_r
     return loss, metric_sums, grads.result(weight, bias) if grads is not None else (None, None, None)
 
 
-def _linear_inputs(hidden, weight, targets, bias, temperature, softcap, mask):
-    """Validate and flatten: hidden (..., H) -> (N, H), targets (...) -> (N,), mask -> kept row ids or None."""
+def _linear_inputs(hidden, weight, targets, bias, temperature, softcap, mask, targets_name="targets"):
+    """Validate and flatten: hidden (..., H) -> (N, H), targets (...) -> (N,), mask -> kept row ids or None.
+
+    Errors about ``targets`` call it ``targets_name``, the caller's name for it."""
     check_tensor("hidden", hidden, ndim=(2, 3), floating=True)
     check_tensor("weight", weight, ndim=2, floating=True)
-    check_tensor("targets", targets, ndim=hidden.dim() - 1, integer=True)
+    check_tensor(targets_name, targets, ndim=hidden.dim() - 1, integer=True)
     if weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight: hidden size {weight.shape[1]} does not match hidden's last dim {hidden.shape[-1]}")
     if weight.dtype != hidden.dtype:
@@ -125,7 +127,7 @@ def _linear_inputs(hidden, weight, targets, bias, temperature, softcap, mask):
         if not tensor.is_contiguous():
             raise ValueError(f"{name}: must be contiguous (call .contiguous() first)")
     if targets.shape != hidden.shape[:-1]:
-        raise ValueError(f"targets: shape {tuple(targets.shape)} does not match hidden's leading dims "
+        raise ValueError(f"{targets_name}: shape {tuple(targets.shape)} does not match hidden's leading dims "
                          f"{tuple(hidden.shape[:-1])}")
     if bias is not None:
         check_tensor("bias", bias, ndim=1, floating=True)
@@ -138,9 +140,9 @@ def _linear_inputs(hidden, weight, targets, bias, temperature, softcap, mask):
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     kept = None
     if mask is not None:
-        kept = check_mask("mask", mask, "targets", targets).reshape(-1).nonzero().squeeze(1)
+        kept = check_mask("mask", mask, targets_name, targets).reshape(-1).nonzero().squeeze(1)
         flat_hidden, flat_targets = flat_hidden.index_select(0, kept), flat_targets[kept]
-    check_token_ids("targets", flat_targets, weight.shape[0])
+    check_token_ids(targets_name, flat_targets, weight.shape[0])
     return flat_hidden, flat_targets, bias, kept
 
 
@@ -229,7 +231,7 @@ def fused_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: 
                               epsilon_low, epsilon_high, delta, loss_type, max_completion_length, num_items_in_batch,
                               gradient_accumulation_steps, use_bias_correction_kl)
     flat_hidden, flat_ids, bias, kept = _linear_inputs(hidden, weight, completion_ids, bias, temperature, softcap,
-                                                       batch.keep)
+                                                       batch.keep, targets_name="completion_ids")
 
     def kept_tokens(per_token):  # (B, T) -> (kept,)
         return None if per_token is None else per_token.reshape(-1)[kept]
