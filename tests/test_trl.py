@@ -90,9 +90,10 @@ def test_bf16_mixed_precision_equals_stock_trl(model_dir, tokenizer, tmp_path, m
     inputs["advantages"] = torch.randn(inputs["advantages"].shape, generator=torch.Generator().manual_seed(1))
     stock_loss, stock_grads, stock_metrics = _loss_and_grads(stock, inputs)
     our_loss, our_grads, our_metrics = _loss_and_grads(ours, inputs)
-    assert stock_metrics["kl"] == 0.0 and abs(our_metrics["kl"]) < 1e-8  # 1e-7 with the head outside autocast
+    # with the head outside autocast: KL 1e-7 and the loss off by 1.6e-5; with it, 0 and 1.5e-8 here
+    assert stock_metrics["kl"] == 0.0 and abs(our_metrics["kl"]) < 3e-8
     assert our_metrics["entropy"] == pytest.approx(stock_metrics["entropy"], rel=1e-6)
-    torch.testing.assert_close(our_loss, stock_loss, atol=1e-6, rtol=0)
+    torch.testing.assert_close(our_loss, stock_loss, atol=3e-6, rtol=0)
     for name in stock_grads:  # bf16 matmuls either way; ours accumulate the head's gradients in fp32
         scale = stock_grads[name].abs().max().item()
         torch.testing.assert_close(our_grads[name].float(), stock_grads[name].float(), atol=2e-2 * scale, rtol=0,
