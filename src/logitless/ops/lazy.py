@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from logitless._checks import check_positive, check_tensor
-from logitless.ops.chunks import softcap_
+from logitless.ops.chunks import chunk_logits
 
 
 class CompletionLogits:
@@ -48,11 +48,10 @@ class CompletionLogits:
         elif not isinstance(index, (slice, list, torch.Tensor)):
             raise TypeError(f"index: expected an int, slice, list or tensor, got {type(index).__name__}")
         with torch.no_grad():
-            rows = self.hidden[index]
-            logits = rows @ self.weight.T
-            if self.bias is not None:
-                logits = logits + self.bias
-            return softcap_(logits.float(), self.softcap) / self.temperature
+            rows = self.hidden[index]  # (H,) or (k, H)
+            logits = chunk_logits(rows.reshape(-1, rows.shape[-1]), self.weight, self.bias, self.temperature,
+                                  self.softcap)  # the loss's own definition of a row's logits
+            return logits.float().reshape(*rows.shape[:-1], -1)
 
     def __repr__(self) -> str:
         return f"CompletionLogits(shape={tuple(self.shape)}, temperature={self.temperature})"
