@@ -75,15 +75,13 @@ def run_grpo(args: argparse.Namespace) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from logitless.demo import check_output_dir, run
+    from logitless.demo import check_run_args, run
 
-    for option, value in (("--steps", args.steps), ("--grpo-steps", args.grpo_steps)):
-        if value < 1:
-            raise SystemExit(f"{option}: expected a positive int, got {value}")
-    try:
-        check_output_dir(args.output_dir)
+    try:  # before any work, with the option's name
+        check_run_args(args.output_dir, args.steps, args.grpo_steps)
     except ValueError as err:
-        raise SystemExit(f"--output-dir: {str(err).partition(': ')[2]}") from None
+        name, _, message = str(err).partition(": ")
+        raise SystemExit(f"--{name.replace('_', '-')}: {message}") from None
     return run(output_dir=args.output_dir, steps=args.steps, grpo_steps=args.grpo_steps)
 
 

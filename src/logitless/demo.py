@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
+from logitless._checks import check_positive_ints
 from logitless.data import tokenize_prompt_and_output
 from logitless.grpo_multichoice import MultichoiceGRPOConfig, train_grpo_multichoice
 from logitless.logprobs import get_response_log_probs
@@ -65,10 +67,14 @@ def fresh_output_dir(output_dir: str) -> Path:
     return directory
 
 
+def check_run_args(output_dir: str, steps: int, grpo_steps: int) -> None:
+    """Raise ValueError naming the argument unless `run` can start with these; touches nothing."""
+    check_positive_ints(SimpleNamespace(steps=steps, grpo_steps=grpo_steps), ("steps", "grpo_steps"))
+    check_output_dir(output_dir)
+
+
 def run(output_dir: str = "runs/demo", steps: int = 40, grpo_steps: int = 4) -> int:
-    for name, value in (("steps", steps), ("grpo_steps", grpo_steps)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    check_run_args(output_dir, steps, grpo_steps)
     directory = fresh_output_dir(output_dir)
     print(f"logitless demo 1/3: {steps} SFT steps of tiny-qwen2 (vocabulary 151,936) on multiple-choice answers")
     history = warm_start_policy(directory / "sft", steps=steps)
