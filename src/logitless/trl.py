@@ -82,10 +82,10 @@ class GRPOTrainerWithLogits(GRPOTrainer):
             raise NotImplementedError(
                 "reward_funcs: completion_logits/completion_logprobs are captured during transformers' generate; "
                 "vLLM, continuous batching, rollout_func and tools are not supported with them yet")
-        if self._logit_reward_funcs and self._sharded_head():
+        if self._logit_reward_funcs and (sharded_by := self._sharded_head()):
             raise NotImplementedError(
                 f"reward_funcs: completion_logits/completion_logprobs read the LM head's weight, which "
-                f"{self._sharded_head()} shards; not supported yet")
+                f"{sharded_by} shards; not supported yet")
         self._fallback_reason = self._why_not_fused()
         if self._fallback_reason:
             logger.warning("GRPOTrainerWithLogits: using TRL's own loss because %s", self._fallback_reason)
@@ -103,7 +103,7 @@ class GRPOTrainerWithLogits(GRPOTrainer):
             (self._entropy_bonus_enabled, "an entropy bonus is set"),
             (self.aux_loss_enabled, "the router aux loss is enabled"),
             (self._is_vlm, "the model is a vision-language model"),
-            (bool(self._sharded_head()), f"{self._sharded_head()} shards the LM head"),
+            (bool(sharded_by := self._sharded_head()), f"{sharded_by} shards the LM head"),
             (is_peft_model(self.model), "the model is a PEFT model"),
         ]
         for failed, reason in checks:
