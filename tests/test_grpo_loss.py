@@ -156,7 +156,8 @@ def test_gradcheck_float64():
     def loss_of(hidden, weight, bias):
         return fused_grpo_loss(hidden, weight, batch["completion_ids"], batch["completion_mask"],
                                batch["advantages"].double(), bias=bias, old_logprobs=batch["old_logprobs"],
-                               ref_logprobs=batch["ref_logprobs"], beta=0.1, chunk_size=3, temperature=0.9)[0]
+                               ref_logprobs=batch["ref_logprobs"], beta=0.1, chunk_size=3, vocab_block_size=5,
+                               temperature=0.9)[0]
 
     assert torch.autograd.gradcheck(loss_of, (batch["hidden"], batch["weight"], batch["bias"]))
 
@@ -223,8 +224,41 @@ def test_per_token_advantages():
     (dict(temperature=-1.0), ValueError, "temperature"),
     (dict(completion_ids=torch.full((3, 11), 997)), ValueError, "completion_ids: token ids"),
     (dict(hidden=torch.randn(33, 16)), ValueError, "hidden: expected 3 dimensions"),
+    # NaN used to pass silently into the loss
+    (dict(old_logprobs=torch.full((3, 11), float("nan"))), ValueError, "old_logprobs: NaN"),
+    (dict(ref_logprobs=torch.full((3, 11), float("nan")), beta=0.04), ValueError, "ref_logprobs: NaN"),
+    (dict(beta=float("nan")), ValueError, "beta: expected a finite number"),
+    (dict(epsilon_high=float("nan")), ValueError, "epsilon_high: expected a finite number"),
+    (dict(epsilon_low=float("inf")), ValueError, "epsilon_low: expected a finite number"),
+    (dict(delta=float("nan")), ValueError, "delta"),
 ])
 def test_bad_input(overrides, error, match):
     batch = _batch() | overrides
     with pytest.raises(error, match=match):
         _run(fused_grpo_loss, batch)
+
+
+def test_masked_positions_may_hold_anything():
+    # TRL pads old/ref log-probs past a completion's end; only the kept tokens are read
+    batch = _batch(seed=8)
+    padded = dict(batch)
+    for name in ("old_logprobs", "ref_logprobs"):
+        padded[name] = batch[name].masked_fill(batch["completion_mask"] == 0, float("nan"))
+    loss, _, grads = _run(fused_grpo_loss, padded, beta=0.04)
+    want_loss, _, want_grads = _run(fused_grpo_loss, batch, beta=0.04)
+    torch.testing.assert_close(loss, want_loss)
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got, want)
+
+
+def test_neg_inf_bias_gives_a_finite_entropy_metric():
+    batch = _batch(seed=9)
+    bias = batch["bias"].detach().clone()
+    bias[-100:] = float("-inf")  # padded vocabulary rows
+    batch["bias"] = bias.requires_grad_()
+    batch["completion_ids"] = batch["completion_ids"] % 800
+    fused = _run(fused_grpo_loss, batch, beta=0.04, vocab_block_size=64)
+    reference = _run(grpo_loss, batch, beta=0.04)
+    assert fused[1]["entropy"] == pytest.approx(reference[1]["entropy"], rel=1e-5)
+    assert all(bool(torch.isfinite(g).all()) for g in fused[2][:2])
+    torch.testing.assert_close(fused[0], reference[0], atol=1e-5, rtol=1e-5)

@@ -1,12 +1,13 @@
 import pytest
 import torch
 
+from logitless.ops.head import LinearHead
 from logitless.ops.lazy import CompletionLogits
 
 
 def test_rows_equal_materialized_logits():
     hidden, weight, bias = torch.randn(7, 5), torch.randn(101, 5), torch.randn(101)
-    view = CompletionLogits(hidden, weight, bias, temperature=0.5)
+    view = CompletionLogits(hidden, LinearHead(weight, bias, temperature=0.5))
     full = (hidden @ weight.T + bias) / 0.5
     assert view.shape == (7, 101) and len(view) == 7
     torch.testing.assert_close(view[3], full[3])
@@ -16,26 +17,28 @@ def test_rows_equal_materialized_logits():
     assert view[0].dtype == torch.float32 and not view[0].requires_grad
 
 
-def test_softcapped_rows():
+def test_softcapped_and_scaled_rows():
     hidden, weight = torch.randn(4, 5), torch.randn(101, 5)
-    view = CompletionLogits(hidden, weight, temperature=0.5, softcap=1.5)
-    torch.testing.assert_close(view[1:3], 1.5 * torch.tanh((hidden[1:3] @ weight.T) / 1.5) / 0.5)
+    view = CompletionLogits(hidden, LinearHead(weight, temperature=0.5, softcap=1.5, scale=2.0))
+    torch.testing.assert_close(view[1:3], 1.5 * torch.tanh(2.0 * (hidden[1:3] @ weight.T) / 1.5) / 0.5)
 
 
 def test_keeps_no_vocabulary_sized_tensor():
     weight = torch.randn(151936, 8)
-    view = CompletionLogits(torch.randn(100, 8), weight)
-    assert view.weight.data_ptr() == weight.data_ptr()  # shared, not copied
+    view = CompletionLogits(torch.randn(100, 8), LinearHead(weight))
+    assert view.head.weight.data_ptr() == weight.data_ptr()  # shared, not copied
     assert view.hidden.numel() == 800
 
 
 def test_bad_input():
-    view = CompletionLogits(torch.randn(3, 4), torch.randn(9, 4))
+    view = CompletionLogits(torch.randn(3, 4), LinearHead(torch.randn(9, 4)))
     with pytest.raises(IndexError, match="out of range"):
         view[3]
     with pytest.raises(TypeError, match="index"):
         view["a"]
     with pytest.raises(ValueError, match="hidden: size"):
-        CompletionLogits(torch.randn(3, 5), torch.randn(9, 4))
+        CompletionLogits(torch.randn(3, 5), LinearHead(torch.randn(9, 4)))
+    with pytest.raises(TypeError, match="head: expected a LinearHead"):
+        CompletionLogits(torch.randn(3, 4), torch.randn(9, 4))
     with pytest.raises(ValueError, match="temperature"):
-        CompletionLogits(torch.randn(3, 4), torch.randn(9, 4), temperature=0)
+        LinearHead(torch.randn(9, 4), temperature=0)

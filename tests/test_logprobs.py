@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from logitless import fused_linear_logprobs, get_response_log_probs
-from logitless.logprobs import LMHead, final_hidden_states, lm_head_of
+from logitless.hf import final_hidden_states, lm_head_of
 from logitless.models import tiny_qwen2
+from logitless.ops.head import LinearHead
 
 
 def _batch(vocab=151936, batch=2, length=13):
@@ -107,16 +108,38 @@ def test_softcapped_head_gemma2():
     assert (uncapped - fused[0]["log_probs"]).abs().max() > 0.5
 
 
-def test_scale_and_softcap_fold_into_the_fused_options():
-    # cap(s * x) / T, the head's definition, computed by the fused op from LMHead.logit_options
+def test_one_head_definition_of_scale_softcap_and_temperature():
+    # cap(s * x) / T: what LinearHead.logits computes, and what the fused op computes from head.options()
     hidden, weight = torch.randn(2, 5, 8), torch.randn(53, 8)
     targets = torch.randint(0, 53, (2, 5))
-    head = LMHead(weight, None, scale=0.25, softcap=0.6)
-    got = fused_linear_logprobs(hidden, weight, targets, **head.logit_options(0.9))
+    head = LinearHead(weight, None, temperature=0.9, softcap=0.6, scale=0.25)
     logits = 0.6 * torch.tanh(0.25 * (hidden @ weight.T) / 0.6) / 0.9
+    torch.testing.assert_close(head.logits(hidden.reshape(10, 8)), logits.reshape(10, 53))
+    torch.testing.assert_close(head.logits(hidden.reshape(10, 8), torch.tensor([3, 50])), logits.reshape(10, 53)[:, [3, 50]])
+    got = fused_linear_logprobs(hidden, weight, targets, **head.options())
     want = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
     torch.testing.assert_close(got, want)
-    torch.testing.assert_close(head.logits_from(hidden @ weight.T), logits * 0.9)
+
+
+@pytest.mark.parametrize("impl", ["fused", "materialized"])
+def test_ignored_labels_score_zero_like_the_other_positions_are_untouched(tiny_model, impl):
+    # labels of -100 (transformers' ignore index) used to be refused as out-of-range token ids
+    input_ids, labels = _batch(batch=2, length=6)
+    ignored = labels.clone()
+    ignored[0, :2] = -100
+    with torch.no_grad():
+        full = get_response_log_probs(tiny_model, input_ids, labels, True, impl=impl)
+        got = get_response_log_probs(tiny_model, input_ids, ignored, True, impl=impl)
+    assert (got["log_probs"][0, :2] == 0).all()
+    torch.testing.assert_close(got["log_probs"][ignored != -100], full["log_probs"][ignored != -100])
+    torch.testing.assert_close(got["token_entropy"], full["token_entropy"])
+
+
+def test_empty_batch_is_a_clear_error(tiny_model):
+    # a batch of size 0 used to fail with a bare RuntimeError inside the model
+    empty = torch.zeros(0, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="input_ids: the batch is empty"):
+        get_response_log_probs(tiny_model, empty, empty)
 
 
 def test_bad_inputs(tiny_model):

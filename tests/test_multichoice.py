@@ -3,9 +3,10 @@ import random
 import pytest
 import torch
 
-from logitless.logprobs import final_hidden_states, lm_head_of
+from logitless.hf import final_hidden_states, lm_head_of
 from logitless.models import tiny_qwen2
 from logitless.multichoice_data import format_question, synthetic_multichoice
+from logitless.ops.head import LinearHead
 from logitless.ops.lazy import CompletionLogits
 from logitless.rewards.multichoice import (MultichoiceJudge, answer_probability_by_recomputing, choice_token_ids,
                                            extract_answer_probability_from_logits, find_answer_position,
@@ -85,7 +86,7 @@ def test_probability_equals_a_direct_softmax_of_the_answer_row(tokenizer):
 def test_probability_from_a_completion_logits_view_reads_one_row(tokenizer):
     ids = encode(tokenizer, "The largest is 7, option D.\nANSWER: D")
     hidden, weight, bias = torch.randn(len(ids), 16), torch.randn(500, 16), torch.randn(500)
-    view = CompletionLogits(hidden, weight, bias, temperature=0.7)
+    view = CompletionLogits(hidden, LinearHead(weight, bias, temperature=0.7))
     rows = (hidden @ weight.T + bias) / 0.7  # (C, V), the reference only
 
     class Recording:
@@ -264,7 +265,7 @@ def test_reward_is_model_probability_times_judge_doubt(tokenizer):
     ids = [encode(tokenizer, t) for t in texts]
     vocab, hidden_size = 600, 8
     weight = torch.randn(vocab, hidden_size)
-    views = [CompletionLogits(torch.randn(len(i), hidden_size), weight) for i in ids]
+    views = [CompletionLogits(torch.randn(len(i), hidden_size), LinearHead(weight)) for i in ids]
     tensors = [view[0:len(view)] for view in views]  # the same rows, materialized
     answers = ["B", "C", "A"]
     judge = StubJudge([0.25, 0.5, 0.9])
@@ -306,13 +307,13 @@ def test_recomputing_fallback_equals_reading_the_policys_own_logits(tokenizer, t
     texts = ["9 beats the rest.\nANSWER: B", "Two and two.\nANSWER: A"]
     ids = [encode(tokenizer, t) for t in texts]
     temperature = 0.7
-    head = lm_head_of(tiny_model)
+    head = lm_head_of(tiny_model, temperature)
     views = []
     with torch.no_grad():
         for prompt, completion in zip(prompts, ids):
             prompt_ids = tokenizer(prompt)["input_ids"]
             hidden = final_hidden_states(tiny_model, torch.tensor([prompt_ids + completion]))[0]  # (P + C, H)
-            views.append(CompletionLogits(hidden[len(prompt_ids) - 1: -1], head.weight, temperature=temperature))
+            views.append(CompletionLogits(hidden[len(prompt_ids) - 1: -1], head))
     for prompt, completion, view, letter in zip(prompts, ids, views, "BA"):
         recomputed = answer_probability_by_recomputing(tiny_model, tokenizer, prompt, completion, letter,
                                                        temperature=temperature)

@@ -18,12 +18,13 @@ pytest.importorskip("triton")
 
 from logitless.ops import chunks  # noqa: E402
 from logitless.ops import triton as triton_ops  # noqa: E402
+from logitless.ops.head import LinearHead  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETED else "cuda"
-TOLERANCE = dict(rtol=1e-5, atol=1e-6)
-# (n, V): odd row counts; a prime V in one block of columns, and one spread over nine (the last partial).
-SHAPES = [(3, 1009), (5, 32771), (2, 7), (1, 1)]
+TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+# (n, c): row counts that are not a multiple of the row tile, a prime width spanning several column tiles
+SHAPES = [(3, 1009), (17, 300), (1, 1)]
 
 
 def test_imports_without_triton():
@@ -36,13 +37,15 @@ def test_imports_without_triton():
 
 if INTERPRETED or torch.cuda.is_available():
 
-    def _chunk(num_rows, vocab_size, offset=0.0):
-        """(n, V) fp32 logits with the row max of the last row in its last column, and (n,) targets."""
-        logits = torch.randn(num_rows, vocab_size) * 4 + offset
-        logits[-1, -1] = logits[-1].max() + 3  # the running max of pass 1 grows in the last block
-        targets = torch.randint(0, vocab_size, (num_rows,))
-        targets[0], targets[-1] = vocab_size - 1, 0  # first and last column
-        return logits.to(DEVICE), targets.to(DEVICE)
+    def _blocks(num_rows, width, count, neg_inf):
+        """``count`` consecutive (n, c) fp32 blocks of one vocabulary, and (n,) targets spread over it."""
+        blocks = [torch.randn(num_rows, width) * 4 + 3 * index for index in range(count)]  # the max moves later
+        if neg_inf:
+            for block in blocks:
+                block[:, 1::3] = float("-inf")  # never a whole row: that has no softmax
+        targets = torch.randint(0, width * count, (num_rows,))
+        targets[0] = width * count - 1
+        return [b.to(DEVICE) for b in blocks], targets.to(DEVICE)
 
     def _assert_close(got, want, name):
         torch.testing.assert_close(got.cpu(), want.cpu(), **TOLERANCE, msg=lambda m: f"{name}: {m}")
@@ -50,56 +53,54 @@ if INTERPRETED or torch.cuda.is_available():
     def test_available():
         assert triton_ops.available()
 
-    @pytest.mark.parametrize("offset", [0.0, 100.0])
-    @pytest.mark.parametrize("num_rows,vocab_size", SHAPES)
-    def test_chunk_stats(num_rows, vocab_size, offset):
-        logits, targets = _chunk(num_rows, vocab_size, offset)
-        original = logits.clone()
-        got = triton_ops.chunk_stats(logits, targets)
-        want = chunks.chunk_stats(logits.clone(), targets)
-        assert torch.equal(logits, original)  # the caller reuses the logits for the gradient
-        for name, got_stat, want_stat in zip(chunks.ChunkStats._fields, got, want):
-            _assert_close(got_stat, want_stat, name)
+    @pytest.mark.parametrize("neg_inf", [False, True])
+    @pytest.mark.parametrize("num_rows,width", SHAPES)
+    def test_update_stats(num_rows, width, neg_inf):
+        blocks, targets = _blocks(num_rows, width, 3, neg_inf)
+        states = [chunks.OnlineSoftmax(num_rows, torch.float32, torch.device(DEVICE), True, True) for _ in range(2)]
+        for index, block in enumerate(blocks):
+            chunks.update_stats(states[0], block.clone(), index * width, targets, neg_inf)
+            triton_ops.update_stats(states[1], block.clone(), index * width, targets, neg_inf)
+        for name in ("max", "shift", "total", "weighted", "logit_sum", "target_logit"):
+            _assert_close(getattr(states[1], name), getattr(states[0], name), name)
 
-    @pytest.mark.parametrize("has_grads", list(itertools.product((True, False), repeat=3)),
-                             ids=lambda flags: "".join("LEM"[i] if f else "-" for i, f in enumerate(flags)))
-    @pytest.mark.parametrize("temperature", [1.0, 0.7])
-    @pytest.mark.parametrize("num_rows,vocab_size", SHAPES)
-    def test_logits_grad(num_rows, vocab_size, temperature, has_grads):
-        logits, targets = _chunk(num_rows, vocab_size)
-        grad_log_probs = torch.randn(num_rows, device=DEVICE)
-        grad_entropy = torch.randn(num_rows, device=DEVICE)
-        grad_mean_log_prob = torch.full((1,), -0.3, device=DEVICE).expand(num_rows)  # stride 0, as autograd gives
-        grads = [g if has else None for g, has in zip((grad_log_probs, grad_entropy, grad_mean_log_prob), has_grads)]
-
-        want_stats = chunks.chunk_stats(logits.clone(), targets)
-        want = chunks.logits_grad(logits.clone(), want_stats, targets, temperature, *grads)
-        stats = triton_ops.chunk_stats(logits, targets)
-        got = triton_ops.logits_grad(logits, stats, targets, temperature, *grads)
-        assert got.data_ptr() == stats.probs.data_ptr()
-        _assert_close(got, want, "logits grad")
-
-    def test_empty_chunk():
-        logits, targets = torch.empty(0, 11, device=DEVICE), torch.empty(0, dtype=torch.long, device=DEVICE)
-        stats = triton_ops.chunk_stats(logits, targets)
-        assert [tuple(s.shape) for s in stats] == [(0, 11)] + [(0,)] * 4
-        assert triton_ops.logits_grad(logits, stats, targets, 1.0, stats.lse).shape == (0, 11)
+    @pytest.mark.parametrize("present", [(True, True, True, True), (True, True, False, False),
+                                         (False, False, True, False), (False, True, False, True)],
+                             ids=lambda flags: "".join("OPCU"[i] if f else "-" for i, f in enumerate(flags)))
+    @pytest.mark.parametrize("softcap", [None, 3.0])
+    @pytest.mark.parametrize("num_rows,width", SHAPES)
+    def test_block_logits_grad(num_rows, width, softcap, present):
+        (block,), targets = _blocks(num_rows, width, 1, neg_inf=softcap is None)
+        if softcap is not None:
+            block = softcap * torch.tanh(block / softcap) / 0.7  # logits of a capped head at temperature 0.7
+        head = LinearHead(torch.zeros(width, 2, device=DEVICE), temperature=0.7, softcap=softcap)
+        lse = torch.logsumexp(block, dim=1)
+        expected = (torch.softmax(block, 1) * block.nan_to_num(neginf=0.0)).sum(1)
+        coefs = chunks.StatGrads(*(torch.randn(num_rows, device=DEVICE) if has else None for has in present))
+        want = chunks.block_logits_grad(head, block.clone(), 0, targets, lse, expected, coefs, softcap is None)
+        got = triton_ops.block_logits_grad(head, block.clone(), 0, targets, lse, expected, coefs, softcap is None)
+        assert torch.isfinite(want).all()
+        _assert_close(got, want, "block gradient")
 
     def test_fused_ops_end_to_end_on_triton(monkeypatch):
-        """fused_linear_logprobs and fused_grpo_loss with the Triton backend forced, against the oracles."""
-        from logitless import fused_grpo_loss, fused_linear_logprobs
+        """The fused ops with the Triton kernels forced, several blocks and chunks, against the oracles."""
+        from logitless import fused_grpo_loss, fused_linear_cross_entropy, fused_linear_logprobs
         from logitless.ops import backend, reference
 
         monkeypatch.setenv("LOGITLESS_TRITON", "1")
         assert backend.chunk_kernels(torch.device(DEVICE), torch.float32) is triton_ops
         hidden = (torch.randn(2, 9, 8) * 0.5).to(DEVICE).requires_grad_()
         weight = (torch.randn(1009, 8) * 0.5).to(DEVICE).requires_grad_()
+        bias = torch.randn(1009, device=DEVICE)
+        bias[::7] = float("-inf")  # padded vocabulary rows
         ids = torch.randint(0, 1009, (2, 9)).to(DEVICE)
+        ids[ids % 7 == 0] += 1
         mask = torch.ones(2, 9, device=DEVICE)
         mask[1, 5:] = 0
-        log_probs, entropy = fused_linear_logprobs(hidden, weight, ids, temperature=0.7, return_entropy=True,
-                                                   chunk_size=4, mask=mask)
-        ref_log_probs, ref_entropy = reference.linear_logprobs(hidden, weight, ids, temperature=0.7,
+        blocks = dict(chunk_size=4, vocab_block_size=300)
+        log_probs, entropy = fused_linear_logprobs(hidden, weight, ids, bias=bias, temperature=0.7,
+                                                   return_entropy=True, mask=mask, **blocks)
+        ref_log_probs, ref_entropy = reference.linear_logprobs(hidden, weight, ids, bias=bias, temperature=0.7,
                                                                return_entropy=True)
         got = [log_probs, entropy, *torch.autograd.grad((log_probs + entropy).sum(), (hidden, weight))]
         want = [ref_log_probs * mask, ref_entropy * mask,
@@ -107,10 +108,17 @@ if INTERPRETED or torch.cuda.is_available():
         for name, g, w in zip(("log_probs", "entropy", "grad hidden", "grad weight"), got, want):
             torch.testing.assert_close(g.cpu(), w.cpu(), rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
+        cross = fused_linear_cross_entropy(hidden, weight, ids, label_smoothing=0.1, softcap=2.0, **blocks)
+        ref_cross = reference.cross_entropy(reference.linear_logits(hidden, weight, softcap=2.0), ids,
+                                            label_smoothing=0.1)
+        for g, w in zip((cross, *torch.autograd.grad(cross, (hidden, weight))),
+                        (ref_cross, *torch.autograd.grad(ref_cross, (hidden, weight)))):
+            torch.testing.assert_close(g.cpu(), w.cpu(), rtol=1e-5, atol=1e-6)
+
         advantages, old = torch.randn(2, device=DEVICE), (ref_log_probs.detach() + 0.2)
         args = (hidden, weight, ids, mask, advantages)
         kwargs = dict(old_logprobs=old, ref_logprobs=old - 0.1, beta=0.04, temperature=0.7, softcap=1.5)
-        loss, _ = fused_grpo_loss(*args, **kwargs, chunk_size=4)
+        loss, _ = fused_grpo_loss(*args, **kwargs, **blocks)
         ref_loss, _ = reference.grpo_loss(*args, **kwargs)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
         for g, w in zip(torch.autograd.grad(loss, (hidden, weight)), torch.autograd.grad(ref_loss, (hidden, weight))):
@@ -121,7 +129,7 @@ else:
     def test_kernels_in_interpreter():
         child = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-            env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
+            env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
         report = child.stdout[-4000:] + child.stderr[-4000:]
         assert child.returncode == 0, report
         assert re.search(r"\b\d+ passed", child.stdout) and "skipped" not in child.stdout, report

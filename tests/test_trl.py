@@ -8,7 +8,7 @@ import torch
 trl = pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402
 
-from logitless.logprobs import final_hidden_states  # noqa: E402
+from logitless.hf import final_hidden_states  # noqa: E402
 from logitless.models import save_model_and_tokenizer, tiny_qwen2  # noqa: E402
 from logitless.ops.lazy import CompletionLogits  # noqa: E402
 from logitless.rewards.multichoice import (choice_token_ids, extract_answer_probability_from_logits,  # noqa: E402

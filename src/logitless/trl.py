@@ -20,6 +20,7 @@ Adopt it by changing one import; every GRPOConfig option keeps its meaning.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -31,8 +32,9 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from trl import GRPOTrainer
 from trl.trainer.utils import nanmax, nanmin
 
-from logitless.logprobs import lm_head_of, model_body
+from logitless.hf import lm_head_of, model_body
 from logitless.ops.fused import fused_grpo_loss, fused_linear_logprobs
+from logitless.ops.head import LinearHead
 from logitless.ops.lazy import CompletionLogits
 
 logger = logging.getLogger(__name__)
@@ -123,14 +125,15 @@ class GRPOTrainerWithLogits(GRPOTrainer):
             return "DeepSpeed ZeRO-3"
         return None
 
-    def _head_inputs(self, hidden: torch.Tensor, head) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Hidden states, weight and bias on the head's device and in one dtype, as TRL's fused LM head takes
-        them: fp32 with ``cast_lm_head_to_fp32``, else the head's dtype (accelerate's mixed precision hands
-        the body's output back in fp32; for a bf16 model its values are bf16's, so the cast loses nothing)."""
+    def _head_inputs(self, hidden: torch.Tensor, head: LinearHead) -> tuple[torch.Tensor, LinearHead]:
+        """Hidden states and head on the head's device and in one dtype, as TRL's fused LM head takes them:
+        fp32 with ``cast_lm_head_to_fp32``, else the head's dtype (accelerate's mixed precision hands the
+        body's output back in fp32; for a bf16 model its values are bf16's, so the cast loses nothing)."""
         hidden = hidden.to(head.weight.device)
         if self.args.cast_lm_head_to_fp32:
-            return hidden.float(), head.weight.float(), None if head.bias is None else head.bias.float()
-        return hidden.to(head.weight.dtype), head.weight, head.bias
+            return hidden.float(), dataclasses.replace(
+                head, weight=head.weight.float(), bias=None if head.bias is None else head.bias.float())
+        return hidden.to(head.weight.dtype), head
 
     def _head_precision(self):
         """The autocast TRL runs its LM head under: the accelerator's (bf16 matmuls under ``bf16=True``, as for
@@ -167,9 +170,8 @@ class GRPOTrainerWithLogits(GRPOTrainer):
         if hidden.shape[0] != len(completion_ids_list):
             raise RuntimeError(f"captured {hidden.shape[0]} rows of hidden states for {len(completion_ids_list)} "
                                "completions")
-        head = lm_head_of(self.accelerator.unwrap_model(self.model))
-        options = head.logit_options(self.temperature)
-        hidden, weight, bias = self._head_inputs(hidden, head)
+        policy = self.accelerator.unwrap_model(self.model)
+        hidden, head = self._head_inputs(hidden, lm_head_of(policy, self.temperature))
         lengths = [len(ids) for ids in completion_ids_list]
         ids = torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)
         mask = torch.zeros(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
@@ -177,10 +179,9 @@ class GRPOTrainerWithLogits(GRPOTrainer):
             ids[row, : len(completion)] = torch.tensor(completion, dtype=torch.long)
             mask[row, : len(completion)] = True
         with torch.no_grad(), self._head_precision():
-            log_probs = fused_linear_logprobs(hidden.contiguous(), weight, ids.to(hidden.device), bias=bias,
-                                              mask=mask.to(hidden.device), **options)  # (B, steps)
-        views = [CompletionLogits(hidden[row, :length], weight, bias, **options)
-                 for row, length in enumerate(lengths)]
+            log_probs = fused_linear_logprobs(hidden, head.weight, ids.to(hidden.device), mask=mask.to(hidden.device),
+                                              **head.options())  # (B, steps)
+        views = [CompletionLogits(hidden[row, :length], head) for row, length in enumerate(lengths)]
         return views, [log_probs[row, :length] for row, length in enumerate(lengths)]
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -209,11 +210,11 @@ class GRPOTrainerWithLogits(GRPOTrainer):
             hidden = model(input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
                            attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
                            logitless_hidden_states=True)  # (B, P + C, H)
-        head = lm_head_of(self.accelerator.unwrap_model(model))
-        completion_hidden, weight, bias = self._head_inputs(
-            hidden[:, prompt_length - 1: prompt_length + completion_length - 1].contiguous(), head)
+        completion_hidden, head = self._head_inputs(
+            hidden[:, prompt_length - 1: prompt_length + completion_length - 1],
+            lm_head_of(self.accelerator.unwrap_model(model), self.temperature))
         # with the model split across devices (device_map) the body can end on another device than the head
-        on_head = {name: None if inputs.get(name) is None else inputs[name].to(weight.device)
+        on_head = {name: None if inputs.get(name) is None else inputs[name].to(head.weight.device)
                    for name in ("completion_ids", "completion_mask", "advantages", "old_per_token_logps",
                                 "ref_per_token_logps")}
 
@@ -226,10 +227,10 @@ class GRPOTrainerWithLogits(GRPOTrainer):
                 dapo_normalizer *= self.current_gradient_accumulation_steps / self.args.steps_per_generation
         with self._head_precision():
             loss, metrics = fused_grpo_loss(
-                completion_hidden, weight, on_head["completion_ids"], on_head["completion_mask"], on_head["advantages"],
-                bias=bias, old_logprobs=on_head["old_per_token_logps"], ref_logprobs=on_head["ref_per_token_logps"],
-                beta=self.beta, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, delta=self.args.delta,
-                loss_type=self.loss_type, **head.logit_options(self.temperature),
+                completion_hidden, head.weight, on_head["completion_ids"], on_head["completion_mask"],
+                on_head["advantages"], old_logprobs=on_head["old_per_token_logps"],
+                ref_logprobs=on_head["ref_per_token_logps"], beta=self.beta, epsilon_low=self.epsilon_low,
+                epsilon_high=self.epsilon_high, delta=self.args.delta, loss_type=self.loss_type, **head.options(),
                 max_completion_length=self.max_completion_length, num_items_in_batch=dapo_normalizer,
                 gradient_accumulation_steps=accumulation, use_bias_correction_kl=self.args.use_bias_correction_kl)
         self._log_loss_metrics(mode, metrics, completion_mask)

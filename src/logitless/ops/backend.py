@@ -1,4 +1,4 @@
-"""Which implementation of a chunk's statistics and logits gradient runs: Triton or PyTorch.
+"""Which implementation of a block's statistics update and logits gradient runs: Triton or PyTorch.
 
 Triton (`ops/triton.py`) is chosen automatically for fp32 chunk logits on CUDA when triton works;
 the PyTorch twins in `ops/chunks.py` run everywhere else. ``LOGITLESS_TRITON=0`` turns Triton off;
@@ -17,7 +17,7 @@ from logitless.ops import chunks
 
 
 def chunk_kernels(device: torch.device, stat_dtype: torch.dtype) -> ModuleType:
-    """A module with ``chunk_stats`` and ``logits_grad`` for chunks of this device and dtype."""
+    """A module with ``update_stats`` and ``block_logits_grad`` for blocks of this device and dtype."""
     setting = os.environ.get("LOGITLESS_TRITON", "auto")
     if setting not in ("auto", "0", "1"):
         raise ValueError(f"LOGITLESS_TRITON: expected auto, 0 or 1, got {setting!r}")

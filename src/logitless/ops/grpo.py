@@ -1,19 +1,19 @@
 """The GRPO objective on per-token log-probs, normalized the way TRL's GRPOTrainer does it.
 
-Shared by `fused_grpo_loss` (which feeds it one chunk of tokens at a time) and the materialized
-oracle in `reference.py`. Per token (TRL 1.x, ``importance_sampling_level="token"``):
+Shared by `fused_grpo_loss` and the materialized oracle in `reference.py`: both hand `grpo_objective`
+the kept tokens' log-probs and entropies, and differ only in how they computed them. Per token (TRL 1.x, ``importance_sampling_level="token"``):
 
     r      = exp(logp - old_logp)                     (old_logp = logp.detach() when not given)
     loss   = -min(min(r, delta) * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
     loss  += beta * (exp(ref - logp) - (ref - logp) - 1) [* r with use_bias_correction_kl]
     clip flags (metrics): min(r, delta) < 1 - eps_low with A < 0; min(r, delta) > 1 + eps_high with A > 0
 
-and the loss is ``sum(loss * token_weight)`` with the weights of `token_weights`.
+and the loss is ``sum(loss * token_weight)`` over the kept tokens, with the weights of `token_weights`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 from typing import NamedTuple
 
 import torch
@@ -21,7 +21,6 @@ import torch
 from logitless._checks import check_choice, check_finite, check_mask, check_same_shape, check_tensor
 
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-METRIC_NAMES = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy")
 
 
 class Surrogate(NamedTuple):
@@ -41,8 +40,7 @@ def clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, clip_lo
     return Surrogate(-torch.minimum(unclipped_term, clipped_term), ratio, capped_ratio, clipped_term < unclipped_term)
 
 
-@dataclass(frozen=True)
-class GRPOSettings:
+class GRPOSettings(NamedTuple):
     beta: float = 0.0
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
@@ -93,45 +91,23 @@ def token_weights(mask: torch.Tensor, loss_type: str, max_completion_length: int
     return weights / gradient_accumulation_steps
 
 
-def metric_sums(loss_parts, entropy: torch.Tensor, sequence_ids: torch.Tensor, num_sequences: int) -> torch.Tensor:
-    """Sums over tokens, to be added up across chunks: (KL, low, high, region clip flags, entropy),
-    then the low and the high clip flags per sequence, (5 + 2 * num_sequences,).
-
-    ``sequence_ids`` gives each token's row in the batch.
-    """
-    _, kl, low, high = loss_parts
-    kl_sum = kl.sum() if kl is not None else torch.zeros((), device=entropy.device)
-    totals = torch.stack([kl_sum.float(), low.sum().float(), high.sum().float(), (low | high).sum().float(),
-                          entropy.sum().float()])
-    per_sequence = [torch.zeros(num_sequences, device=entropy.device).index_add_(0, sequence_ids, flags.float())
-                    for flags in (low, high)]
-    return torch.cat([totals, *per_sequence])
-
-
-def metrics_from_sums(sums: torch.Tensor, tokens_per_sequence: torch.Tensor, has_kl: bool) -> dict[str, float]:
-    """Token means of `metric_sums`, plus TRL's per-sequence extremes: the smallest fraction of
-    low-clipped tokens in a sequence (clip_ratio/low_min) and the largest of high-clipped ones
-    (clip_ratio/high_max); sequences without tokens are left out."""
-    num_sequences = tokens_per_sequence.shape[0]
-    means = (sums[:5] / tokens_per_sequence.sum().clamp(min=1)).tolist()
-    metrics = {name: value for name, value in zip(METRIC_NAMES, means) if name != "kl" or has_kl}
-    has_tokens = tokens_per_sequence > 0
-    low_fraction, high_fraction = (sums[start: start + num_sequences][has_tokens] / tokens_per_sequence[has_tokens]
-                                   for start in (5, 5 + num_sequences))
-    metrics["clip_ratio/low_min"] = low_fraction.min().item() if low_fraction.numel() else float("nan")
-    metrics["clip_ratio/high_max"] = high_fraction.max().item() if high_fraction.numel() else float("nan")
-    return metrics
-
-
 class GRPOBatch(NamedTuple):
-    """Validated GRPO inputs, per token (B, T) except where noted."""
+    """Validated GRPO inputs, one entry per kept token (K = completion_mask's count), in row-major order."""
 
-    keep: torch.Tensor  # bool completion mask
-    advantages: torch.Tensor  # (B, 1), or (B, T) per token; fp32
-    old_log_probs: torch.Tensor | None
-    ref_log_probs: torch.Tensor | None
-    weights: torch.Tensor  # token_weights(...)
+    keep: torch.Tensor  # (B, T) bool completion mask
+    kept: torch.Tensor  # (K,) flat index of each kept token in (B, T)
+    sequence: torch.Tensor  # (K,) its row
+    advantages: torch.Tensor  # (K,) fp32
+    old_log_probs: torch.Tensor | None  # (K,)
+    ref_log_probs: torch.Tensor | None  # (K,)
+    weights: torch.Tensor  # (K,) from `token_weights`
     settings: GRPOSettings
+
+
+def _check_number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
+    return float(value)
 
 
 def check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs, ref_logprobs, beta, epsilon_low,
@@ -146,24 +122,63 @@ def check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs,
         raise ValueError(f"advantages: expected ({num_sequences},), ({num_sequences}, 1) or per token "
                          f"({num_sequences}, {length}), got {tuple(advantages.shape)}")
     check_finite("advantages", advantages)
+    kept = keep.reshape(-1).nonzero().squeeze(1)  # (K,)
+
+    def per_kept_token(values: torch.Tensor) -> torch.Tensor:  # (B, T) -> (K,)
+        return values.reshape(-1)[kept]
+
+    per_token = {}
     for name, value in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
         if value is not None:
             check_tensor(name, value, floating=True)
             check_same_shape(name, value, "completion_ids", completion_ids)
-    for name, value in (("beta", beta), ("epsilon_low", epsilon_low), ("epsilon_high", epsilon_high)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ValueError(f"{name}: expected a number >= 0, got {value!r}")
-    if beta != 0 and ref_logprobs is None:
+            per_token[name] = per_kept_token(value)
+            if bool(torch.isnan(per_token[name]).any() | torch.isposinf(per_token[name]).any()):
+                raise ValueError(f"{name}: NaN or +inf at a token of completion_mask (log-probabilities are <= 0)")
+    settings = GRPOSettings(*(_check_number(name, value) for name, value in (
+        ("beta", beta), ("epsilon_low", epsilon_low), ("epsilon_high", epsilon_high))),
+        delta=None, use_bias_correction_kl=bool(use_bias_correction_kl))
+    if settings.beta != 0 and ref_logprobs is None:
         raise ValueError("ref_logprobs: required when beta != 0 (the KL penalty needs the reference log-probs)")
-    if delta is not None and (isinstance(delta, bool) or not isinstance(delta, (int, float)) or not delta > 0):
-        raise ValueError(f"delta: the upper bound on the ratio must be a number > 0, got {delta!r}")
+    if delta is not None:
+        if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 < delta < math.inf:
+            raise ValueError(f"delta: the upper bound on the ratio must be a finite number > 0, got {delta!r}")
+        settings = settings._replace(delta=float(delta))
     for name, value in (("max_completion_length", max_completion_length),
                         ("gradient_accumulation_steps", gradient_accumulation_steps)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    if num_items_in_batch is not None and not float(num_items_in_batch) > 0:
-        raise ValueError(f"num_items_in_batch: must be > 0, got {num_items_in_batch!r}")
-    settings = GRPOSettings(float(beta), float(epsilon_low), float(epsilon_high), delta, bool(use_bias_correction_kl))
+    if num_items_in_batch is not None and not 0 < float(num_items_in_batch) < math.inf:
+        raise ValueError(f"num_items_in_batch: must be a finite number > 0, got {num_items_in_batch!r}")
     weights = token_weights(keep, loss_type, max_completion_length, num_items_in_batch, gradient_accumulation_steps)
-    return GRPOBatch(keep, advantages.reshape(num_sequences, -1).float(), old_logprobs, ref_logprobs,
-                     weights.to(completion_ids.device), settings)
+    return GRPOBatch(keep, kept, torch.div(kept, length, rounding_mode="floor"),
+                     per_kept_token(advantages.float().reshape(num_sequences, -1).expand(num_sequences, length)),
+                     per_token.get("old_logprobs"), per_token.get("ref_logprobs"),
+                     per_kept_token(weights.to(completion_ids.device)), settings)
+
+
+def grpo_objective(log_probs: torch.Tensor, entropy: torch.Tensor, batch: GRPOBatch,
+                   has_kl: bool) -> tuple[torch.Tensor, dict[str, float]]:
+    """TRL's loss from the kept tokens' log-probs (K,) (with their graph) and entropies (K,), and its metrics.
+
+    Metrics (TRL's names): kl (when ``has_kl``), clip_ratio/low_mean, clip_ratio/high_mean,
+    clip_ratio/region_mean and entropy as means over tokens; clip_ratio/low_min and
+    clip_ratio/high_max, the extremes over sequences of their clipped fractions (sequences without
+    tokens left out; NaN when there are none).
+    """
+    loss, kl, low, high = token_objective(log_probs, batch.advantages, batch.old_log_probs, batch.ref_log_probs,
+                                          batch.settings)
+    with torch.no_grad():
+        tokens = max(log_probs.shape[0], 1)
+        means = [low.sum(), high.sum(), (low | high).sum(), entropy.sum()] + ([kl.sum()] if has_kl else [])
+        means = (torch.stack([m.float() for m in means]) / tokens).tolist()
+        metrics = dict(zip(("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy",
+                            "kl"), means))
+        num_sequences = batch.keep.shape[0]
+        tokens_per_sequence = batch.keep.sum(dim=1)  # (B,)
+        has_tokens = tokens_per_sequence > 0
+        for name, flags, extreme in (("clip_ratio/low_min", low, torch.min), ("clip_ratio/high_max", high, torch.max)):
+            per_sequence = torch.zeros(num_sequences, device=flags.device).index_add_(0, batch.sequence, flags.float())
+            fractions = per_sequence[has_tokens] / tokens_per_sequence[has_tokens]
+            metrics[name] = extreme(fractions).item() if fractions.numel() else float("nan")
+    return (loss * batch.weights).sum(), metrics

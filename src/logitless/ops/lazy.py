@@ -9,33 +9,30 @@ from __future__ import annotations
 
 import torch
 
-from logitless._checks import check_positive, check_tensor
-from logitless.ops.chunks import chunk_logits
+from logitless._checks import check_tensor
+from logitless.ops.head import LinearHead
 
 
 class CompletionLogits:
-    """Lazy ``(C, V)`` logits of one completion: ``cap(hidden @ weight.T + bias) / temperature``, fp32.
+    """Lazy ``(C, V)`` logits of one completion: ``head.logits(hidden)`` (fp32), the loss's own definition
+    of a row's logits (bias, logit scale, soft cap and temperature included).
 
-    ``cap(x) = softcap * tanh(x / softcap)``, or the identity when ``softcap`` is None.
-
-    Row t is the distribution completion token t was sampled from. Nothing of size V is stored.
+    Row t is the distribution completion token t was sampled from. Nothing of size V is stored: the
+    head's weight is shared, not copied.
     """
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 temperature: float = 1.0, softcap: float | None = None):
+    def __init__(self, hidden: torch.Tensor, head: LinearHead):
         check_tensor("hidden", hidden, ndim=2, floating=True)
-        check_tensor("weight", weight, ndim=2, floating=True)
-        if hidden.shape[1] != weight.shape[1]:
-            raise ValueError(f"hidden: size {hidden.shape[1]} does not match weight's hidden size {weight.shape[1]}")
+        if not isinstance(head, LinearHead):
+            raise TypeError(f"head: expected a LinearHead, got {type(head).__name__}")
+        if hidden.shape[1] != head.hidden_size:
+            raise ValueError(f"hidden: size {hidden.shape[1]} does not match the head's hidden size {head.hidden_size}")
         self.hidden = hidden.detach()  # (C, H)
-        self.weight = weight.detach()  # (V, H), shared, not copied
-        self.bias = None if bias is None else bias.detach()
-        self.temperature = check_positive("temperature", temperature)
-        self.softcap = None if softcap is None else check_positive("softcap", softcap)
+        self.head = head
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.hidden.shape[0], self.weight.shape[0]))
+        return torch.Size((self.hidden.shape[0], self.head.vocab_size))
 
     def __len__(self) -> int:
         return self.hidden.shape[0]
@@ -49,9 +46,8 @@ class CompletionLogits:
             raise TypeError(f"index: expected an int, slice, list or tensor, got {type(index).__name__}")
         with torch.no_grad():
             rows = self.hidden[index]  # (H,) or (k, H)
-            logits = chunk_logits(rows.reshape(-1, rows.shape[-1]), self.weight, self.bias, self.temperature,
-                                  self.softcap)  # the loss's own definition of a row's logits
+            logits = self.head.logits(rows.reshape(-1, rows.shape[-1]))
             return logits.float().reshape(*rows.shape[:-1], -1)
 
     def __repr__(self) -> str:
-        return f"CompletionLogits(shape={tuple(self.shape)}, temperature={self.temperature})"
+        return f"CompletionLogits(shape={tuple(self.shape)}, temperature={self.head.temperature})"

@@ -2,7 +2,8 @@
 
 Small and obviously right on purpose. Every fused op is tested against these, and
 `get_response_log_probs(..., impl="materialized")` is built on them. All statistics are
-computed in fp32 whatever the input dtype (DESIGN.md section 4).
+computed in fp32 whatever the input dtype (DESIGN.md section 4), and -inf logits are exact:
+their probability is 0 and ``0 * log 0 = 0`` in the entropy and in its gradient.
 """
 
 from __future__ import annotations
@@ -11,18 +12,24 @@ import torch
 import torch.nn.functional as F
 
 from logitless._checks import check_positive, check_tensor
-from logitless.ops.chunks import stat_dtype
-from logitless.ops.grpo import check_grpo_inputs, metric_sums, metrics_from_sums, token_objective
+from logitless.ops.grpo import check_grpo_inputs, grpo_objective
+from logitless.ops.head import LinearHead, stat_dtype
+
+
+def entropy_from_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
+    """-sum p log p over the last dim of log-softmax output, with 0 * log 0 = 0 (also in the gradient)."""
+    # a -inf entry (p = 0) would make 0 * -inf = NaN, in the value or the gradient: it contributes 0
+    safe = log_probs.masked_fill(torch.isneginf(log_probs), 0.0)
+    return -(safe.exp() * safe).sum(dim=-1)
 
 
 def compute_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) over the last dim: (..., V) -> (...), fp32 (fp64 for fp64 input).
 
-    Uses log_softmax, so it stays finite for huge logits (1e4 and beyond).
+    Uses log_softmax, so it stays finite for huge logits (1e4 and beyond); -inf logits count 0.
     """
     check_tensor("logits", logits, floating=True)
-    log_probs = F.log_softmax(logits.to(stat_dtype(logits.dtype)), dim=-1)
-    return -(log_probs.exp() * log_probs).sum(dim=-1)
+    return entropy_from_log_probs(F.log_softmax(logits.to(stat_dtype(logits.dtype)), dim=-1))
 
 
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
@@ -32,25 +39,22 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperatur
     scaled = logits.to(stat_dtype(logits.dtype)) / temperature  # (..., V)
     log_probs_all = F.log_softmax(scaled, dim=-1)
     log_probs = log_probs_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(log_probs_all.exp() * log_probs_all).sum(dim=-1) if return_entropy else None
-    return log_probs, entropy
+    return log_probs, entropy_from_log_probs(log_probs_all) if return_entropy else None
 
 
 def linear_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  softcap: float | None = None) -> torch.Tensor:
-    """The [..., V] logits of an LM head, in fp32: hidden @ weight.T (+ bias), soft-capped by ``softcap``."""
-    logits = hidden @ weight.T  # matmul in the input dtype, result upcast below
-    if bias is not None:
-        logits = logits + bias
-    logits = logits.to(stat_dtype(logits.dtype))
-    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
+                  softcap: float | None = None, temperature: float = 1.0, logit_scale: float = 1.0) -> torch.Tensor:
+    """The [..., V] logits of an LM head in fp32, by `LinearHead.logits` (the one definition)."""
+    head = LinearHead(weight, bias, temperature, softcap, logit_scale)
+    return head.logits(hidden.reshape(-1, hidden.shape[-1])).reshape(*hidden.shape[:-1], head.vocab_size)
 
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                     bias: torch.Tensor | None = None, temperature: float = 1.0, return_entropy: bool = False,
-                    softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    softcap: float | None = None, logit_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Oracle for `fused_linear_logprobs`: materializes the (..., V) logits."""
-    return logprobs_from_logits(linear_logits(hidden, weight, bias, softcap), targets, temperature, return_entropy)
+    logits = linear_logits(hidden, weight, bias, softcap, temperature, logit_scale)
+    return logprobs_from_logits(logits, targets, return_entropy=return_entropy)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
@@ -65,16 +69,13 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
               beta: float = 0.0, epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None,
               loss_type: str = "grpo", temperature: float = 1.0, max_completion_length: int | None = None,
               num_items_in_batch: float | None = None, gradient_accumulation_steps: int = 1,
-              use_bias_correction_kl: bool = False, softcap: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+              use_bias_correction_kl: bool = False, softcap: float | None = None,
+              logit_scale: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
     """Oracle for `fused_grpo_loss`: (B, T, V) logits -> log-probs -> TRL's GRPO loss and metrics."""
     batch = check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs, ref_logprobs, beta,
                               epsilon_low, epsilon_high, delta, loss_type, max_completion_length, num_items_in_batch,
                               gradient_accumulation_steps, use_bias_correction_kl)
     log_probs, entropy = linear_logprobs(hidden, weight, completion_ids, bias=bias, temperature=temperature,
-                                         return_entropy=True, softcap=softcap)  # (B, T) each
-    parts = token_objective(log_probs, batch.advantages, batch.old_log_probs, batch.ref_log_probs, batch.settings)
-    loss = torch.where(batch.keep, parts[0] * batch.weights, 0.0).sum()
-    kept_parts = [None if part is None else part[batch.keep] for part in parts]
-    token_sequence = torch.arange(batch.keep.shape[0], device=batch.keep.device)[:, None].expand_as(batch.keep)
-    sums = metric_sums(kept_parts, entropy[batch.keep], token_sequence[batch.keep], batch.keep.shape[0])
-    return loss, metrics_from_sums(sums, batch.keep.sum(dim=1), has_kl=ref_logprobs is not None)
+                                         return_entropy=True, softcap=softcap, logit_scale=logit_scale)  # (B, T) each
+    kept_log_probs, kept_entropy = (values.reshape(-1)[batch.kept] for values in (log_probs, entropy))
+    return grpo_objective(kept_log_probs, kept_entropy.detach(), batch, has_kl=ref_logprobs is not None)

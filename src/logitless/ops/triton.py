@@ -1,8 +1,12 @@
-"""Triton versions of `chunks.chunk_stats` and `chunks.logits_grad`: one program per row of a chunk.
+"""Triton versions of `chunks.update_stats` and `chunks.block_logits_grad`, for fp32 blocks on GPUs.
 
-Same signatures and results as the PyTorch twins in `chunks.py`, for fp32 logits. Each program
-streams its row in blocks of BLOCK_V columns, so any vocabulary size works (151936, or a prime).
-Optional: without triton this module still imports and `available()` is False.
+Same signatures and results as the PyTorch twins in `chunks.py`. Both kernels tile rows and
+vocabulary: `update_stats` gives each program ``BLOCK_ROWS`` tokens and streams the block's columns
+in tiles (two passes over the block: its max, then the sums); `block_logits_grad` is elementwise
+over a 2-D grid of (rows, columns) tiles and writes the gradient over the logits it read. The
+block's logits themselves come from cuBLAS (`LinearHead.logits`). Tile sizes are reasonable
+defaults, not yet tuned on hardware. Optional: without triton this module still imports and
+`available()` is False.
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ import os
 
 import torch
 
-from logitless.ops.chunks import ChunkStats
+from logitless.ops.chunks import OnlineSoftmax, StatGrads
+from logitless.ops.head import LinearHead
 
 try:
     import triton
@@ -19,149 +24,153 @@ try:
 except ImportError:
     triton = None
 
+STATS_TILE = dict(BLOCK_ROWS=16, BLOCK_V=256)
+GRAD_TILE = dict(BLOCK_ROWS=32, BLOCK_V=256)
+
 
 def available() -> bool:
     """Triton imports, and there is a GPU to run it on or TRITON_INTERPRET=1 (its CPU interpreter)."""
     return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def _launch_options(vocab_size: int) -> dict:
-    """Columns per block (a power of two; the interpreter, too, is fastest with wide blocks) and compile options.
-
-    FMA fusion is pinned on: triton 3.9 warns when it is left to its default, which 3.10 changes.
-    """
-    return dict(BLOCK_V=min(triton.next_power_of_2(vocab_size), 4096), num_warps=8, enable_fp_fusion=True)
+def _check_block(logits: torch.Tensor) -> None:
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
+        raise ValueError(f"logits: expected an (n, c) float32 block with contiguous rows, got {logits.dtype} "
+                         f"of shape {tuple(logits.shape)} and strides {logits.stride()}")
 
 
-def _check_chunk(name: str, chunk: torch.Tensor) -> None:
-    """The kernels index rows as ``row * V``: (n, V) float32 and contiguous only."""
-    if chunk.dim() != 2 or chunk.dtype != torch.float32 or not chunk.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous (n, V) float32 tensor, got {chunk.dtype} "
-                         f"of shape {tuple(chunk.shape)} and strides {chunk.stride()}")
+def update_stats(stats: OnlineSoftmax, logits: torch.Tensor, start: int, targets: torch.Tensor,
+                 has_neg_inf: bool) -> None:
+    """Add one block of logits (n, c) to the running sums of ``stats`` (the kernel handles -inf itself)."""
+    _check_block(logits)
+    num_rows, num_columns = logits.shape
+    if num_rows == 0:
+        return
+    placeholder = stats.total  # for a sum not kept, whose HAS_* flag keeps the kernel from touching it
+    grid = (triton.cdiv(num_rows, STATS_TILE["BLOCK_ROWS"]),)
+    _update_stats_kernel[grid](
+        logits, num_rows, num_columns, logits.stride(0), targets.contiguous(), start,
+        stats.max, stats.shift, stats.total,
+        placeholder if stats.weighted is None else stats.weighted,
+        placeholder if stats.logit_sum is None else stats.logit_sum, stats.target_logit,
+        HAS_WEIGHTED=stats.weighted is not None, HAS_LOGIT_SUM=stats.logit_sum is not None, **STATS_TILE)
 
 
-def chunk_stats(logits: torch.Tensor, targets: torch.Tensor) -> ChunkStats:
-    """Softmax and the three per-token statistics of one chunk of logits (n, V); ``logits`` is left unchanged."""
-    _check_chunk("logits", logits)
-    num_rows, vocab_size = logits.shape
-    probs = torch.empty_like(logits)  # (n, V)
-    lse, log_probs, entropy, mean_log_prob = (torch.empty(num_rows, dtype=torch.float32, device=logits.device)
-                                              for _ in range(4))
-    if num_rows:
-        _chunk_stats_kernel[(num_rows,)](
-            logits, targets.contiguous(), probs, lse, log_probs, entropy, mean_log_prob, vocab_size,
-            **_launch_options(vocab_size))
-    return ChunkStats(probs, lse, log_probs, entropy, mean_log_prob)
-
-
-def logits_grad(logits: torch.Tensor, stats: ChunkStats, targets: torch.Tensor, temperature: float,
-                grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None = None,
-                grad_mean_log_prob: torch.Tensor | None = None) -> torch.Tensor:
-    """Gradient of a loss with respect to the raw (pre-temperature) logits of one chunk, (n, V) fp32.
-
-    The ``grad_*`` are the loss's gradients with respect to each per-token statistic (None = 0).
-    ``logits`` is only read; the result is written over ``stats.probs`` and returned.
-    """
-    _check_chunk("logits", logits)
-    _check_chunk("stats.probs", stats.probs)
-    if stats.probs.shape != logits.shape:
-        raise ValueError(f"stats.probs: shape {tuple(stats.probs.shape)} differs from logits' {tuple(logits.shape)}")
-    num_rows, vocab_size = logits.shape
-    # (n,) fp32 each; autograd hands out expanded (stride 0) gradients, hence contiguous().
-    row_grads = [None if g is None else g.to(torch.float32).contiguous()
-                 for g in (grad_log_probs, grad_entropy, grad_mean_log_prob)]
-    placeholder = stats.lse  # passed for a missing gradient, whose HAS_* flag keeps the kernel from reading it
-    if num_rows:
-        _logits_grad_kernel[(num_rows,)](
-            logits, stats.probs, targets.contiguous(), stats.lse, stats.entropy,
-            *(placeholder if g is None else g for g in row_grads), vocab_size, float(temperature),
-            *(g is not None for g in row_grads), **_launch_options(vocab_size))
-    return stats.probs
+def block_logits_grad(head: LinearHead, logits: torch.Tensor, start: int, targets: torch.Tensor, lse: torch.Tensor,
+                      expected_logit: torch.Tensor | None, coefs: StatGrads, has_neg_inf: bool) -> torch.Tensor:
+    """d loss / d (hidden @ W.T + b) for one block of logits (n, c), written over ``logits`` and returned."""
+    _check_block(logits)
+    num_rows, num_columns = logits.shape
+    if num_rows == 0:
+        return logits
+    # (n,) fp32 each; autograd may hand out expanded (stride 0) gradients, hence contiguous()
+    row_vectors = [None if v is None else v.to(torch.float32).contiguous()
+                   for v in (*coefs, expected_logit)]
+    placeholder = lse
+    grid = (triton.cdiv(num_rows, GRAD_TILE["BLOCK_ROWS"]), triton.cdiv(num_columns, GRAD_TILE["BLOCK_V"]))
+    _block_grad_kernel[grid](
+        logits, num_rows, num_columns, logits.stride(0), targets.contiguous(), start, lse.contiguous(),
+        *(placeholder if v is None else v for v in row_vectors),
+        1.0 if head.softcap is None else head.temperature / head.softcap,
+        *(v is not None for v in row_vectors[:4]), HAS_SOFTCAP=head.softcap is not None, **GRAD_TILE)
+    return logits
 
 
 if triton is not None:
 
     @triton.jit
-    def _chunk_stats_kernel(
-        logits_ptr,  # (n, V) fp32 z, only read
-        targets_ptr,  # (n,) int
-        probs_ptr,  # (n, V) fp32, written: softmax(z)
-        lse_ptr, log_probs_ptr, entropy_ptr, mean_log_prob_ptr,  # (n,) fp32 each, written
-        vocab_size,
-        BLOCK_V: tl.constexpr,
+    def _update_stats_kernel(
+        logits_ptr, num_rows, num_columns, row_stride,  # the block (n, c), fp32
+        targets_ptr, start,  # (n,) target ids; the block's first column
+        max_ptr, shift_ptr, total_ptr, weighted_ptr, logit_sum_ptr, target_logit_ptr,  # (n,) running sums
+        HAS_WEIGHTED: tl.constexpr, HAS_LOGIT_SUM: tl.constexpr,
+        BLOCK_ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
     ):
-        row = tl.program_id(0).to(tl.int64)
-        row_logits = logits_ptr + row * vocab_size
-        row_probs = probs_ptr + row * vocab_size
+        rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        in_rows = rows < num_rows
+        row_logits = logits_ptr + rows.to(tl.int64)[:, None] * row_stride
         cols = tl.arange(0, BLOCK_V)
 
-        # Pass 1: running max and total = sum exp(z - max), rescaled each time the max grows.
-        row_max = tl.full((), float("-inf"), tl.float32)
-        total = tl.zeros((), tl.float32)
-        for start in range(0, vocab_size, BLOCK_V):
-            z = tl.load(row_logits + start + cols, mask=start + cols < vocab_size, other=float("-inf"))
-            new_max = tl.maximum(row_max, tl.max(z, axis=0))
-            total = total * tl.exp(row_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
-            row_max = new_max
-        log_total = tl.log(total)
+        # pass over the block: its max
+        block_max = tl.full((BLOCK_ROWS,), float("-inf"), tl.float32)
+        for c0 in range(0, num_columns, BLOCK_V):
+            tile = in_rows[:, None] & (c0 + cols[None, :] < num_columns)
+            z = tl.load(row_logits + c0 + cols[None, :], mask=tile, other=float("-inf"))
+            block_max = tl.maximum(block_max, tl.max(z, axis=1))
 
-        # Pass 2, on u = z - max (<= 0): p = exp(u) / total, and per-lane sums of p * u and of u.
-        sum_p_shifted = tl.zeros((BLOCK_V,), tl.float32)
-        sum_shifted = tl.zeros((BLOCK_V,), tl.float32)
-        for start in range(0, vocab_size, BLOCK_V):
-            in_row = start + cols < vocab_size
-            z = tl.load(row_logits + start + cols, mask=in_row, other=0.0)
-            shifted = tl.where(in_row, z - row_max, 0.0)
-            probs = tl.exp(shifted) / total
-            tl.store(row_probs + start + cols, probs, mask=in_row)
-            sum_p_shifted += probs * shifted
-            sum_shifted += shifted
+        # move the running sums to the new max (chunks.OnlineSoftmax.rescale)
+        old_shift = tl.load(shift_ptr + rows, mask=in_rows, other=0.0)
+        total = tl.load(total_ptr + rows, mask=in_rows, other=0.0)
+        new_max = tl.maximum(tl.load(max_ptr + rows, mask=in_rows, other=float("-inf")), block_max)
+        new_shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        factor = tl.where(total > 0, tl.exp(old_shift - new_shift), 0.0)
+        if HAS_WEIGHTED:
+            weighted = factor * (tl.load(weighted_ptr + rows, mask=in_rows, other=0.0) + (old_shift - new_shift) * total)
+        total = factor * total
 
-        target_shifted = tl.load(row_logits + tl.load(targets_ptr + row)) - row_max
-        tl.store(lse_ptr + row, row_max + log_total)
-        tl.store(log_probs_ptr + row, target_shifted - log_total)
-        # entropy = log(total) - sum(p * u): no cancellation between two large log-sum-exps.
-        tl.store(entropy_ptr + row, log_total - tl.sum(sum_p_shifted, axis=0))
-        tl.store(mean_log_prob_ptr + row, tl.sum(sum_shifted, axis=0) / vocab_size - log_total)
+        # pass over the block: the sums, and the target's logit
+        target_column = tl.load(targets_ptr + rows, mask=in_rows, other=-1) - start
+        block_total = tl.zeros((BLOCK_ROWS, BLOCK_V), tl.float32)
+        block_weighted = tl.zeros((BLOCK_ROWS, BLOCK_V), tl.float32)
+        block_logit_sum = tl.zeros((BLOCK_ROWS, BLOCK_V), tl.float32)
+        target_logit = tl.zeros((BLOCK_ROWS,), tl.float32)
+        found = tl.zeros((BLOCK_ROWS,), tl.int32)
+        for c0 in range(0, num_columns, BLOCK_V):
+            tile = in_rows[:, None] & (c0 + cols[None, :] < num_columns)
+            z = tl.load(row_logits + c0 + cols[None, :], mask=tile, other=float("-inf"))
+            shifted = z - new_shift[:, None]
+            weights = tl.exp(shifted)  # 0 outside the tile and at -inf logits
+            block_total += weights
+            if HAS_WEIGHTED:  # 0 * log 0 = 0 where the logit is -inf
+                block_weighted += weights * tl.where(shifted == float("-inf"), 0.0, shifted)
+            if HAS_LOGIT_SUM:
+                block_logit_sum += tl.where(tile, z, 0.0)
+            hit = tile & (c0 + cols[None, :] == target_column[:, None])
+            target_logit += tl.sum(tl.where(hit, z, 0.0), axis=1)
+            found += tl.sum(hit.to(tl.int32), axis=1)
+
+        tl.store(max_ptr + rows, new_max, mask=in_rows)
+        tl.store(shift_ptr + rows, new_shift, mask=in_rows)
+        tl.store(total_ptr + rows, total + tl.sum(block_total, axis=1), mask=in_rows)
+        if HAS_WEIGHTED:
+            tl.store(weighted_ptr + rows, weighted + tl.sum(block_weighted, axis=1), mask=in_rows)
+        if HAS_LOGIT_SUM:
+            logit_sum = tl.load(logit_sum_ptr + rows, mask=in_rows, other=0.0)
+            tl.store(logit_sum_ptr + rows, logit_sum + tl.sum(block_logit_sum, axis=1), mask=in_rows)
+        tl.store(target_logit_ptr + rows, target_logit, mask=in_rows & (found > 0))
 
     @triton.jit
-    def _logits_grad_kernel(
-        logits_ptr,  # (n, V) fp32 z, only read (and only with HAS_GRAD_ENTROPY)
-        grad_ptr,  # (n, V) fp32: softmax(z) on entry, the gradient on exit
-        targets_ptr, lse_ptr, entropy_ptr,  # (n,) each
-        grad_log_probs_ptr, grad_entropy_ptr, grad_mean_log_prob_ptr,  # (n,) fp32 each; read only if HAS_*
-        vocab_size,
-        temperature,
-        HAS_GRAD_LOG_PROBS: tl.constexpr,
-        HAS_GRAD_ENTROPY: tl.constexpr,
-        HAS_GRAD_MEAN_LOG_PROB: tl.constexpr,
-        BLOCK_V: tl.constexpr,
+    def _block_grad_kernel(
+        logits_ptr, num_rows, num_columns, row_stride,  # the block (n, c), fp32: z in, the gradient out
+        targets_ptr, start, lse_ptr,  # (n,) each; the block's first column
+        onehot_ptr, probs_coef_ptr, centered_coef_ptr, uniform_ptr, expected_ptr,  # (n,) fp32, read if HAS_*
+        temperature_over_softcap,
+        HAS_ONEHOT: tl.constexpr, HAS_PROBS: tl.constexpr, HAS_CENTERED: tl.constexpr, HAS_UNIFORM: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
     ):
-        # grad = -p * coef + onehot(target) * g_logp + g_mlp / V,  coef = g_logp + g_H * (z - E_p[z]) + g_mlp
-        row = tl.program_id(0).to(tl.int64)
-        row_logits = logits_ptr + row * vocab_size
-        row_grad = grad_ptr + row * vocab_size
-        cols = tl.arange(0, BLOCK_V)
-        target = tl.load(targets_ptr + row)
-
-        grad_log_prob = 0.0
-        if HAS_GRAD_LOG_PROBS:
-            grad_log_prob = tl.load(grad_log_probs_ptr + row)
-        grad_mean_log_prob = 0.0
-        if HAS_GRAD_MEAN_LOG_PROB:
-            grad_mean_log_prob = tl.load(grad_mean_log_prob_ptr + row)
-        row_coef = grad_log_prob + grad_mean_log_prob
-        if HAS_GRAD_ENTROPY:
-            grad_entropy = tl.load(grad_entropy_ptr + row)
-            expected_logit = tl.load(lse_ptr + row) - tl.load(entropy_ptr + row)  # E_p[z]
-
-        for start in range(0, vocab_size, BLOCK_V):
-            in_row = start + cols < vocab_size
-            probs = tl.load(row_grad + start + cols, mask=in_row, other=0.0)
-            coef = row_coef
-            if HAS_GRAD_ENTROPY:
-                z = tl.load(row_logits + start + cols, mask=in_row, other=0.0)
-                coef = (z - expected_logit) * grad_entropy + row_coef
-            grad = -probs * coef + tl.where(start + cols == target, grad_log_prob, 0.0)
-            grad += grad_mean_log_prob / vocab_size
-            tl.store(row_grad + start + cols, grad / temperature, mask=in_row)
+        # grad = onehot * g_lp - p * (g_lp + g_m + g_H * (z - E_p[z])) + g_m / V, times the soft cap's slope
+        rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        in_rows = rows < num_rows
+        tile = in_rows[:, None] & (cols[None, :] < num_columns)
+        pointers = logits_ptr + rows.to(tl.int64)[:, None] * row_stride + cols[None, :]
+        z = tl.load(pointers, mask=tile, other=0.0)
+        probs = tl.exp(z - tl.load(lse_ptr + rows, mask=in_rows, other=0.0)[:, None])
+        coef = tl.zeros((BLOCK_ROWS, BLOCK_V), tl.float32)
+        if HAS_PROBS:
+            coef += tl.load(probs_coef_ptr + rows, mask=in_rows, other=0.0)[:, None]
+        if HAS_CENTERED:
+            centered = z - tl.load(expected_ptr + rows, mask=in_rows, other=0.0)[:, None]
+            centered = tl.where(centered == float("-inf"), 0.0, centered)  # p = 0 there: the term is 0
+            coef += centered * tl.load(centered_coef_ptr + rows, mask=in_rows, other=0.0)[:, None]
+        grad = -probs * coef
+        if HAS_UNIFORM:
+            grad += tl.load(uniform_ptr + rows, mask=in_rows, other=0.0)[:, None]
+        if HAS_ONEHOT:
+            target_column = tl.load(targets_ptr + rows, mask=in_rows, other=-1) - start
+            onehot = tl.load(onehot_ptr + rows, mask=in_rows, other=0.0)
+            grad += tl.where(cols[None, :] == target_column[:, None], onehot[:, None], 0.0)
+        if HAS_SOFTCAP:  # 1 - tanh^2, tanh = z * T / c
+            capped = z * temperature_over_softcap
+            grad *= 1.0 - capped * capped
+        tl.store(pointers, grad, mask=tile)

@@ -24,7 +24,7 @@ import torch
 
 from logitless._checks import check_finite, check_positive, check_strings, check_tensor
 from logitless.data import pad_token_id
-from logitless.logprobs import final_hidden_states, lm_head_of, model_body
+from logitless.hf import final_hidden_states, lm_head_of, model_body
 
 
 def _check_choices(choices) -> str:
@@ -267,10 +267,8 @@ class MultichoiceJudge:
             attention_mask[row, longest - len(ids):] = 1
         hidden = final_hidden_states(self.model, input_ids.to(device), attention_mask.to(device))[:, -1]  # (B, H)
         flat_ids = [token for ids in self.token_ids.values() for token in ids]
-        id_logits = hidden @ head.weight[flat_ids].T  # (B, N): logits at the letters' ids only
-        if head.bias is not None:
-            id_logits = id_logits + head.bias[flat_ids]
-        letter_log_probs = _letter_log_probs(head.logits_from(id_logits), self.token_ids)  # (B, L)
+        id_logits = head.logits(hidden, torch.tensor(flat_ids, device=device))  # (B, N): the letters' ids only
+        letter_log_probs = _letter_log_probs(id_logits, self.token_ids)  # (B, L)
         check_finite("model", letter_log_probs)
         return torch.softmax(letter_log_probs, dim=-1)
 

@@ -1,0 +1,140 @@
+"""LinearHead: the one definition of an LM head's logits, shared by every op.
+
+    logits = cap(scale * (hidden @ weight.T + bias)) / temperature        (fp32)
+
+``cap(x) = softcap * tanh(x / softcap)`` is the soft cap of Gemma 2/3n, nanochat and Mistral Large 4
+(the identity without a softcap); ``scale`` is a model's logit multiplier (Cohere's ``logit_scale``,
+Granite's ``1 / logits_scaling``); ``temperature`` divides the logits exactly as in sampling, in the
+policy, old, reference and reward paths alike. The fused chunk loop, the materialized oracles,
+`CompletionLogits` and the multiple-choice judge all compute logits through `LinearHead.logits`;
+the chunk loop sends gradients back through `logit_factor` and `softcap_slope_`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from logitless._checks import check_positive, check_tensor
+
+
+def stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Logits, statistics and gradient sums are fp32, or fp64 for fp64 inputs (gradcheck)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def matmul_stat(left: torch.Tensor, right: torch.Tensor, *, add_to: torch.Tensor | None = None) -> torch.Tensor:
+    """``left @ right`` accumulated and returned in `stat_dtype`; with ``add_to``, added into it in place.
+
+    Low-precision (bf16/fp16) operands keep their tensor-core matmul on CUDA (``out_dtype``: fp32
+    accumulation and an fp32 result, no rounding to bf16), with an fp32 operand cast down to its
+    partner's dtype; elsewhere both are upcast, since CPU matmuls have no fp32 output for them.
+    """
+    low = next((t.dtype for t in (left, right) if t.dtype in (torch.bfloat16, torch.float16)), None)
+    if low is None:
+        if add_to is not None:
+            return add_to.addmm_(left, right)
+        product = left @ right
+    elif left.is_cuda:
+        product = torch.mm(left.to(low), right.to(low), out_dtype=torch.float32)
+    else:
+        product = left.float() @ right.float()
+    # (inside an autocast region the product may still come out in low precision, as the model's own head does)
+    product = product.to(stat_dtype(left.dtype))
+    return product if add_to is None else add_to.add_(product)
+
+
+def _check_finite_number(name: str, value) -> float:
+    value = check_positive(name, value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: must be finite, got {value}")
+    return value
+
+
+@dataclass(frozen=True, eq=False)
+class LinearHead:
+    """An LM head: ``weight`` (V, H), optional ``bias`` (V,), and how its output becomes logits."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    temperature: float = 1.0
+    softcap: float | None = None
+    scale: float = 1.0
+
+    def __post_init__(self):
+        check_tensor("weight", self.weight, ndim=2, floating=True)
+        if self.bias is not None:
+            check_tensor("bias", self.bias, ndim=1, floating=True)
+            if self.bias.shape[0] != self.weight.shape[0]:
+                raise ValueError(f"bias: length {self.bias.shape[0]} does not match the vocabulary size "
+                                 f"{self.weight.shape[0]}")
+            if bool(torch.isnan(self.bias).any() | torch.isposinf(self.bias).any()):
+                raise ValueError("bias: contains NaN or +inf (only -inf, for vocabulary rows that can never be "
+                                 "sampled, is allowed)")
+        object.__setattr__(self, "temperature", _check_finite_number("temperature", self.temperature))
+        object.__setattr__(self, "scale", _check_finite_number("logit_scale", self.scale))
+        if self.softcap is not None:
+            object.__setattr__(self, "softcap", _check_finite_number("softcap", self.softcap))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def may_have_neg_inf_logits(self) -> bool:
+        """A -inf bias entry without a soft cap (which would bound it) makes a column of -inf logits."""
+        return self.bias is not None and self.softcap is None and bool(torch.isneginf(self.bias).any())
+
+    def options(self) -> dict:
+        """The keyword arguments that describe this head to the public fused ops."""
+        return dict(bias=self.bias, temperature=self.temperature, softcap=self.softcap, logit_scale=self.scale)
+
+    def with_temperature(self, temperature: float) -> LinearHead:
+        return LinearHead(self.weight, self.bias, temperature, self.softcap, self.scale)
+
+    def logits(self, hidden: torch.Tensor, columns: slice | torch.Tensor | None = None) -> torch.Tensor:
+        """(n, H) -> (n, v) fp32 logits of the vocabulary ``columns`` (all of them by default).
+
+        ``hidden`` and the weight are multiplied in their own dtype where the device allows an fp32
+        result (see `matmul_stat`). A slice of columns reads a view of the weight; an index tensor
+        or list gathers those rows.
+        """
+        weight = self.weight if columns is None else self.weight[columns]  # (v, H)
+        logits = matmul_stat(hidden, weight.T)  # (n, v)
+        if self.bias is not None:
+            logits += self.bias if columns is None else self.bias[columns]
+        return self.finish_(logits)
+
+    def finish_(self, raw: torch.Tensor) -> torch.Tensor:
+        """``hidden @ weight.T + bias`` (already in stat_dtype) -> logits, in place where autograd allows."""
+        if self.scale != 1.0:
+            raw.mul_(self.scale)
+        if self.softcap is not None:
+            if raw.requires_grad:  # the oracles differentiate through here; tanh keeps its output for backward
+                raw = torch.tanh(raw / self.softcap) * self.softcap
+            else:
+                raw.div_(self.softcap).tanh_().mul_(self.softcap)
+        if self.temperature != 1.0:
+            raw.div_(self.temperature)
+        return raw
+
+    @property
+    def logit_factor(self) -> float:
+        """d logits / d (hidden @ weight.T + bias) without a soft cap: ``scale / temperature``."""
+        return self.scale / self.temperature
+
+    def softcap_slope_(self, grad: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """In place: multiply a logits gradient by the soft cap's slope ``1 - tanh^2 = 1 - (logits * T / c)^2``.
+
+        Together with `logit_factor` this carries a gradient from the logits back to
+        ``hidden @ weight.T + bias``. ``logits`` is overwritten. Without a soft cap, nothing happens.
+        """
+        if self.softcap is not None:
+            grad.mul_(logits.mul_(self.temperature / self.softcap).square_().neg_().add_(1.0))
+        return grad

@@ -1,0 +1,159 @@
+"""Property-based fuzzing of every fused op against its materialized oracle (`ops/reference.py`).
+
+Each op gets at least 500 random cases: shapes (no tokens at all, N not a multiple of the chunk, V
+prime or tiny), dtypes (fp32 tight; bf16 loose, judged against the fp32 oracle on the same inputs),
+masks, biases with -inf entries (padded vocabulary rows), temperatures, soft caps, logit scales,
+chunk and vocabulary-block sizes. Values and the gradients of hidden, weight and bias are compared.
+``derandomize`` keeps CI's cases the same from run to run.
+"""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from logitless import fused_grpo_loss, fused_linear_cross_entropy, fused_linear_logprobs
+from logitless.ops import reference
+
+FUZZ = settings(max_examples=500, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Thousands of tiny ops: a second thread only adds synchronization (4x slower on a busy 2-core box)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@st.composite
+def heads(draw):
+    """Random LM-head inputs: hidden (N, H) or (B, T, H), weight, bias, options, targets avoiding -inf rows."""
+    dtype = draw(st.sampled_from([torch.float32] * 4 + [torch.bfloat16]))
+    batched = draw(st.booleans())
+    if batched:
+        shape = (draw(st.integers(1, 3)), draw(st.integers(1, 9)))
+    else:
+        shape = (draw(st.integers(0, 40)),)
+    hidden_size, vocab = draw(st.integers(1, 12)), draw(st.integers(2, 300))
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    hidden = (torch.randn(*shape, hidden_size, generator=generator) * 0.7).to(dtype)
+    weight = (torch.randn(vocab, hidden_size, generator=generator) * 0.7).to(dtype)
+    bias_kind = draw(st.sampled_from(["none", "finite", "neg_inf"]))
+    bias = None if bias_kind == "none" else (torch.randn(vocab, generator=generator) * 0.5).to(dtype)
+    allowed = torch.arange(vocab)
+    if bias_kind == "neg_inf":
+        padded = torch.rand(vocab, generator=generator) < 0.3
+        padded[torch.randint(0, vocab, (1,), generator=generator)] = False  # some row stays sampleable
+        bias[padded] = float("-inf")
+        allowed = allowed[~padded]
+    targets = allowed[torch.randint(0, allowed.numel(), shape, generator=generator)]
+    mask = torch.rand(shape, generator=generator) < 0.8
+    options = dict(
+        temperature=draw(st.floats(0.3, 3.0)), softcap=draw(st.one_of(st.none(), st.floats(0.5, 30.0))),
+        logit_scale=draw(st.sampled_from([1.0, 1.0, 0.5, 2.0])),
+        chunk_size=draw(st.one_of(st.none(), st.integers(1, 17))),
+        vocab_block_size=draw(st.one_of(st.none(), st.integers(max(1, vocab // 30), 64))))
+    return dict(hidden=hidden, weight=weight, bias=bias, targets=targets, mask=mask, options=options,
+                generator=generator)
+
+
+def _leaves(case):
+    """The differentiable inputs, and fp32 copies of them for the oracle."""
+    tensors = [case["hidden"], case["weight"]] + ([case["bias"]] if case["bias"] is not None else [])
+    fused = [t.clone().requires_grad_() for t in tensors]
+    oracle = [t.detach().float().requires_grad_() for t in tensors]
+    return fused, oracle
+
+
+def _head(leaves):
+    return dict(hidden=leaves[0], weight=leaves[1], bias=leaves[2] if len(leaves) > 2 else None)
+
+
+def _oracle_options(options):
+    return {k: v for k, v in options.items() if k not in ("chunk_size", "vocab_block_size")}
+
+
+def _assert_matches(got, want, low_precision: bool):
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        if low_precision:
+            scale = w.detach().abs().nan_to_num(posinf=0.0, neginf=0.0).max().item() if w.numel() else 0.0
+            torch.testing.assert_close(g.detach().float(), w.detach(), atol=4e-2 * scale + 1e-2, rtol=0)
+        else:
+            torch.testing.assert_close(g.detach().float(), w.detach(), atol=2e-5, rtol=2e-5)
+
+
+def _grads(output, leaves):
+    if not output.requires_grad:  # no tokens: nothing reaches the inputs
+        return [torch.zeros_like(t) for t in leaves]
+    return torch.autograd.grad(output, leaves, allow_unused=True, materialize_grads=True)
+
+
+@FUZZ
+@given(case=heads(), with_mask=st.booleans())
+def test_logprobs_and_entropy(case, with_mask):
+    fused, oracle = _leaves(case)
+    mask = case["mask"] if with_mask else None
+    upstream = torch.randn(2, *case["targets"].shape, generator=case["generator"])
+    log_probs, entropy = fused_linear_logprobs(**_head(fused), targets=case["targets"], return_entropy=True,
+                                               mask=mask, **case["options"])
+    ref_log_probs, ref_entropy = reference.linear_logprobs(**_head(oracle), targets=case["targets"],
+                                                           return_entropy=True, **_oracle_options(case["options"]))
+    if mask is not None:
+        ref_log_probs, ref_entropy = ref_log_probs * mask, ref_entropy * mask
+    got = [log_probs, entropy, *_grads((log_probs * upstream[0] + entropy * upstream[1]).sum(), fused)]
+    want = [ref_log_probs, ref_entropy, *_grads((ref_log_probs * upstream[0] + ref_entropy * upstream[1]).sum(),
+                                                oracle)]
+    _assert_matches(got, want, case["hidden"].dtype == torch.bfloat16)
+
+
+@FUZZ
+@given(case=heads(), reduction=st.sampled_from(["mean", "sum", "none"]), smoothing=st.sampled_from([0.0, 0.2]))
+def test_cross_entropy(case, reduction, smoothing):
+    if smoothing and case["bias"] is not None and torch.isneginf(case["bias"]).any() and case["options"]["softcap"] is None:
+        smoothing = 0.0  # smoothing over a -inf logit is an infinite loss, in PyTorch too
+    fused, oracle = _leaves(case)
+    targets = case["targets"].masked_fill(~case["mask"], -100)
+    loss = fused_linear_cross_entropy(**_head(fused), targets=targets, reduction=reduction,
+                                      label_smoothing=smoothing, **case["options"])
+    logits = reference.linear_logits(**_head(oracle), **{k: v for k, v in case["options"].items()
+                                                        if k in ("softcap", "temperature", "logit_scale")})
+    want = reference.cross_entropy(logits, targets, reduction=reduction, label_smoothing=smoothing)
+    if reduction == "none":
+        want = want.reshape(targets.shape)
+    upstream = torch.randn(loss.shape, generator=case["generator"])
+    if reduction == "mean" and not bool((targets != -100).any()):  # NaN loss, zero gradients, like PyTorch
+        assert torch.isnan(loss) and torch.isnan(want)
+        assert all(bool((g == 0).all()) for g in _grads(loss, fused))
+        return
+    _assert_matches([loss, *_grads((loss * upstream).sum(), fused)],
+                    [want, *_grads((want * upstream).sum(), oracle)], case["hidden"].dtype == torch.bfloat16)
+
+
+@FUZZ
+@given(case=heads().filter(lambda c: c["hidden"].dim() == 3), loss_type=st.sampled_from(["grpo", "bnpo", "dr_grpo", "dapo"]),
+       beta=st.sampled_from([0.0, 0.04]), with_old=st.booleans(), delta=st.sampled_from([None, 1.5]))
+def test_grpo_loss(case, loss_type, beta, with_old, delta):
+    fused, oracle = _leaves(case)
+    generator = case["generator"]
+    batch, length = case["targets"].shape
+    with torch.no_grad():
+        log_probs, _ = reference.linear_logprobs(**_head(oracle), targets=case["targets"],
+                                                 **_oracle_options(case["options"]))
+    kwargs = dict(loss_type=loss_type, beta=beta, delta=delta,
+                  old_logprobs=log_probs + 0.3 * torch.randn(batch, length, generator=generator) if with_old else None,
+                  ref_logprobs=log_probs + 0.2 * torch.randn(batch, length, generator=generator))
+    inputs = dict(completion_ids=case["targets"], completion_mask=case["mask"],
+                  advantages=torch.randn(batch, generator=generator))
+    loss, metrics = fused_grpo_loss(fused[0], fused[1], bias=_head(fused)["bias"], **inputs, **kwargs,
+                                    **case["options"])
+    want, want_metrics = reference.grpo_loss(oracle[0], oracle[1], bias=_head(oracle)["bias"], **inputs, **kwargs,
+                                             **_oracle_options(case["options"]))
+    low_precision = case["hidden"].dtype == torch.bfloat16
+    _assert_matches([loss, *_grads(loss, fused)], [want, *_grads(want, oracle)], low_precision)
+    assert metrics.keys() == want_metrics.keys()
+    if not low_precision:
+        for name, value in metrics.items():
+            assert value == pytest.approx(want_metrics[name], abs=2e-5, rel=2e-5, nan_ok=True), name
