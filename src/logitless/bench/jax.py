@@ -65,7 +65,7 @@ def make_inputs(shape: Shape) -> dict:
     per_token = (shape.batch, shape.seq)
     mask = np.ones(per_token, np.float32)
     mask[0, shape.seq * 3 // 4:] = 0  # one shorter completion
-    base = -rng.random(per_token, np.float32) * 3 - 9  # ~ log(1/V)-ish
+    base = -np.log(shape.vocab) - 0.5 * rng.random(per_token, np.float32)  # ~ log(1/V): near the policy's
     return dict(hidden=jnp.asarray(rng.standard_normal((*per_token, shape.hidden), np.float32) * 0.5, shape.dtype),
                 weight=jnp.asarray(rng.standard_normal((shape.vocab, shape.hidden), np.float32) * 0.02, shape.dtype),
                 completion_ids=jnp.asarray(rng.integers(0, shape.vocab, per_token), jnp.int32),

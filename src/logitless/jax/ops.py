@@ -18,6 +18,7 @@ from logitless.jax.checks import (check_array, check_finite, check_mask, check_n
                                   check_token_ids, concrete)
 from logitless.jax.grpo import grpo_loss_from_stats, token_weights
 from logitless.jax.reference import materialized_token_stats
+from logitless.jax.sharding import per_token_shard
 from logitless.jax.token_stats import BlockSizes, Head, linear_token_stats
 from logitless.ops.grpo import GRPO_LOSS_TYPES, GRPOSettings
 
@@ -68,7 +69,8 @@ def _linear_inputs(hidden, weight, targets, bias, temperature, softcap, mask, bl
 def _token_stats(inputs: LinearInputs, impl: str):
     """(N,) log-probs and entropies; 0 where masked."""
     check_choice("impl", impl, tuple(TOKEN_STATS))
-    log_probs, entropy = TOKEN_STATS[impl](inputs.hidden, inputs.weight, inputs.bias, inputs.targets, inputs.head)
+    log_probs, entropy = per_token_shard(TOKEN_STATS[impl], inputs.hidden, inputs.weight, inputs.bias, inputs.targets,
+                                         inputs.head)
     if inputs.keep is None:
         return log_probs, entropy
     return jnp.where(inputs.keep, log_probs, 0.0), jnp.where(inputs.keep, entropy, 0.0)
@@ -144,13 +146,12 @@ def fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages,
     entropy, clip_ratio/low_min, clip_ratio/high_max. Differentiate with ``jax.grad(..., has_aux=True)``.
     """
     hidden = check_array("hidden", hidden, ndim=3, floating=True)
-    completion_ids = check_array("completion_ids", completion_ids, ndim=2, integer=True)
+    inputs = _linear_inputs(hidden, weight, completion_ids, bias, temperature, softcap, completion_mask, block_sizes,
+                            targets_name="completion_ids", mask_name="completion_mask")
     advantages, settings = _check_grpo_options(completion_ids, advantages, old_logprobs, ref_logprobs, beta,
                                                epsilon_low, epsilon_high, delta, loss_type, max_completion_length,
                                                num_items_in_batch, gradient_accumulation_steps,
                                                use_bias_correction_kl)
-    inputs = _linear_inputs(hidden, weight, completion_ids, bias, temperature, softcap, completion_mask, block_sizes,
-                            targets_name="completion_ids", mask_name="completion_mask")
     keep = inputs.keep.reshape(completion_ids.shape)
     log_probs, entropy = (values.reshape(completion_ids.shape) for values in _token_stats(inputs, impl))
     weights = token_weights(keep, loss_type, max_completion_length, num_items_in_batch, gradient_accumulation_steps)

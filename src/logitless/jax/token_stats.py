@@ -112,6 +112,12 @@ def _rows(array: jax.Array, block: Block) -> jax.Array:
     return lax.dynamic_slice_in_dim(array, block.start, block.size, axis=0)
 
 
+def _zeros(shape, dtype, like: jax.Array) -> jax.Array:
+    """A loop's initial carry of zeros. Inside `jax.shard_map` it varies over the same mesh axes as
+    ``like`` (as the carry that the loop body returns does), which a loop's carry types must match."""
+    return jnp.zeros_like(like, dtype=dtype, shape=shape)
+
+
 def _refresh(operands):
     """The matmul operands for a loop's next iteration, as XLA sees them: not loop-invariant.
 
@@ -141,9 +147,9 @@ class Online(NamedTuple):
     picked: jax.Array  # z[target] once its block has been seen, else 0
 
     @classmethod
-    def empty(cls, rows: int, dtype) -> "Online":
-        zeros = jnp.zeros((rows,), dtype)
-        return cls(jnp.full((rows,), -jnp.inf, dtype), zeros, zeros, zeros)
+    def empty(cls, rows: int, dtype, like: jax.Array) -> "Online":
+        zeros = _zeros((rows,), dtype, like)
+        return cls(zeros - jnp.inf, zeros, zeros, zeros)
 
     def update(self, logits: jax.Array, cols: Block, hit: jax.Array, local_target: jax.Array) -> "Online":
         """Fold in a block's logits (n, v) at ``cols``; ``hit`` (n,) says the target is among them."""
@@ -184,7 +190,7 @@ def _forward(hidden, weight, bias, targets, head: Head):
             online = online.update(logits, cols, *_target_in(cols, row_targets))
             return (online, _refresh((hidden, weight, bias))), None
 
-        (online, _), _ = lax.scan(vocab_step, (Online.empty(token_block, dtype), (hidden, weight, bias)),
+        (online, _), _ = lax.scan(vocab_step, (Online.empty(token_block, dtype, hidden), (hidden, weight, bias)),
                                   jnp.arange(_num_blocks(vocab_size, vocab_block)))
         log_total = jnp.log(online.sum_exp)
         lse = online.max + log_total
@@ -195,7 +201,7 @@ def _forward(hidden, weight, bias, targets, head: Head):
         return tuple(lax.dynamic_update_slice_in_dim(out, value, rows.start, axis=0)
                      for out, value in zip(outputs, (log_probs, lse, entropy)))
 
-    empty = tuple(jnp.zeros((num_tokens,), dtype) for _ in range(3))
+    empty = tuple(_zeros((num_tokens,), dtype, hidden) for _ in range(3))
     return lax.fori_loop(0, _num_blocks(num_tokens, token_block), token_step, empty)
 
 
@@ -254,8 +260,8 @@ def _backward(head: Head, residuals, cotangents):
                 grad_bias_cols = grad_bias_cols + grad.sum(axis=0)
             return (grad_hidden, grad_weight_cols, grad_bias_cols), _refresh(hidden)
 
-        sums = (grad_hidden, jnp.zeros((vocab_block, weight.shape[1]), dtype),
-                None if bias is None else jnp.zeros((vocab_block,), dtype))
+        sums = (grad_hidden, _zeros((vocab_block, weight.shape[1]), dtype, hidden),
+                None if bias is None else _zeros((vocab_block,), dtype, hidden))
         (grad_hidden, grad_weight_cols, grad_bias_cols), _ = lax.fori_loop(
             0, _num_blocks(num_tokens, token_block), token_step, (sums, hidden))
         grad_weight = lax.dynamic_update_slice_in_dim(grad_weight, grad_weight_cols.astype(weight.dtype), cols.start, 0)
@@ -263,7 +269,8 @@ def _backward(head: Head, residuals, cotangents):
             grad_bias = lax.dynamic_update_slice_in_dim(grad_bias, grad_bias_cols.astype(bias.dtype), cols.start, 0)
         return ((grad_hidden, grad_weight, grad_bias), _refresh((weight, bias))), None
 
-    sums = (jnp.zeros(hidden.shape, dtype), jnp.zeros_like(weight), None if bias is None else jnp.zeros_like(bias))
+    sums = (_zeros(hidden.shape, dtype, hidden), _zeros(weight.shape, weight.dtype, hidden),
+            None if bias is None else _zeros(bias.shape, bias.dtype, hidden))
     ((grad_hidden, grad_weight, grad_bias), _), _ = lax.scan(vocab_step, (sums, (weight, bias)),
                                                              jnp.arange(_num_blocks(vocab_size, vocab_block)))
     return grad_hidden.astype(hidden.dtype), grad_weight, grad_bias, None
