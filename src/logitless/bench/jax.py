@@ -173,7 +173,7 @@ def run(shape: Shape, repeats: int = 3, compile_only: bool = False, progress: bo
 
 
 def _megabytes(value: int) -> str:
-    return f"{value / 2**20:,.0f}"
+    return f"{value / 1e6:,.0f}"  # MB = 10^6 bytes
 
 
 def format_table(report: dict) -> str:
@@ -200,10 +200,10 @@ def plot(report: dict, path: str | Path) -> Path:
 
     plt = _pyplot()
     names = list(report["results"])
-    panels = [("temp_size_in_bytes", "temp_ratio", 2**-20, "compiled temporaries (MB)", "{:.3f}x")]
+    panels = [("temp_size_in_bytes", "temp_ratio", 1e-6, "compiled temporaries (MB)", "{:.3f}x")]
     if not report["compile_only"]:
         panels.append(("time_s", "time_ratio", 1.0, "time per step (s, median)", "{:.2f}x"))
-    figure, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.5), squeeze=False)
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
     for axis, (key, ratio_key, scale, label, ratio_format) in zip(axes[0], panels):
         values = [report["results"][n][key] * scale for n in names]
         bars = axis.bar(names, values, color=["#999999" if n == "materialized" else "#4c72b0" for n in names])
@@ -213,7 +213,7 @@ def plot(report: dict, path: str | Path) -> Path:
         axis.set_ylim(top=max(values) * 1.18 or 1.0)
         axis.set_title(label)
     s = report["shape"]
-    figure.suptitle(f"JAX GRPO loss value_and_grad, B={s['batch']} T={s['seq']} H={s['hidden']} V={s['vocab']} "
+    figure.suptitle(f"JAX GRPO loss value_and_grad\nB={s['batch']} T={s['seq']} H={s['hidden']} V={s['vocab']} "
                     f"{s['dtype']} ({report['backend']})")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
