@@ -225,10 +225,12 @@ def add_parser(targets) -> None:
     """Register ``logitless bench jax`` on the ``bench`` subcommand's subparsers."""
     defaults = Shape()
     parser = targets.add_parser("jax", help="JAX GRPO loss: plain-JAX baseline vs fused, compiled memory and time")
-    parser.add_argument("--batch", "-B", type=int, default=defaults.batch, help=f"completions per step (default {defaults.batch})")
-    parser.add_argument("--seq", "-T", type=int, default=defaults.seq, help=f"completion length (default {defaults.seq})")
-    parser.add_argument("--hidden", "-H", type=int, default=defaults.hidden, help=f"hidden size (default {defaults.hidden})")
-    parser.add_argument("--vocab", "-V", type=int, default=defaults.vocab, help=f"vocabulary size (default {defaults.vocab})")
+    for flag, short, name, meaning in (("--batch", "-B", "batch", "completions per step"),
+                                       ("--seq", "-T", "seq", "completion length"),
+                                       ("--hidden", "-H", "hidden", "hidden size"),
+                                       ("--vocab", "-V", "vocab", "vocabulary size")):
+        default = getattr(defaults, name)
+        parser.add_argument(flag, short, dest=name, type=int, default=default, help=f"{meaning} (default {default})")
     parser.add_argument("--dtype", default=defaults.dtype, help=f"{' | '.join(DTYPES)} (default {defaults.dtype})")
     parser.add_argument("--vocab-block", dest="vocab_block", type=int, default=None,
                         help="vocabulary columns per block of the fused loss (default: BlockSizes' default)")

@@ -27,7 +27,8 @@ def check_array(name: str, value, *, ndim: int | Sequence[int] | None = None, fl
     if ndim is not None:
         allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
         if value.ndim not in allowed:
-            raise ValueError(f"{name}: expected {' or '.join(map(str, allowed))} dimensions, got shape {tuple(value.shape)}")
+            raise ValueError(f"{name}: expected {' or '.join(map(str, allowed))} dimensions, "
+                             f"got shape {tuple(value.shape)}")
     if floating and not jnp.issubdtype(value.dtype, jnp.floating):
         raise TypeError(f"{name}: expected a floating-point array, got {value.dtype}")
     if integer and not jnp.issubdtype(value.dtype, jnp.integer):
@@ -66,11 +67,5 @@ def check_token_ids(name: str, ids, vocab_size: int, keep=None) -> None:
 def check_finite(name: str, value) -> None:
     values = concrete(value)
     if values is not None and not np.isfinite(values).all():
-        raise ValueError(f"{name}: contains NaN or inf (first at index {np.argwhere(~np.isfinite(values))[0].tolist()})")
-
-
-def check_nonnegative(name: str, value) -> float:
-    """A Python number >= 0 (static under jit)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(f"{name}: expected a number >= 0, got {value!r}")
-    return float(value)
+        first = np.argwhere(~np.isfinite(values))[0].tolist()
+        raise ValueError(f"{name}: contains NaN or inf (first at index {first})")

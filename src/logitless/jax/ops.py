@@ -13,9 +13,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from logitless._checks import check_choice, check_positive
-from logitless.jax.checks import (check_array, check_finite, check_mask, check_nonnegative, check_same_shape,
-                                  check_token_ids, concrete)
+from logitless._checks import check_advantages_shape, check_choice, check_grpo_options, check_positive
+from logitless.jax.checks import check_array, check_finite, check_mask, check_same_shape, check_token_ids, concrete
 from logitless.jax.grpo import grpo_loss_from_stats, token_weights
 from logitless.jax.reference import materialized_token_stats
 from logitless.jax.sharding import per_token_shard
@@ -103,27 +102,17 @@ def _check_grpo_options(completion_ids, advantages, old_logprobs, ref_logprobs, 
     check_choice("loss_type", loss_type, GRPO_LOSS_TYPES)
     advantages = check_array("advantages", advantages, ndim=(1, 2), floating=True)
     num_sequences, length = completion_ids.shape
-    if tuple(advantages.shape) not in ((num_sequences,), (num_sequences, 1), (num_sequences, length)):
-        raise ValueError(f"advantages: expected ({num_sequences},), ({num_sequences}, 1) or per token "
-                         f"({num_sequences}, {length}), got {tuple(advantages.shape)}")
+    check_advantages_shape(advantages.shape, num_sequences, length)
     check_finite("advantages", advantages)
     for name, value in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
         if value is not None:
             check_same_shape(name, check_array(name, value, floating=True), "completion_ids", completion_ids)
-    beta, epsilon_low, epsilon_high = (check_nonnegative(name, value) for name, value in
-                                       (("beta", beta), ("epsilon_low", epsilon_low), ("epsilon_high", epsilon_high)))
-    if beta != 0 and ref_logprobs is None:
-        raise ValueError("ref_logprobs: required when beta != 0 (the KL penalty needs the reference log-probs)")
-    if delta is not None:
-        delta = check_positive("delta", delta)
-    for name, value in (("max_completion_length", max_completion_length),
-                        ("gradient_accumulation_steps", gradient_accumulation_steps)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    check_grpo_options(beta, epsilon_low, epsilon_high, delta, ref_logprobs is not None, max_completion_length,
+                       gradient_accumulation_steps)
     items = None if num_items_in_batch is None else concrete(num_items_in_batch)
     if items is not None and not float(items) > 0:
         raise ValueError(f"num_items_in_batch: must be > 0, got {num_items_in_batch!r}")
-    settings = GRPOSettings(beta, epsilon_low, epsilon_high, delta, bool(use_bias_correction_kl))
+    settings = GRPOSettings(float(beta), float(epsilon_low), float(epsilon_high), delta, bool(use_bias_correction_kl))
     return advantages.reshape(num_sequences, -1).astype(jnp.float32), settings
 
 

@@ -185,8 +185,8 @@ def _forward(hidden, weight, bias, targets, head: Head):
         def vocab_step(carry, vocab_index):
             online, (hidden, weight, bias) = carry
             cols = Block.at(vocab_index, vocab_block, vocab_size)
-            logits = _block_logits(_rows(hidden, rows), _rows(weight, cols), None if bias is None else _rows(bias, cols),
-                                   head, dtype)
+            bias_cols = None if bias is None else _rows(bias, cols)
+            logits = _block_logits(_rows(hidden, rows), _rows(weight, cols), bias_cols, head, dtype)
             online = online.update(logits, cols, *_target_in(cols, row_targets))
             return (online, _refresh((hidden, weight, bias))), None
 
