@@ -54,3 +54,16 @@ def test_bench_jax_compile_only_allocates_nothing(tmp_path, monkeypatch):
 def test_bench_jax_bad_options(argv, match):
     with pytest.raises(SystemExit, match=match):
         main(["bench", "jax", *argv])
+
+
+def test_peak_worker_runs_one_step_in_a_fresh_process():
+    """The worker behind the GPU/TPU peak_bytes_in_use column; on CPU the device keeps no such counter."""
+    import subprocess
+    import sys
+
+    shape = json.dumps({"batch": 1, "seq": 4, "hidden": 8, "vocab": 257, "dtype": "float32", "vocab_block": 64})
+    done = subprocess.run([sys.executable, "-m", "logitless.bench.jax", "--peak-worker", "fused", "--shape", shape],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"peak_bytes_in_use_before_step": None,
+                                                                "peak_bytes_in_use": None}
