@@ -72,13 +72,13 @@ GRPO_CASES = {
     "grpo": dict(loss_type="grpo"),
     "grpo-kl-old-temperature": dict(loss_type="grpo", beta=0.04, temperature=0.7),
     "bnpo": dict(loss_type="bnpo"),
-    "bnpo-kl-old-per-token-advantages": dict(loss_type="bnpo", beta=0.1, per_token=True),
+    "bnpo-kl-old-per-token-advantages": dict(loss_type="bnpo", beta=0.1, per_token=True, temperature=0.9),
     "dr_grpo": dict(loss_type="dr_grpo", max_completion_length=9),
     "dr_grpo-kl-old-delta-bias-correction": dict(loss_type="dr_grpo", beta=0.04, delta=1.02,
                                                  use_bias_correction_kl=True, temperature=1.3),
     "dapo": dict(loss_type="dapo", epsilon_high=0.28),
     "dapo-kl-old-items-accumulation": dict(loss_type="dapo", beta=0.04, num_items_in_batch=20,
-                                           gradient_accumulation_steps=2, epsilon_low=0.1),
+                                           gradient_accumulation_steps=2, epsilon_low=0.1, temperature=1.1),
 }
 
 
