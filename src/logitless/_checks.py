@@ -102,3 +102,26 @@ def check_generations(num_generations: int, completions: int) -> None:
     if num_generations < 2 or completions % num_generations:
         raise ValueError(f"num_generations: must be >= 2 and divide the {completions} completions per step, "
                          f"got {num_generations}")
+
+
+def check_advantages_shape(shape, num_sequences: int, length: int) -> None:
+    """GRPO advantages are one per sequence, (B,) or (B, 1), or one per token, (B, T)."""
+    if tuple(shape) not in ((num_sequences,), (num_sequences, 1), (num_sequences, length)):
+        raise ValueError(f"advantages: expected ({num_sequences},), ({num_sequences}, 1) or per token "
+                         f"({num_sequences}, {length}), got {tuple(shape)}")
+
+
+def check_grpo_options(beta, epsilon_low, epsilon_high, delta, has_ref_logprobs: bool, max_completion_length,
+                       gradient_accumulation_steps) -> None:
+    """The GRPO loss's scalar options, whatever the array library."""
+    for name, value in (("beta", beta), ("epsilon_low", epsilon_low), ("epsilon_high", epsilon_high)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{name}: expected a number >= 0, got {value!r}")
+    if beta != 0 and not has_ref_logprobs:
+        raise ValueError("ref_logprobs: required when beta != 0 (the KL penalty needs the reference log-probs)")
+    if delta is not None and (isinstance(delta, bool) or not isinstance(delta, (int, float)) or not delta > 0):
+        raise ValueError(f"delta: the upper bound on the ratio must be a number > 0, got {delta!r}")
+    for name, value in (("max_completion_length", max_completion_length),
+                        ("gradient_accumulation_steps", gradient_accumulation_steps)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")

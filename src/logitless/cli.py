@@ -1,4 +1,4 @@
-"""The ``logitless`` command: demo | sft | bench lmhead | bench grpo | bench reward."""
+"""The ``logitless`` command: demo | sft | bench lmhead | bench grpo | bench reward | bench jax."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import warnings
 from pathlib import Path
 
 import yaml
+
+from logitless.bench import jax as bench_jax
 
 
 class _ConfigLoader(yaml.SafeLoader):
@@ -217,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
                               help="SFT steps that teach the tiny policy to answer 'ANSWER: X'")
     bench_reward.add_argument("--json", help="write the report here")
     bench_reward.set_defaults(handler=run_bench_trainer)
+    bench_jax.add_parser(targets)
     return parser
 
 

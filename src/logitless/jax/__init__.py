@@ -1,0 +1,14 @@
+"""logitless in JAX: fused LM-head log-probs, entropy and the GRPO loss without (B, T, V) logits.
+
+Needs the ``jax`` extra (``pip install 'logitless[jax]'``). See docs/jax.md.
+"""
+
+try:
+    import jax  # noqa: F401
+except ImportError as err:  # say how to get it, not just that it is missing
+    raise ImportError("logitless.jax needs JAX: pip install 'logitless[jax]'") from err
+
+from logitless.jax.ops import fused_grpo_loss, fused_linear_logprobs  # noqa: E402
+from logitless.jax.token_stats import BlockSizes  # noqa: E402
+
+__all__ = ["BlockSizes", "fused_grpo_loss", "fused_linear_logprobs"]

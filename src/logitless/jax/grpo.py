@@ -1,0 +1,87 @@
+"""TRL's GRPO objective, loss-type normalizations and metrics on (B, T) arrays, in plain JAX.
+
+The same formulas as `logitless.ops.grpo` (see its docstring), applied to the whole batch at once:
+the fused op hands over per-token log-probs and entropies, so nothing here sees a vocabulary.
+Masked tokens are computed on harmless values (0) and weighted 0, so they add nothing to the loss,
+its gradient or the metrics, whatever the caller's old/ref log-probs hold there.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from logitless.ops.grpo import GRPOSettings
+
+
+def token_objective(log_probs, advantages, old_log_probs, ref_log_probs, settings: GRPOSettings):
+    """Per-token loss, KL (or None) and the low/high clip flags, each (B, T)."""
+    old = lax.stop_gradient(log_probs) if old_log_probs is None else old_log_probs
+    ratio = jnp.exp(log_probs - old)
+    clipped_term = jnp.clip(ratio, 1.0 - settings.epsilon_low, 1.0 + settings.epsilon_high) * advantages
+    capped_ratio = ratio if settings.delta is None else jnp.minimum(ratio, settings.delta)
+    loss = -jnp.minimum(capped_ratio * advantages, clipped_term)
+    kl = None
+    if ref_log_probs is not None:
+        ref_gap = ref_log_probs - log_probs
+        kl = jnp.exp(ref_gap) - ref_gap - 1
+        if settings.use_bias_correction_kl:
+            kl = kl * ratio  # TRL corrects with the ratio before its delta cap
+        if settings.beta != 0.0:
+            loss = loss + settings.beta * kl
+    low = (capped_ratio < 1.0 - settings.epsilon_low) & (advantages < 0)
+    high = (capped_ratio > 1.0 + settings.epsilon_high) & (advantages > 0)
+    return loss, kl, low, high
+
+
+def token_weights(keep, loss_type: str, max_completion_length: int | None = None, num_items_in_batch=None,
+                  gradient_accumulation_steps: int = 1) -> jax.Array:
+    """(B, T) weights w with loss = sum(per_token_loss * w), as `logitless.ops.grpo.token_weights`."""
+    weights = keep.astype(jnp.float32)
+    batch, length = keep.shape
+    if loss_type == "grpo":
+        weights = weights / jnp.maximum(weights.sum(axis=1, keepdims=True), 1.0) / batch
+    elif loss_type == "bnpo":
+        weights = weights / jnp.maximum(weights.sum(), 1.0)
+    elif loss_type == "dr_grpo":
+        weights = weights / (batch * (max_completion_length or length))
+    else:  # dapo
+        total = weights.sum() if num_items_in_batch is None else jnp.asarray(num_items_in_batch, jnp.float32)
+        return weights / jnp.maximum(total, 1.0)
+    return weights / gradient_accumulation_steps
+
+
+def grpo_metrics(kl, low, high, entropy, keep) -> dict[str, jax.Array]:
+    """TRL's metrics: token means of KL (when given), clip flags and entropy; clip_ratio/low_min and
+    clip_ratio/high_max over the sequences that have tokens (NaN when none has)."""
+    tokens_per_sequence = keep.sum(axis=1).astype(jnp.float32)  # (B,)
+    total = jnp.maximum(tokens_per_sequence.sum(), 1.0)
+
+    def token_mean(values):
+        return jnp.where(keep, values, 0).astype(jnp.float32).sum() / total
+
+    metrics = {} if kl is None else {"kl": token_mean(kl)}
+    metrics.update({"clip_ratio/low_mean": token_mean(low), "clip_ratio/high_mean": token_mean(high),
+                    "clip_ratio/region_mean": token_mean(low | high),
+                    "entropy": token_mean(lax.stop_gradient(entropy))})
+    has_tokens = tokens_per_sequence > 0
+    low_fraction, high_fraction = ((flags & keep).sum(axis=1) / jnp.maximum(tokens_per_sequence, 1.0)
+                                   for flags in (low, high))
+    any_tokens = has_tokens.any()
+    metrics["clip_ratio/low_min"] = jnp.where(any_tokens, jnp.where(has_tokens, low_fraction, jnp.inf).min(), jnp.nan)
+    metrics["clip_ratio/high_max"] = jnp.where(any_tokens, jnp.where(has_tokens, high_fraction, -jnp.inf).max(),
+                                               jnp.nan)
+    return metrics
+
+
+def grpo_loss_from_stats(log_probs, entropy, keep, advantages, old_log_probs, ref_log_probs, weights,
+                         settings: GRPOSettings) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Loss and metrics from per-token log-probs and entropies (B, T); ``advantages`` (B, 1) or (B, T)."""
+
+    def kept(values):  # 0 where masked: finite terms with weight 0, so no NaN reaches the gradient
+        return None if values is None else jnp.where(keep, values, 0.0)
+
+    loss, kl, low, high = token_objective(kept(log_probs), kept(jnp.broadcast_to(advantages, keep.shape)),
+                                          kept(old_log_probs), kept(ref_log_probs), settings)
+    return (loss * weights).sum(), grpo_metrics(kl, low, high, entropy, keep)

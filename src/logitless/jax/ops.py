@@ -1,0 +1,147 @@
+"""The public JAX ops: `fused_linear_logprobs` and `fused_grpo_loss`, same semantics as the PyTorch ones.
+
+Both take ``impl="fused"`` (default: `token_stats.linear_token_stats`, vocabulary blocks, no (N, V)
+array) or ``impl="materialized"`` (the plain-JAX baseline of `reference.py`). Both are jit-able:
+``temperature``, ``softcap``, ``beta``, the epsilons, ``loss_type``, ``block_sizes`` and ``impl``
+are Python values (static); arrays may be traced.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from logitless._checks import check_advantages_shape, check_choice, check_grpo_options, check_positive
+from logitless.jax.checks import check_array, check_finite, check_mask, check_same_shape, check_token_ids, concrete
+from logitless.jax.grpo import grpo_loss_from_stats, token_weights
+from logitless.jax.reference import materialized_token_stats
+from logitless.jax.sharding import per_token_shard
+from logitless.jax.token_stats import BlockSizes, Head, linear_token_stats
+from logitless.ops.grpo import GRPO_LOSS_TYPES, GRPOSettings
+
+TOKEN_STATS = {"fused": linear_token_stats, "materialized": materialized_token_stats}
+
+
+class LinearInputs(NamedTuple):
+    """Validated LM-head inputs, flattened over tokens."""
+
+    hidden: jax.Array  # (N, H)
+    weight: jax.Array  # (V, H)
+    bias: jax.Array | None  # (V,)
+    targets: jax.Array  # (N,); 0 where masked, so every id indexes the vocabulary
+    keep: jax.Array | None  # (N,) bool, or None when nothing is masked
+    head: Head
+
+
+def _linear_inputs(hidden, weight, targets, bias, temperature, softcap, mask, block_sizes,
+                   targets_name: str = "targets", mask_name: str = "mask") -> LinearInputs:
+    hidden = check_array("hidden", hidden, ndim=(2, 3), floating=True)
+    weight = check_array("weight", weight, ndim=2, floating=True)
+    targets = check_array(targets_name, targets, ndim=hidden.ndim - 1, integer=True)
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight: hidden size {weight.shape[1]} does not match hidden's last dim {hidden.shape[-1]}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight: dtype {weight.dtype} differs from hidden's {hidden.dtype}")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"{targets_name}: shape {tuple(targets.shape)} does not match hidden's leading dims "
+                         f"{tuple(hidden.shape[:-1])}")
+    if bias is not None:
+        bias = check_array("bias", bias, ndim=1, floating=True)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"bias: length {bias.shape[0]} does not match the vocabulary size {weight.shape[0]}")
+    temperature = check_positive("temperature", temperature)
+    softcap = None if softcap is None else check_positive("softcap", softcap)
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise TypeError(f"block_sizes: expected logitless.jax.BlockSizes, got {type(block_sizes).__name__}")
+    keep = None if mask is None else check_mask(mask_name, mask, targets_name, targets)
+    check_token_ids(targets_name, targets, weight.shape[0], keep)
+    flat_targets = targets.reshape(-1)
+    flat_keep = None if keep is None else keep.reshape(-1)
+    if flat_keep is not None:
+        flat_targets = jnp.where(flat_keep, flat_targets, 0)
+    return LinearInputs(hidden.reshape(-1, hidden.shape[-1]), weight, bias, flat_targets, flat_keep,
+                        Head(temperature, softcap, block_sizes or BlockSizes()))
+
+
+def _token_stats(inputs: LinearInputs, impl: str):
+    """(N,) log-probs and entropies; 0 where masked."""
+    check_choice("impl", impl, tuple(TOKEN_STATS))
+    log_probs, entropy = per_token_shard(TOKEN_STATS[impl], inputs.hidden, inputs.weight, inputs.bias, inputs.targets,
+                                         inputs.head)
+    if inputs.keep is None:
+        return log_probs, entropy
+    return jnp.where(inputs.keep, log_probs, 0.0), jnp.where(inputs.keep, entropy, 0.0)
+
+
+def fused_linear_logprobs(hidden, weight, targets, *, bias=None, temperature: float = 1.0,
+                          return_entropy: bool = False, mask=None, softcap: float | None = None,
+                          block_sizes: BlockSizes | None = None, impl: str = "fused"):
+    """log softmax(cap(hidden @ weight.T + bias) / temperature)[targets], without the (N, V) logits.
+
+    hidden (N, H) or (B, T, H); weight (V, H); targets (N,) or (B, T) integer ids; bias (V,).
+    Returns the log-probs (fp32; fp64 for fp64 inputs) with the shape of ``targets``, and with
+    ``return_entropy`` also the entropy: ``(log_probs, entropy)``. Both are differentiable in
+    hidden, weight and bias. Where ``mask`` is 0 the outputs are 0 and pass no gradient (the ids
+    there may be anything, e.g. -100). ``softcap`` c gives ``c * tanh(x / c)`` before the temperature.
+    ``block_sizes`` sets the vocabulary columns and token rows per block (`BlockSizes`).
+
+    Ids out of [0, V) raise ValueError when the ids are concrete; under jit they cannot be checked
+    and their log-prob is NaN (so a bad id shows in the loss instead of reading another token).
+    """
+    inputs = _linear_inputs(hidden, weight, targets, bias, temperature, softcap, mask, block_sizes)
+    log_probs, entropy = (values.reshape(targets.shape) for values in _token_stats(inputs, impl))
+    return (log_probs, entropy) if return_entropy else log_probs
+
+
+def _check_grpo_options(completion_ids, advantages, old_logprobs, ref_logprobs, beta, epsilon_low, epsilon_high,
+                        delta, loss_type, max_completion_length, num_items_in_batch, gradient_accumulation_steps,
+                        use_bias_correction_kl) -> tuple[jax.Array, GRPOSettings]:
+    """The GRPO arguments that `_linear_inputs` does not see: advantages as (B, 1) or (B, T) fp32, and the settings."""
+    check_choice("loss_type", loss_type, GRPO_LOSS_TYPES)
+    advantages = check_array("advantages", advantages, ndim=(1, 2), floating=True)
+    num_sequences, length = completion_ids.shape
+    check_advantages_shape(advantages.shape, num_sequences, length)
+    check_finite("advantages", advantages)
+    for name, value in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
+        if value is not None:
+            check_same_shape(name, check_array(name, value, floating=True), "completion_ids", completion_ids)
+    check_grpo_options(beta, epsilon_low, epsilon_high, delta, ref_logprobs is not None, max_completion_length,
+                       gradient_accumulation_steps)
+    items = None if num_items_in_batch is None else concrete(num_items_in_batch)
+    if items is not None and not float(items) > 0:
+        raise ValueError(f"num_items_in_batch: must be > 0, got {num_items_in_batch!r}")
+    settings = GRPOSettings(float(beta), float(epsilon_low), float(epsilon_high), delta, bool(use_bias_correction_kl))
+    return advantages.reshape(num_sequences, -1).astype(jnp.float32), settings
+
+
+def fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, *, bias=None, old_logprobs=None,
+                    ref_logprobs=None, beta: float = 0.0, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
+                    delta: float | None = None, loss_type: str = "grpo", temperature: float = 1.0,
+                    max_completion_length: int | None = None, num_items_in_batch=None,
+                    gradient_accumulation_steps: int = 1, use_bias_correction_kl: bool = False,
+                    softcap: float | None = None, block_sizes: BlockSizes | None = None,
+                    impl: str = "fused") -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The GRPO loss of TRL's GRPOTrainer from hidden states (B, T, H) and the LM head, without logits.
+
+    Arguments as `logitless.fused_grpo_loss` (PyTorch): ``completion_ids``/``completion_mask``/
+    ``old_logprobs``/``ref_logprobs`` (B, T); ``advantages`` (B,), (B, 1) or (B, T); ``loss_type``
+    grpo | bnpo | dr_grpo | dapo; ``beta > 0`` adds the k3 KL to ``ref_logprobs``; ``old_logprobs``
+    None means on-policy (ratio 1, gradient of the log-prob). Plus ``block_sizes`` and ``impl`` as in
+    `fused_linear_logprobs`.
+    Returns (loss, metrics): a scalar and a dict of scalar arrays with TRL's names, kl (when
+    ref_logprobs is given), clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean,
+    entropy, clip_ratio/low_min, clip_ratio/high_max. Differentiate with ``jax.grad(..., has_aux=True)``.
+    """
+    hidden = check_array("hidden", hidden, ndim=3, floating=True)
+    inputs = _linear_inputs(hidden, weight, completion_ids, bias, temperature, softcap, completion_mask, block_sizes,
+                            targets_name="completion_ids", mask_name="completion_mask")
+    advantages, settings = _check_grpo_options(completion_ids, advantages, old_logprobs, ref_logprobs, beta,
+                                               epsilon_low, epsilon_high, delta, loss_type, max_completion_length,
+                                               num_items_in_batch, gradient_accumulation_steps,
+                                               use_bias_correction_kl)
+    keep = inputs.keep.reshape(completion_ids.shape)
+    log_probs, entropy = (values.reshape(completion_ids.shape) for values in _token_stats(inputs, impl))
+    weights = token_weights(keep, loss_type, max_completion_length, num_items_in_batch, gradient_accumulation_steps)
+    return grpo_loss_from_stats(log_probs, entropy, keep, advantages, old_logprobs, ref_logprobs, weights, settings)

@@ -1,0 +1,316 @@
+"""logitless.jax against the PyTorch ops (values, gradients, metrics), check_grads in float64, -inf logits,
+bf16, masks, jit, the memory design, and bad input.
+
+One small shape throughout (V prime; blocks of 16 columns and 8 rows leave ragged ends on both axes),
+so the few distinct programs compile once.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from jax.test_util import check_grads
+
+import logitless
+from logitless.jax import BlockSizes, fused_grpo_loss, fused_linear_logprobs
+from logitless.jax.reference import materialized_token_stats
+from logitless.jax.token_stats import Head, linear_token_stats
+
+B, T, H, V = 3, 7, 16, 61
+BLOCKS = BlockSizes(vocab=16, tokens=8)
+
+
+def grpo_inputs(seed: int = 0) -> dict:
+    """NumPy inputs; masked positions hold junk (id -100, NaN old log-prob) that must not matter."""
+    rng = np.random.default_rng(seed)
+    mask = np.ones((B, T), bool)
+    mask[0, 4:] = False
+    mask[1, 0] = False
+    mask[2, :] = False  # a sequence without tokens
+    ids = rng.integers(0, V, (B, T))
+    hidden = rng.standard_normal((B, T, H)).astype(np.float32)
+    weight = (rng.standard_normal((V, H)) * 0.3).astype(np.float32)
+    logits = hidden @ weight.T
+    log_probs = np.take_along_axis(logits - np.log(np.exp(logits).sum(-1, keepdims=True)), ids[..., None], -1)[..., 0]
+    # old and reference policies a little off the current one: ratios from about 0.7 to 1.4, some clipped
+    old = (log_probs + 0.2 * rng.standard_normal((B, T))).astype(np.float32)
+    ref = (log_probs + 0.1 * rng.standard_normal((B, T))).astype(np.float32)
+    ids[~mask] = -100
+    old[~mask] = np.nan
+    return dict(hidden=hidden, weight=weight, completion_ids=ids, completion_mask=mask,
+                advantages=rng.standard_normal(B).astype(np.float32),
+                per_token_advantages=rng.standard_normal((B, T)).astype(np.float32), old_logprobs=old,
+                ref_logprobs=ref)
+
+
+def torch_grpo(inputs, **options):
+    hidden, weight = (torch.tensor(inputs[k], requires_grad=True) for k in ("hidden", "weight"))
+    arrays = {k: None if inputs.get(k) is None else torch.tensor(inputs[k])
+              for k in ("completion_ids", "completion_mask", "advantages", "old_logprobs", "ref_logprobs")}
+    loss, metrics = logitless.fused_grpo_loss(hidden, weight, arrays["completion_ids"], arrays["completion_mask"],
+                                              arrays["advantages"], old_logprobs=arrays["old_logprobs"],
+                                              ref_logprobs=arrays["ref_logprobs"], **options)
+    loss.backward()
+    return loss.item(), metrics, hidden.grad.numpy(), weight.grad.numpy()
+
+
+def jax_grpo(inputs, **options):
+    def loss(hidden, weight):
+        return fused_grpo_loss(hidden, weight, inputs["completion_ids"], inputs["completion_mask"],
+                               inputs["advantages"], old_logprobs=inputs.get("old_logprobs"),
+                               ref_logprobs=inputs.get("ref_logprobs"), block_sizes=BLOCKS, **options)
+
+    (value, metrics), (grad_hidden, grad_weight) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        jnp.asarray(inputs["hidden"]), jnp.asarray(inputs["weight"]))
+    return float(value), {k: float(v) for k, v in metrics.items()}, np.asarray(grad_hidden), np.asarray(grad_weight)
+
+
+GRPO_CASES = {
+    "grpo": dict(loss_type="grpo"),
+    "grpo-kl-old-temperature": dict(loss_type="grpo", beta=0.04, temperature=0.7),
+    "bnpo": dict(loss_type="bnpo"),
+    "bnpo-kl-old-per-token-advantages": dict(loss_type="bnpo", beta=0.1, per_token=True, temperature=0.9),
+    "dr_grpo": dict(loss_type="dr_grpo", max_completion_length=9),
+    "dr_grpo-kl-old-delta-bias-correction": dict(loss_type="dr_grpo", beta=0.04, delta=1.02,
+                                                 use_bias_correction_kl=True, temperature=1.3),
+    "dapo": dict(loss_type="dapo", epsilon_high=0.28),
+    "dapo-kl-old-items-accumulation": dict(loss_type="dapo", beta=0.04, num_items_in_batch=20,
+                                           gradient_accumulation_steps=2, epsilon_low=0.1, temperature=1.1),
+}
+
+
+@pytest.mark.parametrize("case", GRPO_CASES)
+def test_grpo_loss_matches_pytorch(case):
+    options = dict(GRPO_CASES[case])
+    inputs = grpo_inputs()
+    if options.pop("per_token", False):
+        inputs["advantages"] = inputs["per_token_advantages"]
+    if "beta" not in options:  # on-policy without KL: no old or reference log-probs
+        inputs["old_logprobs"] = inputs["ref_logprobs"] = None
+    expected, got = torch_grpo(inputs, **options), jax_grpo(inputs, **options)
+    assert got[0] == pytest.approx(expected[0], abs=1e-5)
+    assert set(got[1]) == set(expected[1])
+    for name, value in expected[1].items():
+        assert got[1][name] == pytest.approx(value, abs=1e-5, nan_ok=True), name
+    np.testing.assert_allclose(got[2], expected[2], atol=1e-5)  # d hidden
+    np.testing.assert_allclose(got[3], expected[3], atol=1e-5)  # d weight
+    assert np.abs(expected[3]).max() > 1e-3  # the comparison saw real gradients
+    assert not math.isnan(got[1]["clip_ratio/low_min"])  # the empty sequence is left out, not NaN
+
+
+LOGPROB_CASES = {
+    "batched-bias-mask-temperature": dict(temperature=0.7, bias=True, mask=True),
+    "batched-softcap-bias": dict(softcap=2.0, bias=True),
+    "flat-default-blocks": dict(flat=True),
+}
+
+
+@pytest.mark.parametrize("case", LOGPROB_CASES)
+def test_logprobs_and_entropy_match_pytorch(case):
+    options = dict(LOGPROB_CASES[case])
+    inputs = grpo_inputs(seed=1)
+    rng = np.random.default_rng(2)
+    hidden, weight, targets = inputs["hidden"], inputs["weight"], inputs["completion_ids"]
+    mask = inputs["completion_mask"] if options.pop("mask", False) else None
+    if mask is None:
+        targets = np.where(targets < 0, 0, targets)
+    bias = rng.standard_normal(V).astype(np.float32) if options.pop("bias", False) else None
+    if options.pop("flat", False):
+        hidden, targets = hidden.reshape(-1, H), targets.reshape(-1)
+        blocks = None
+    else:
+        blocks = BLOCKS
+    weights = [rng.standard_normal(targets.shape).astype(np.float32) for _ in range(2)]
+
+    th, tw = torch.tensor(hidden, requires_grad=True), torch.tensor(weight, requires_grad=True)
+    tb = None if bias is None else torch.tensor(bias, requires_grad=True)
+    log_probs, entropy = logitless.fused_linear_logprobs(th, tw, torch.tensor(targets), bias=tb, return_entropy=True,
+                                                         mask=None if mask is None else torch.tensor(mask), **options)
+    (log_probs * torch.tensor(weights[0]) + entropy * torch.tensor(weights[1])).sum().backward()
+
+    def loss(hidden, weight, bias):
+        lp, ent = fused_linear_logprobs(hidden, weight, targets, bias=bias, return_entropy=True, mask=mask,
+                                        block_sizes=blocks, **options)
+        return (lp * weights[0] + ent * weights[1]).sum(), (lp, ent)
+
+    argnums = (0, 1) if bias is None else (0, 1, 2)
+    (_, (lp, ent)), grads = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(
+        jnp.asarray(hidden), jnp.asarray(weight), None if bias is None else jnp.asarray(bias))
+    assert lp.shape == ent.shape == targets.shape and lp.dtype == jnp.float32
+    np.testing.assert_allclose(lp, log_probs.detach().numpy(), atol=1e-5)
+    np.testing.assert_allclose(ent, entropy.detach().numpy(), atol=1e-5)
+    for grad, tensor in zip(grads, (th, tw, tb)):
+        np.testing.assert_allclose(grad, tensor.grad.numpy(), atol=1e-5)
+    if mask is not None:
+        assert (np.asarray(lp)[~mask] == 0).all() and (np.asarray(ent)[~mask] == 0).all()
+
+
+def test_minus_inf_logits_are_exact():
+    """Padded vocabulary rows (bias -inf): 0 * log 0 = 0 in the entropy and its gradient; those rows get
+    no gradient. (PyTorch's ops give a NaN entropy here, so the oracle is the entropy over the finite
+    columns.)"""
+    inputs = grpo_inputs(seed=8)
+    hidden, weight = jnp.asarray(inputs["hidden"]), jnp.asarray(inputs["weight"])
+    padded = [5, 17, 60]
+    bias = np.zeros(V, np.float32)
+    bias[padded] = -np.inf
+    targets = np.where(np.isin(inputs["completion_ids"], padded) | (inputs["completion_ids"] < 0), 1,
+                       inputs["completion_ids"])
+
+    def loss(hidden, weight, bias, impl):
+        lp, ent = fused_linear_logprobs(hidden, weight, targets, bias=jnp.asarray(bias), return_entropy=True,
+                                        temperature=0.7, block_sizes=BLOCKS, impl=impl)
+        return lp.sum() + 2 * ent.sum(), (lp, ent)
+
+    (_, (lp, ent)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(hidden, weight, bias, "fused")
+    finite = np.setdiff1d(np.arange(V), padded)
+    logits = np.asarray(hidden, np.float64) @ np.asarray(weight, np.float64)[finite].T / 0.7
+    log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    np.testing.assert_allclose(ent, -(np.exp(log_p) * log_p).sum(-1), atol=1e-5)
+    assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+    assert (np.asarray(grads[1])[padded] == 0).all() and (np.asarray(grads[2])[padded] == 0).all()
+    _, expected = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(hidden, weight, bias, "materialized")
+    for got, want in zip(grads, expected):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_check_grads_float64():
+    rng = np.random.default_rng(3)
+    with jax.enable_x64(True):
+        hidden, weight = jnp.asarray(rng.standard_normal((5, 3))), jnp.asarray(rng.standard_normal((11, 3)))
+        bias, targets = jnp.asarray(rng.standard_normal(11)), jnp.asarray([0, 10, 3, 4, 10])
+        weights = jnp.asarray(rng.standard_normal((2, 5)))
+        head = Head(temperature=0.8, softcap=3.0, blocks=BlockSizes(vocab=4, tokens=2))
+
+        def stats_loss(hidden, weight, bias):
+            log_probs, entropy = linear_token_stats(hidden, weight, bias, targets, head)
+            assert log_probs.dtype == jnp.float64
+            return (log_probs * weights[0]).sum() + (entropy * weights[1]).sum()
+
+        check_grads(jax.jit(stats_loss), (hidden, weight, bias), order=1, modes=["rev"])
+        inputs = {k: jnp.asarray(v.astype(np.float64)) if v.dtype == np.float32 else jnp.asarray(v)
+                  for k, v in grpo_inputs(seed=4).items()}
+        hidden, weight = inputs["hidden"][..., :4], inputs["weight"][:, :4]
+        log_probs = fused_linear_logprobs(hidden, weight, inputs["completion_ids"], mask=inputs["completion_mask"])
+        old = log_probs + 0.05 * inputs["per_token_advantages"]  # ratios near 1, away from the clip's kinks
+
+        def grpo(hidden, weight):
+            return fused_grpo_loss(hidden, weight, inputs["completion_ids"], inputs["completion_mask"],
+                                   inputs["advantages"], old_logprobs=old, ref_logprobs=inputs["ref_logprobs"],
+                                   beta=0.04, block_sizes=BLOCKS)[0]
+
+        check_grads(jax.jit(grpo), (hidden, weight), order=1, modes=["rev"])
+
+
+def test_bf16_inputs_keep_fp32_statistics():
+    inputs = grpo_inputs(seed=5)
+    hidden, weight = (jnp.asarray(inputs[k], jnp.bfloat16) for k in ("hidden", "weight"))
+    targets = np.where(inputs["completion_ids"] < 0, 0, inputs["completion_ids"])
+
+    def loss(hidden, weight, impl):
+        lp, ent = fused_linear_logprobs(hidden, weight, targets, return_entropy=True, block_sizes=BLOCKS, impl=impl)
+        return lp.sum() + ent.sum(), (lp, ent)
+
+    (_, (lp, ent)), (grad_hidden, grad_weight) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+        hidden, weight, "fused")
+    assert lp.dtype == ent.dtype == jnp.float32
+    assert grad_hidden.dtype == grad_weight.dtype == jnp.bfloat16
+    # the same bf16 numbers in fp32, materialized: only the bf16 matmul inputs differ
+    (_, (lp32, ent32)), grads32 = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+        hidden.astype(jnp.float32), weight.astype(jnp.float32), "materialized")
+    np.testing.assert_allclose(lp, lp32, atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(ent, ent32, atol=2e-5, rtol=1e-5)
+    for grad, grad32 in zip((grad_hidden, grad_weight), grads32):  # one bf16 rounding of the result
+        np.testing.assert_allclose(grad.astype(jnp.float32), grad32, rtol=1e-2, atol=1e-2)
+
+
+def test_under_jit_bad_ids_give_nan_and_an_empty_batch_gives_zero_gradients():
+    inputs = grpo_inputs(seed=6)
+    hidden, weight = jnp.asarray(inputs["hidden"]), jnp.asarray(inputs["weight"])
+    ids = np.where(inputs["completion_ids"] < 0, 0, inputs["completion_ids"])
+    ids[0, 0], ids[0, 1] = V, -1  # out of range, where the values cannot be checked
+    log_probs = jax.jit(lambda h, w, t: fused_linear_logprobs(h, w, t, block_sizes=BLOCKS))(hidden, weight, ids)
+    assert np.isnan(log_probs[0, :2]).all() and np.isfinite(log_probs[0, 2:]).all()
+
+    @jax.jit
+    def step(hidden, weight, mask):
+        return jax.value_and_grad(lambda h, w: fused_grpo_loss(h, w, ids, mask, inputs["advantages"],
+                                                               block_sizes=BLOCKS), argnums=(0, 1), has_aux=True)(
+            hidden, weight)
+
+    (loss, metrics), grads = step(hidden, weight, np.zeros((B, T), bool))
+    assert float(loss) == 0.0 and all((np.asarray(g) == 0).all() for g in grads)
+    assert np.isnan(metrics["clip_ratio/low_min"]) and float(metrics["entropy"]) == 0.0
+
+
+def test_memory_design_compiled_temporaries():
+    """No weight-sized fp32 buffer (a dW accumulator, an fp32 copy of a bf16 weight) in the compiled step."""
+    from logitless.bench.jax import Shape, compile_step, memory_of
+
+    shape = Shape(batch=1, seq=256, hidden=64, vocab=32003, dtype="bfloat16", vocab_block=512)
+    fused, materialized = (memory_of(compile_step(impl, shape))["temp_size_in_bytes"]
+                           for impl in ("fused", "materialized"))
+    assert fused < shape.vocab * shape.hidden * 4 / 2
+    assert fused < 0.1 * materialized
+
+
+def _bad(**changes):
+    inputs = grpo_inputs()
+    inputs["completion_ids"] = np.where(inputs["completion_ids"] < 0, 0, inputs["completion_ids"])
+    inputs.pop("per_token_advantages")
+    args = {k: jnp.asarray(v) for k, v in inputs.items()}
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize("changes, error, match", [
+    (dict(loss_type="ppo"), ValueError, "loss_type: expected one of"),
+    (dict(hidden=np.zeros((B * T, H), np.float32)), ValueError, "hidden: expected 3 dimensions"),
+    (dict(weight=np.zeros((V, H + 1), np.float32)), ValueError, "weight: hidden size 17"),
+    (dict(weight=np.zeros((V, H), np.float16)), TypeError, "weight: dtype float16 differs"),
+    (dict(hidden=np.zeros((B, T, H), np.int32)), TypeError, "hidden: expected a floating-point array"),
+    (dict(completion_ids=np.zeros((B, T), np.float32)), TypeError, "completion_ids: expected an integer array"),
+    (dict(completion_ids=np.full((B, T), V)), ValueError, r"completion_ids: token ids must lie in \[0, 61\)"),
+    (dict(completion_ids=np.zeros((B, T + 1), np.int32)), ValueError, "completion_ids: shape"),
+    (dict(completion_mask=np.full((B, T), 2.0)), ValueError, "completion_mask: expected a bool or 0/1 mask"),
+    (dict(advantages=np.zeros((B + 1,), np.float32)), ValueError, "advantages: expected"),
+    (dict(advantages=np.array([0.0, np.nan, 1.0], np.float32)), ValueError, "advantages: contains NaN"),
+    (dict(old_logprobs=np.zeros((B, T + 1), np.float32)), ValueError, "old_logprobs: shape"),
+    (dict(ref_logprobs=None, beta=0.1), ValueError, "ref_logprobs: required when beta"),
+    (dict(beta=-1.0), ValueError, "beta: expected a number >= 0"),
+    (dict(temperature=0.0), ValueError, "temperature: must be > 0"),
+    (dict(bias=np.zeros(V + 1, np.float32)), ValueError, "bias: length 62"),
+    (dict(block_sizes=BlockSizes), TypeError, "block_sizes: expected logitless.jax.BlockSizes"),
+    (dict(impl="triton"), ValueError, "impl: expected one of"),
+    (dict(hidden=torch.zeros(B, T, H)), TypeError, "hidden: expected a jax.Array, got Tensor"),
+    (dict(num_items_in_batch=0), ValueError, "num_items_in_batch: must be > 0"),
+])
+def test_bad_input_names_the_argument(changes, error, match):
+    args = _bad(**changes)
+    with pytest.raises(error, match=match):
+        fused_grpo_loss(args.pop("hidden"), args.pop("weight"), args.pop("completion_ids"), args.pop("completion_mask"),
+                        args.pop("advantages"), **args)
+
+
+def test_bad_block_sizes_and_logprob_mask():
+    with pytest.raises(ValueError, match="block_sizes.vocab: expected a positive int"):
+        BlockSizes(vocab=0)
+    hidden, weight = jnp.zeros((4, H)), jnp.zeros((V, H))
+    with pytest.raises(ValueError, match="mask: shape"):
+        fused_linear_logprobs(hidden, weight, jnp.zeros(4, jnp.int32), mask=jnp.ones(5, bool))
+    with pytest.raises(ValueError, match="targets: token ids"):  # only kept ids are checked
+        fused_linear_logprobs(hidden, weight, jnp.array([0, 1, V, -100]), mask=jnp.array([1, 1, 1, 0]))
+    assert fused_linear_logprobs(hidden, weight, jnp.array([0, 1, 2, -100]), mask=jnp.array([1, 1, 1, 0]))[3] == 0
+
+
+def test_stats_equal_the_materialized_baseline_for_any_block_sizes():
+    rng = np.random.default_rng(7)
+    hidden, weight = jnp.asarray(rng.standard_normal((10, H)), jnp.float32), jnp.asarray(rng.standard_normal((V, H)))
+    targets = jnp.asarray(rng.integers(0, V, 10))
+    expected = materialized_token_stats(hidden, weight, None, targets, Head())
+    for blocks in (BlockSizes(vocab=1, tokens=3), BlockSizes(vocab=61), BlockSizes(vocab=1000, tokens=1000)):
+        for got, want in zip(linear_token_stats(hidden, weight, None, targets, Head(blocks=blocks)), expected):
+            np.testing.assert_allclose(got, want, atol=1e-5)
