@@ -280,13 +280,15 @@ def _bad(**changes):
     (dict(advantages=np.array([0.0, np.nan, 1.0], np.float32)), ValueError, "advantages: contains NaN"),
     (dict(old_logprobs=np.zeros((B, T + 1), np.float32)), ValueError, "old_logprobs: shape"),
     (dict(ref_logprobs=None, beta=0.1), ValueError, "ref_logprobs: required when beta"),
-    (dict(beta=-1.0), ValueError, "beta: expected a number >= 0"),
+    (dict(beta=-1.0), ValueError, "beta: expected a finite number >= 0"),
+    (dict(beta=float("nan")), ValueError, "beta: expected a finite number >= 0"),
+    (dict(old_logprobs=np.full((B, T), np.nan, np.float32)), ValueError, "old_logprobs: NaN"),
     (dict(temperature=0.0), ValueError, "temperature: must be > 0"),
     (dict(bias=np.zeros(V + 1, np.float32)), ValueError, "bias: length 62"),
     (dict(block_sizes=BlockSizes), TypeError, "block_sizes: expected logitless.jax.BlockSizes"),
     (dict(impl="triton"), ValueError, "impl: expected one of"),
     (dict(hidden=torch.zeros(B, T, H)), TypeError, "hidden: expected a jax.Array, got Tensor"),
-    (dict(num_items_in_batch=0), ValueError, "num_items_in_batch: must be > 0"),
+    (dict(num_items_in_batch=0), ValueError, "num_items_in_batch: expected a finite number > 0"),
 ])
 def test_bad_input_names_the_argument(changes, error, match):
     args = _bad(**changes)

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from logitless._checks import check_advantages_shape, check_choice, check_grpo_options, check_positive
 from logitless.jax.checks import check_array, check_finite, check_mask, check_same_shape, check_token_ids, concrete
@@ -95,7 +96,7 @@ def fused_linear_logprobs(hidden, weight, targets, *, bias=None, temperature: fl
     return (log_probs, entropy) if return_entropy else log_probs
 
 
-def _check_grpo_options(completion_ids, advantages, old_logprobs, ref_logprobs, beta, epsilon_low, epsilon_high,
+def _check_grpo_options(completion_ids, keep, advantages, old_logprobs, ref_logprobs, beta, epsilon_low, epsilon_high,
                         delta, loss_type, max_completion_length, num_items_in_batch, gradient_accumulation_steps,
                         use_bias_correction_kl) -> tuple[jax.Array, GRPOSettings]:
     """The GRPO arguments that `_linear_inputs` does not see: advantages as (B, 1) or (B, T) fp32, and the settings."""
@@ -104,15 +105,17 @@ def _check_grpo_options(completion_ids, advantages, old_logprobs, ref_logprobs, 
     num_sequences, length = completion_ids.shape
     check_advantages_shape(advantages.shape, num_sequences, length)
     check_finite("advantages", advantages)
+    kept = concrete(keep)
     for name, value in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
         if value is not None:
             check_same_shape(name, check_array(name, value, floating=True), "completion_ids", completion_ids)
-    check_grpo_options(beta, epsilon_low, epsilon_high, delta, ref_logprobs is not None, max_completion_length,
-                       gradient_accumulation_steps)
-    items = None if num_items_in_batch is None else concrete(num_items_in_batch)
-    if items is not None and not float(items) > 0:
-        raise ValueError(f"num_items_in_batch: must be > 0, got {num_items_in_batch!r}")
-    settings = GRPOSettings(float(beta), float(epsilon_low), float(epsilon_high), delta, bool(use_bias_correction_kl))
+            values = concrete(value)
+            if values is not None and kept is not None and not (values[kept] < np.inf).all():
+                raise ValueError(f"{name}: NaN or +inf at a token of completion_mask (log-probabilities are <= 0)")
+    beta, epsilon_low, epsilon_high, delta = check_grpo_options(
+        beta, epsilon_low, epsilon_high, delta, ref_logprobs is not None, max_completion_length,
+        gradient_accumulation_steps, None if num_items_in_batch is None else concrete(num_items_in_batch))
+    settings = GRPOSettings(beta, epsilon_low, epsilon_high, delta, bool(use_bias_correction_kl))
     return advantages.reshape(num_sequences, -1).astype(jnp.float32), settings
 
 
@@ -137,11 +140,11 @@ def fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages,
     hidden = check_array("hidden", hidden, ndim=3, floating=True)
     inputs = _linear_inputs(hidden, weight, completion_ids, bias, temperature, softcap, completion_mask, block_sizes,
                             targets_name="completion_ids", mask_name="completion_mask")
-    advantages, settings = _check_grpo_options(completion_ids, advantages, old_logprobs, ref_logprobs, beta,
+    keep = inputs.keep.reshape(completion_ids.shape)
+    advantages, settings = _check_grpo_options(completion_ids, keep, advantages, old_logprobs, ref_logprobs, beta,
                                                epsilon_low, epsilon_high, delta, loss_type, max_completion_length,
                                                num_items_in_batch, gradient_accumulation_steps,
                                                use_bias_correction_kl)
-    keep = inputs.keep.reshape(completion_ids.shape)
     log_probs, entropy = (values.reshape(completion_ids.shape) for values in _token_stats(inputs, impl))
     weights = token_weights(keep, loss_type, max_completion_length, num_items_in_batch, gradient_accumulation_steps)
     return grpo_loss_from_stats(log_probs, entropy, keep, advantages, old_logprobs, ref_logprobs, weights, settings)

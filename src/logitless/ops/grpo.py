@@ -13,12 +13,12 @@ and the loss is ``sum(loss * token_weight)`` over the kept tokens, with the weig
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 
-from logitless._checks import check_choice, check_finite, check_mask, check_same_shape, check_tensor
+from logitless._checks import (check_advantages_shape, check_choice, check_finite, check_grpo_options, check_mask,
+                               check_same_shape, check_tensor)
 
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
@@ -104,12 +104,6 @@ class GRPOBatch(NamedTuple):
     settings: GRPOSettings
 
 
-def _check_number(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
-    return float(value)
-
-
 def check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs, ref_logprobs, beta, epsilon_low,
                       epsilon_high, delta, loss_type, max_completion_length, num_items_in_batch,
                       gradient_accumulation_steps, use_bias_correction_kl) -> GRPOBatch:
@@ -118,9 +112,7 @@ def check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs,
     keep = check_mask("completion_mask", completion_mask, "completion_ids", completion_ids)
     check_tensor("advantages", advantages, ndim=(1, 2), floating=True)
     num_sequences, length = completion_ids.shape
-    if tuple(advantages.shape) not in ((num_sequences,), (num_sequences, 1), (num_sequences, length)):
-        raise ValueError(f"advantages: expected ({num_sequences},), ({num_sequences}, 1) or per token "
-                         f"({num_sequences}, {length}), got {tuple(advantages.shape)}")
+    check_advantages_shape(advantages.shape, num_sequences, length)
     check_finite("advantages", advantages)
     kept = keep.reshape(-1).nonzero().squeeze(1)  # (K,)
 
@@ -135,21 +127,10 @@ def check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs,
             per_token[name] = per_kept_token(value)
             if bool(torch.isnan(per_token[name]).any() | torch.isposinf(per_token[name]).any()):
                 raise ValueError(f"{name}: NaN or +inf at a token of completion_mask (log-probabilities are <= 0)")
-    settings = GRPOSettings(*(_check_number(name, value) for name, value in (
-        ("beta", beta), ("epsilon_low", epsilon_low), ("epsilon_high", epsilon_high))),
-        delta=None, use_bias_correction_kl=bool(use_bias_correction_kl))
-    if settings.beta != 0 and ref_logprobs is None:
-        raise ValueError("ref_logprobs: required when beta != 0 (the KL penalty needs the reference log-probs)")
-    if delta is not None:
-        if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 < delta < math.inf:
-            raise ValueError(f"delta: the upper bound on the ratio must be a finite number > 0, got {delta!r}")
-        settings = settings._replace(delta=float(delta))
-    for name, value in (("max_completion_length", max_completion_length),
-                        ("gradient_accumulation_steps", gradient_accumulation_steps)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    if num_items_in_batch is not None and not 0 < float(num_items_in_batch) < math.inf:
-        raise ValueError(f"num_items_in_batch: must be a finite number > 0, got {num_items_in_batch!r}")
+    beta, epsilon_low, epsilon_high, delta = check_grpo_options(
+        beta, epsilon_low, epsilon_high, delta, ref_logprobs is not None, max_completion_length,
+        gradient_accumulation_steps, num_items_in_batch)
+    settings = GRPOSettings(beta, epsilon_low, epsilon_high, delta, bool(use_bias_correction_kl))
     weights = token_weights(keep, loss_type, max_completion_length, num_items_in_batch, gradient_accumulation_steps)
     return GRPOBatch(keep, kept, torch.div(kept, length, rounding_mode="floor"),
                      per_kept_token(advantages.float().reshape(num_sequences, -1).expand(num_sequences, length)),
