@@ -8,15 +8,19 @@ from logitless.cli import main
 def test_bench_lmhead_small_shape(tmp_path, capsys):
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     assert main(["bench", "lmhead", "-B", "2", "-T", "16", "-H", "8", "-V", "1009", "--repeats", "1",
-                 "--impl", "materialized", "liger", "logitless", "--json", str(out_json), "--plot", str(out_png)]) == 0
+                 "--masked-fraction", "0.25", "--json", str(out_json), "--plot", str(out_png)]) == 0
     report = json.loads(out_json.read_text())
-    assert report["shape"] == {"batch": 2, "seq": 16, "hidden": 8, "vocab": 1009, "dtype": "float32", "device": "cpu"}
-    assert set(report["results"]) == {"materialized", "liger", "logitless"}
+    assert report["shape"] == {"batch": 2, "seq": 16, "hidden": 8, "vocab": 1009, "dtype": "float32", "device": "cpu",
+                               "masked_fraction": 0.25}
+    assert report["tokens"] == 24 and report["flops_6NHV"] == 6 * 24 * 8 * 1009
+    assert set(report["results"]) == {"materialized", "materialized_minimal", "gemm", "torch_chunked", "liger", "trl",
+                                      "logitless"}
     for name, result in report["results"].items():
-        assert {"time_s", "peak_mb", "loss", "max_abs_grad_diff"} <= result.keys()
-        assert result["time_s"] > 0
-        assert result["loss_diff"] < 1e-5 and result["max_abs_grad_diff"] < 1e-5, name
+        assert result["time_s"] > 0 and result["tokens_per_s"] > 0 and result["bound_fraction"] > 0
+        if name != "gemm":  # every loss equals the materialized one, with the same gradients
+            assert result["loss_diff"] < 1e-5 and result["max_abs_grad_diff"] < 1e-5, name
     assert report["results"]["materialized"]["max_abs_grad_diff"] == 0.0
+    assert report["results"]["materialized_minimal"]["time_ratio_minimal"] == 1.0
     assert out_png.stat().st_size > 5000
     assert "logitless" in capsys.readouterr().out
 
@@ -26,6 +30,9 @@ def test_bench_lmhead_small_shape(tmp_path, capsys):
     (["--impl", "mine"], "--impl"),
     (["-B", "0"], "--batch"),
     (["--device", "cuda"], "--device: CUDA"),
+    (["--device", "tpu"], "--device: expected cpu or cuda"),
+    (["--masked-fraction", "1"], "--masked-fraction"),
+    (["--json", "/proc/nowhere/r.json"], "--json: cannot write"),
 ])
 def test_bench_bad_options(argv, match):
     with pytest.raises(SystemExit, match=match):

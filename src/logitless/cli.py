@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from logitless.bench import jax as bench_jax
+from logitless.bench import lmhead as bench_lmhead
 
 
 class _ConfigLoader(yaml.SafeLoader):
@@ -85,26 +86,6 @@ def run_demo(args: argparse.Namespace) -> int:
         name, _, message = str(err).partition(": ")
         raise SystemExit(f"--{name.replace('_', '-')}: {message}") from None
     return run(output_dir=args.output_dir, steps=args.steps, grpo_steps=args.grpo_steps)
-
-
-def run_bench_lmhead(args: argparse.Namespace) -> int:
-    from logitless.bench import lmhead
-
-    if args.dtype not in lmhead.DTYPES:
-        raise SystemExit(f"--dtype: expected one of {sorted(lmhead.DTYPES)}, got {args.dtype!r}")
-    _require_positive(args, ("batch", "seq", "hidden", "vocab", "repeats"))
-    unknown = sorted(set(args.impl) - set(lmhead.IMPLEMENTATIONS))
-    if unknown:
-        raise SystemExit(f"--impl: unknown {unknown}; choose from {list(lmhead.IMPLEMENTATIONS)}")
-    if args.device.startswith("cuda") and not __import__("torch").cuda.is_available():
-        raise SystemExit("--device: CUDA is not available on this machine")
-    shape = lmhead.Shape(args.batch, args.seq, args.hidden, args.vocab, args.dtype, args.device)
-    report = lmhead.run(shape, args.impl, repeats=args.repeats)
-    print(lmhead.format_table(report))
-    if args.plot:
-        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-    _write_report(report, args.json, (lambda: lmhead.plot(report, args.plot)) if args.plot else None)
-    return 0
 
 
 def _require_positive(args: argparse.Namespace, names: tuple[str, ...]) -> None:
@@ -189,19 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     grpo.set_defaults(handler=run_grpo)
     bench = commands.add_parser("bench", help="microbenchmarks against the peers, side by side")
     targets = bench.add_subparsers(dest="target", required=True)
-    lmhead = targets.add_parser("lmhead", help="GRPO loss fwd+bwd through the LM head: time, peak memory, accuracy")
-    lmhead.add_argument("--batch", "-B", type=int, default=2)
-    lmhead.add_argument("--seq", "-T", type=int, default=512)
-    lmhead.add_argument("--hidden", "-H", type=int, default=512)
-    lmhead.add_argument("--vocab", "-V", type=int, default=151936)
-    lmhead.add_argument("--dtype", default="float32", help="float32 | bfloat16")
-    lmhead.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
-    lmhead.add_argument("--impl", nargs="+", default=["materialized", "torch_chunked", "liger", "logitless"],
-                        help="implementations to compare (materialized always runs: it is the yardstick)")
-    lmhead.add_argument("--repeats", type=int, default=3, help="timed steps per implementation (median reported)")
-    lmhead.add_argument("--json", help="write the report here")
-    lmhead.add_argument("--plot", help="write a PNG bar chart here")
-    lmhead.set_defaults(handler=run_bench_lmhead)
+    bench_lmhead.add_parser(targets)
     bench_grpo = targets.add_parser("grpo", help="a few GRPO steps: stock TRL GRPOTrainer vs GRPOTrainerWithLogits")
     bench_grpo.add_argument("--completions", type=int, default=16, help="completions per step")
     bench_grpo.add_argument("--completion-length", dest="completion_length", type=int, default=128)

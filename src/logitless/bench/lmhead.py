@@ -1,17 +1,24 @@
 """`logitless bench lmhead`: the GRPO loss through the LM head, forward + backward, peers side by side.
 
-Implementations, all on the same seeded inputs (hidden (B, T, H), weight (V, H), completion ids,
-mask, advantages, old and reference log-probs; loss_type "grpo", beta 0.04):
+Every implementation does the same work on the same seeded inputs: hidden (B, T, H), weight (V, H),
+completion ids, advantages, old and reference log-probs; TRL's GRPO loss (loss_type "grpo", beta
+0.04) and the gradients of hidden and weight. Every token is valid unless ``masked_fraction`` pads
+the end of each completion (the padded case). Implementations:
 
-* materialized  logits -> log_softmax -> gather, entropy from the logits without grad (TRL's classic path)
-* torch_chunked PyTorch's F.linear_cross_entropy(reduction="none") with chunking options, for log p
-* liger         Liger-Kernel's LigerFusedLinearGRPOLoss (when installed)
-* logitless     fused_grpo_loss
+* materialized          logits -> log_softmax -> gather -> loss, plus the entropy metric under no_grad,
+                        128 rows at a time, as TRL's classic path logs it: what a user writes
+* materialized_minimal  the same without the entropy metric: the smallest materialized step
+* gemm                  the three bare matmuls of the head (logits, grad hidden, grad weight), no loss:
+                        the 6*N*H*V FLOP bound, measured
+* torch_chunked         PyTorch's F.linear_cross_entropy(reduction="none"), chunked, for log p (no entropy)
+* liger                 Liger-Kernel's LigerFusedLinearGRPOLoss (no entropy)
+* trl                   TRL 1.16's own fused LM head (ChunkedLogProbFunction, with its entropy output)
+* logitless             fused_grpo_loss (entropy metric included)
 
-Each runs in a fresh subprocess: one warm-up step, then a steady-state step whose peak memory beyond
-the inputs is measured (`bench.memory.PeakMemory`; see `run_worker`), the same with the gradient
-outputs counted, then timed repeats (the median is reported). Gradients go to a
-temporary safetensors file and are compared with the materialized path's in the parent.
+Each runs in a fresh subprocess: one warm-up step, a steady-state step whose peak memory beyond the
+inputs is measured (`bench.memory.PeakMemory`), the same with the gradient outputs counted, then
+timed repeats (the median is reported). Gradients go to a temporary safetensors file and are
+compared with the materialized path's in the parent.
 """
 
 from __future__ import annotations
@@ -27,10 +34,10 @@ from pathlib import Path
 
 import torch
 
-from logitless.bench.ratios import add_ratios, format_ratio
+from logitless.bench.ratios import add_ratios, format_ratio, ratio
 from logitless.bench.worker import run_worker_process
 
-IMPLEMENTATIONS = ("materialized", "torch_chunked", "liger", "logitless")
+IMPLEMENTATIONS = ("materialized", "materialized_minimal", "gemm", "torch_chunked", "liger", "trl", "logitless")
 BETA, TEMPERATURE = 0.04, 1.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -43,6 +50,11 @@ class Shape:
     vocab: int = 151936
     dtype: str = "float32"
     device: str = "cpu"
+    masked_fraction: float = 0.0  # the end of each completion that is padding
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * (self.seq - int(self.seq * self.masked_fraction))
 
 
 def make_inputs(shape: Shape) -> dict:
@@ -54,7 +66,7 @@ def make_inputs(shape: Shape) -> dict:
 
     ids = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=generator).to(device)
     mask = torch.ones(shape.batch, shape.seq, device=device)
-    mask[0, shape.seq * 3 // 4:] = 0  # one shorter completion
+    mask[:, shape.seq - int(shape.seq * shape.masked_fraction):] = 0
     per_token = torch.randn(2, shape.batch, shape.seq, generator=generator).to(device)
     base = -torch.rand(shape.batch, shape.seq, generator=generator).to(device) * 3 - 9  # ~ log(1/V)-ish
     return dict(hidden=randn(shape.batch, shape.seq, shape.hidden, scale=0.5).requires_grad_(),
@@ -65,6 +77,7 @@ def make_inputs(shape: Shape) -> dict:
 
 
 def _grpo_from_log_probs(log_probs, inputs):
+    """TRL's GRPO loss (grpo normalization) on (B, T) log-probs: the same code for every implementation."""
     from logitless.ops.grpo import GRPOSettings, token_objective, token_weights
 
     parts = token_objective(log_probs, inputs["advantages"][:, None], inputs["old_logprobs"], inputs["ref_logprobs"],
@@ -73,15 +86,51 @@ def _grpo_from_log_probs(log_probs, inputs):
     return (parts[0] * weights).sum()
 
 
-def step_materialized(inputs):
+def _materialized_log_probs(inputs):
     logits = (inputs["hidden"] @ inputs["weight"].T).float() / TEMPERATURE  # (B, T, V)
     log_probs = torch.log_softmax(logits, dim=-1).gather(-1, inputs["completion_ids"][..., None]).squeeze(-1)
+    return logits, log_probs
+
+
+def step_materialized(inputs):
+    logits, log_probs = _materialized_log_probs(inputs)
     with torch.no_grad():  # the entropy metric, 128 rows at a time as TRL's entropy_from_logits does
         flat = logits.reshape(-1, logits.shape[-1])
         for rows in flat.split(128):
             row_log_probs = torch.log_softmax(rows, dim=-1)
             -(row_log_probs.exp() * row_log_probs).sum(-1)
     return _grpo_from_log_probs(log_probs, inputs)
+
+
+def step_materialized_minimal(inputs):
+    return _grpo_from_log_probs(_materialized_log_probs(inputs)[1], inputs)
+
+
+class _BareHeadMatmuls(torch.autograd.Function):
+    """The head's three matmuls and nothing else: logits in forward (discarded), grad hidden and grad weight
+    from a fixed (N, V) upstream gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, upstream):
+        flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
+        flat_hidden @ weight.T  # (N, V) logits
+        ctx.save_for_backward(flat_hidden, weight, upstream)
+        ctx.hidden_shape = hidden.shape
+        return hidden.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _grad):
+        flat_hidden, weight, upstream = ctx.saved_tensors
+        return (upstream @ weight).reshape(ctx.hidden_shape), upstream.T @ flat_hidden, None
+
+
+def step_gemm(inputs):
+    """The 6*N*H*V FLOPs of any LM-head loss's step, measured: the bound the others are compared with."""
+    hidden, weight = inputs["hidden"], inputs["weight"]
+    if "gemm_upstream" not in inputs:  # allocated in the warm-up step, like the inputs
+        inputs["gemm_upstream"] = torch.full((hidden.shape[0] * hidden.shape[1], weight.shape[0]), 1e-6,
+                                             dtype=hidden.dtype, device=hidden.device)
+    return _BareHeadMatmuls.apply(hidden, weight, inputs["gemm_upstream"])
 
 
 def step_torch_chunked(inputs):
@@ -107,6 +156,22 @@ def step_liger(inputs):
     return loss
 
 
+def step_trl(inputs):
+    """TRL 1.16's fused head as GRPOTrainer calls it (its default 32768-column tiles; the valid tokens only,
+    as on Triton devices), with the entropy it logs; then the same GRPO loss."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+    hidden, mask = inputs["hidden"], inputs["completion_mask"].bool()
+    log_probs, entropy, *_ = ChunkedLogProbFunction.apply(
+        hidden[mask], inputs["weight"], None, inputs["completion_ids"][mask], TEMPERATURE,
+        _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, ("entropy",))
+    full = log_probs.new_zeros(mask.shape).masked_scatter(mask, log_probs)
+    with torch.no_grad():
+        entropy.mean()
+    return _grpo_from_log_probs(full, inputs)
+
+
 def step_logitless(inputs):
     from logitless.ops.fused import fused_grpo_loss
 
@@ -116,14 +181,15 @@ def step_logitless(inputs):
     return loss
 
 
-STEPS = {"materialized": step_materialized, "torch_chunked": step_torch_chunked, "liger": step_liger,
-         "logitless": step_logitless}
+STEPS = {"materialized": step_materialized, "materialized_minimal": step_materialized_minimal, "gemm": step_gemm,
+         "torch_chunked": step_torch_chunked, "liger": step_liger, "trl": step_trl, "logitless": step_logitless}
 
 
 def available(implementation: str) -> bool:
-    if implementation == "liger":
+    modules = {"liger": "liger_kernel.chunked_loss", "trl": "trl.kernels.chunked_logprob"}
+    if implementation in modules:
         try:
-            import liger_kernel.chunked_loss  # noqa: F401
+            __import__(modules[implementation])
         except ImportError:
             return False
     if implementation == "torch_chunked":
@@ -182,35 +248,56 @@ def _spawn(implementation: str, shape: Shape, repeats: int, grads_path: str) -> 
 
 
 def run(shape: Shape, implementations=IMPLEMENTATIONS, repeats: int = 3, progress: bool = True) -> dict:
+    """Run each implementation in its own process; ratios are to ``materialized`` and ``materialized_minimal``."""
     from safetensors.torch import load_file
     from tqdm.auto import tqdm
 
     chosen = [name for name in implementations if available(name)]
-    if "materialized" not in chosen:
-        chosen.insert(0, "materialized")
+    for yardstick in ("materialized_minimal", "materialized"):
+        if yardstick not in chosen:
+            chosen.insert(0, yardstick)
     results = {}
-    flops = 6 * shape.batch * shape.seq * shape.hidden * shape.vocab  # forward + two backward matmuls
+    flops = 6 * shape.tokens * shape.hidden * shape.vocab  # forward + two backward matmuls over the valid tokens
     with tempfile.TemporaryDirectory() as scratch:
         for name in tqdm(chosen, desc="bench lmhead", disable=not progress):
             results[name] = _spawn(name, shape, repeats, str(Path(scratch) / f"{name}.safetensors"))
         reference = load_file(str(Path(scratch) / "materialized.safetensors"))
         for name, result in results.items():
-            grads = load_file(str(Path(scratch) / f"{name}.safetensors"))
-            result["max_abs_grad_diff"] = max((grads[k] - reference[k]).abs().max().item() for k in reference)
-            result["loss_diff"] = abs(result["loss"] - results["materialized"]["loss"])
+            if name == "gemm":  # no loss: its gradients are not the loss's
+                result["loss_diff"] = result["max_abs_grad_diff"] = None
+            else:
+                grads = load_file(str(Path(scratch) / f"{name}.safetensors"))
+                result["max_abs_grad_diff"] = max((grads[k] - reference[k]).abs().max().item() for k in reference)
+                result["loss_diff"] = abs(result["loss"] - results["materialized"]["loss"])
+            result["tokens_per_s"] = shape.tokens / result["time_s"]
             result["tflops"] = flops / result["time_s"] / 1e12
     add_ratios(results, "materialized")
-    return {"shape": asdict(shape), "flops_6NHV": flops, "repeats": repeats, "results": results}
+    for result in results.values():
+        result["time_ratio_minimal"] = ratio(result["time_s"], results["materialized_minimal"]["time_s"])
+        result["peak_ratio_minimal"] = ratio(result["peak_mb"], results["materialized_minimal"]["peak_mb"], floor=1.0)
+        # the fraction of the FLOP bound: the bare matmuls' time over this one's (when gemm ran)
+        result["bound_fraction"] = ratio(results["gemm"]["time_s"], result["time_s"]) if "gemm" in results else None
+    return {"shape": asdict(shape), "tokens": shape.tokens, "flops_6NHV": flops, "repeats": repeats,
+            "torch": torch.__version__, "results": results}
+
+
+def _number(value, width: int, spec: str) -> str:
+    text = "n/a" if value is None else format(value, spec)
+    return f"{text:>{width}}"
 
 
 def format_table(report: dict) -> str:
-    lines = [f"GRPO loss fwd+bwd through the LM head, shape {report['shape']}",
-             f"{'impl':<14}{'time s':>9}{'x mat':>7}{'peak MB':>10}{'x mat':>7}{'+grads MB':>10}{'loss diff':>11}"
-             f"{'max|dgrad|':>12}{'TFLOP/s':>9}"]
+    lines = [f"GRPO loss fwd+bwd through the LM head, {report['tokens']} valid tokens, shape {report['shape']}",
+             f"{'impl':<21}{'time s':>8}{'x mat':>7}{'x min':>7}{'tok/s':>8}{'bound':>7}{'peak MB':>9}{'x mat':>7}"
+             f"{'x min':>7}{'loss diff':>11}{'max|dgrad|':>12}"]
     for name, r in report["results"].items():
-        lines.append(f"{name:<14}{r['time_s']:>9.3f}{format_ratio(r['time_ratio'], 7)}{r['peak_mb']:>10.0f}"
-                     f"{format_ratio(r['peak_ratio'], 7)}{r['peak_with_grads_mb']:>10.0f}{r['loss_diff']:>11.1e}{r['max_abs_grad_diff']:>12.1e}"
-                     f"{r['tflops']:>9.2f}")
+        lines.append(f"{name:<21}{r['time_s']:>8.3f}{format_ratio(r['time_ratio'], 7)}"
+                     f"{format_ratio(r['time_ratio_minimal'], 7)}{r['tokens_per_s']:>8.0f}"
+                     f"{format_ratio(r['bound_fraction'], 7)}{r['peak_mb']:>9.0f}{format_ratio(r['peak_ratio'], 7)}"
+                     f"{format_ratio(r['peak_ratio_minimal'], 7)}{_number(r['loss_diff'], 11, '.1e')}"
+                     f"{_number(r['max_abs_grad_diff'], 12, '.1e')}")
+    lines.append("x mat / x min: ratio to materialized (with the entropy metric) / to materialized_minimal; "
+                 "bound: the bare matmuls' time over this one's")
     return "\n".join(lines)
 
 
@@ -219,25 +306,83 @@ def plot(report: dict, path: str | Path) -> Path:
 
     plt = _pyplot()
     names = list(report["results"])
-    figure, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    for axis, key, label in ((axes[0], "time_s", "time per step (s, median)"),
-                             (axes[1], "peak_mb", "peak memory beyond inputs (MB)")):
+    figure, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for axis, key, ratio_key, label in ((axes[0], "time_s", "time_ratio_minimal", "time per step (s, median)"),
+                                        (axes[1], "peak_mb", "peak_ratio_minimal", "peak memory beyond inputs (MB)")):
         values = [report["results"][n][key] for n in names]
-        bars = axis.bar(names, values, color=["#999999" if n == "materialized" else "#4c72b0" for n in names])
+        colors = ["#999999" if n.startswith("materialized") or n == "gemm" else "#4c72b0" for n in names]
+        colors = ["#dd8452" if n == "logitless" else c for n, c in zip(names, colors)]
+        bars = axis.bar(names, values, color=colors)
         for bar, name in zip(bars, names):
-            value = report["results"][name][key.replace("_s", "_ratio").replace("_mb", "_ratio")]
+            value = report["results"][name][ratio_key]
             axis.annotate("n/a" if value is None else f"{value:.2f}x",
                           (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
         axis.set_ylim(top=max(values) * 1.18 or 1.0)  # room for the ratio labels (1.0: all zero)
-        axis.set_title(label)
-        axis.tick_params(axis="x", rotation=20)
+        axis.set_title(label + ", x materialized_minimal")
+        axis.tick_params(axis="x", rotation=30)
     s = report["shape"]
     figure.suptitle(f"GRPO loss fwd+bwd, B={s['batch']} T={s['seq']} H={s['hidden']} V={s['vocab']} "
-                    f"{s['dtype']} {s['device']}")
+                    f"{s['dtype']} {s['device']}, {report['tokens']} valid tokens")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return Path(path)
+
+
+def add_parser(targets) -> None:
+    """Register ``logitless bench lmhead`` on the ``bench`` subparsers."""
+    parser = targets.add_parser("lmhead", help="GRPO loss fwd+bwd through the LM head: time, peak memory, accuracy")
+    parser.add_argument("--batch", "-B", type=int, default=2, help="completions (default 2)")
+    parser.add_argument("--seq", "-T", type=int, default=512, help="tokens per completion (default 512)")
+    parser.add_argument("--hidden", "-H", type=int, default=512, help="hidden size (default 512)")
+    parser.add_argument("--vocab", "-V", type=int, default=151936,
+                        help="vocabulary size (default 151936, Qwen2/2.5; Qwen3.5's is 248320)")
+    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 (default float32)")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda[:N] (default cpu)")
+    parser.add_argument("--masked-fraction", dest="masked_fraction", type=float, default=0.0,
+                        help="fraction at the end of each completion that is padding (default 0: every token valid)")
+    parser.add_argument("--impl", nargs="+", default=list(IMPLEMENTATIONS),
+                        help=f"implementations to compare, of {', '.join(IMPLEMENTATIONS)} (default all; both "
+                             "materialized yardsticks always run); peers not installed are skipped")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per implementation, median reported (default 3)")
+    parser.add_argument("--json", help="write the report here (default: not written)")
+    parser.add_argument("--plot", help="write a PNG bar chart here (default: not drawn)")
+    parser.set_defaults(handler=run_cli)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    for name in ("batch", "seq", "hidden", "vocab", "repeats"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name}: must be >= 1, got {getattr(args, name)}")
+    if args.dtype not in DTYPES:
+        raise SystemExit(f"--dtype: expected one of {sorted(DTYPES)}, got {args.dtype!r}")
+    if not 0.0 <= args.masked_fraction < 1.0:
+        raise SystemExit(f"--masked-fraction: must lie in [0, 1), got {args.masked_fraction}")
+    unknown = sorted(set(args.impl) - set(IMPLEMENTATIONS))
+    if unknown:
+        raise SystemExit(f"--impl: unknown {unknown}; choose from {list(IMPLEMENTATIONS)}")
+    if not (args.device == "cpu" or args.device.startswith("cuda")):
+        raise SystemExit(f"--device: expected cpu or cuda[:N], got {args.device!r}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device: CUDA is not available on this machine")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:  # before the benchmark runs, not after
+            directory = Path(path).parent
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+                with tempfile.NamedTemporaryFile(dir=directory):
+                    pass
+            except OSError as err:
+                raise SystemExit(f"{flag}: cannot write to {directory}: {err.strerror}") from None
+    shape = Shape(args.batch, args.seq, args.hidden, args.vocab, args.dtype, args.device, args.masked_fraction)
+    report = run(shape, args.impl, repeats=args.repeats)
+    print(format_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    if args.plot:
+        print(f"wrote {plot(report, args.plot)}")
+    return 0
 
 
 def _main() -> int:
