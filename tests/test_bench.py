@@ -72,15 +72,17 @@ def test_a_reference_peak_below_resolution_gives_no_ratio(tmp_path):
 
     def result(time_s, peak_mb):
         return dict(time_s=time_s, peak_mb=peak_mb, peak_with_grads_mb=peak_mb, loss_diff=0.0,
-                    max_abs_grad_diff=0.0, tflops=1.0)
+                    max_abs_grad_diff=0.0, tokens_per_s=1.0, tflops=1.0)
 
-    results = {"materialized": result(2.0, 0.0), "logitless": result(1.0, 0.5)}
-    add_ratios(results, "materialized")
-    assert results["logitless"]["time_ratio"] == 0.5
+    results = {"materialized": result(2.0, 0.0), "materialized_minimal": result(1.6, 0.0), "gemm": result(0.5, 0.0),
+               "logitless": result(1.0, 0.5)}
+    lmhead.add_report_ratios(results)
+    assert results["logitless"]["time_ratio"] == 0.5 and results["logitless"]["bound_fraction"] == 0.5
     assert results["logitless"]["peak_ratio"] is None and results["materialized"]["peak_ratio"] is None
+    assert results["logitless"]["peak_ratio_minimal"] is None
     report = {"shape": {"batch": 1, "seq": 1, "hidden": 1, "vocab": 2, "dtype": "float32", "device": "cpu"},
-              "results": results}
-    assert lmhead.format_table(report).splitlines()[-1].split()[4] == "n/a"
+              "tokens": 1, "results": results}
+    assert lmhead.format_table(report).splitlines()[-2].split()[7] == "n/a"
     assert lmhead.plot(report, tmp_path / "p.png").stat().st_size > 5000
 
     results = {"materialized": result(2.0, 40.0), "logitless": result(1.0, 4.0)}

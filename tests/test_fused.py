@@ -260,3 +260,35 @@ def test_bf16_gradients_at_least_as_accurate_as_the_materialized_bf16_path(seed)
                                       grads(materialized, torch.bfloat16), exact):
         fused_error, materialized_error = ((x - want).norm() / want.norm() for x in (got, plain))
         assert fused_error <= materialized_error, (name, fused_error.item(), materialized_error.item())
+
+
+@pytest.mark.parametrize("blocks", [dict(), dict(chunk_size=7, vocab_block_size=100)])
+def test_one_pass_and_two_pass_schedules_agree(blocks, monkeypatch):
+    # cross-entropy and GRPO take one pass on CPU for fp32 weights, two elsewhere: both must give the same
+    from logitless import fused_grpo_loss
+    from logitless.ops import loops
+
+    hidden, weight, bias, targets = _inputs(60, 16, 997, batch=3)
+    mask = torch.rand(targets.shape) > 0.2
+    old = torch.randn(targets.shape) * 0.1 - 7.0
+
+    def run():
+        ce = fused_linear_cross_entropy(hidden, weight, targets, bias=bias, label_smoothing=0.1, softcap=4.0, **blocks)
+        grpo, metrics = fused_grpo_loss(hidden, weight, targets, mask, torch.randn(3, generator=torch.Generator()
+                                        .manual_seed(1)), bias=bias, old_logprobs=old, ref_logprobs=old + 0.1,
+                                        beta=0.04, temperature=0.8, **blocks)
+        return [ce, grpo, *_grads(ce + grpo, (hidden, weight, bias))], metrics
+
+    plans = []
+    real_plan = loops.plan_blocks
+    monkeypatch.setattr("logitless.ops.fused.plan_blocks", lambda *a, **k: plans.append(real_plan(*a, **k))
+                        or plans[-1])
+    one_pass, one_pass_metrics = run()
+    assert plans and all(plan.single_pass for plan in plans)
+    monkeypatch.setattr(loops, "SINGLE_PASS_DEVICES", ())
+    plans.clear()
+    two_pass, two_pass_metrics = run()
+    assert plans and not any(plan.single_pass for plan in plans)
+    for got, want in zip(one_pass, two_pass):
+        _close(got, want, torch.float32)
+    assert one_pass_metrics == pytest.approx(two_pass_metrics, rel=1e-5, abs=1e-6)

@@ -271,14 +271,19 @@ def run(shape: Shape, implementations=IMPLEMENTATIONS, repeats: int = 3, progres
                 result["loss_diff"] = abs(result["loss"] - results["materialized"]["loss"])
             result["tokens_per_s"] = shape.tokens / result["time_s"]
             result["tflops"] = flops / result["time_s"] / 1e12
+    add_report_ratios(results)
+    return {"shape": asdict(shape), "tokens": shape.tokens, "flops_6NHV": flops, "repeats": repeats,
+            "torch": torch.__version__, "results": results}
+
+
+def add_report_ratios(results: dict) -> None:
+    """Ratios to both materialized yardsticks, and the fraction of the FLOP bound (when gemm ran)."""
     add_ratios(results, "materialized")
     for result in results.values():
         result["time_ratio_minimal"] = ratio(result["time_s"], results["materialized_minimal"]["time_s"])
         result["peak_ratio_minimal"] = ratio(result["peak_mb"], results["materialized_minimal"]["peak_mb"], floor=1.0)
-        # the fraction of the FLOP bound: the bare matmuls' time over this one's (when gemm ran)
+        # the bare matmuls' time over this one's
         result["bound_fraction"] = ratio(results["gemm"]["time_s"], result["time_s"]) if "gemm" in results else None
-    return {"shape": asdict(shape), "tokens": shape.tokens, "flops_6NHV": flops, "repeats": repeats,
-            "torch": torch.__version__, "results": results}
 
 
 def _number(value, width: int, spec: str) -> str:

@@ -1,10 +1,16 @@
 """Fused LM-head ops: log-probs, entropy and losses from hidden states and the output embedding,
 without (N, V) logits.
 
-`LinearTokenStats` is the one autograd Function. Its forward is the chunk loop's pass 1 (per-token
-log p(target), entropy and mean log p, saving O(N) numbers), its backward pass 2 (see `chunks.py`).
-Every loss built on it (cross-entropy, TRL's GRPO objective) is ordinary PyTorch on those (N,)
-statistics, so its gradient reaches the chunk loop as per-token vectors.
+Two autograd Functions over the chunk loops of `loops.py`:
+
+* `LinearTokenStats`: per-token log p(target), entropy and mean log p. Forward is the two-pass
+  schedule's pass 1 (saving O(N) numbers), backward its pass 2. For statistics whose loss is not
+  known yet (`fused_linear_logprobs`).
+* `LinearLoss`: a loss that is a sum of per-token terms of those statistics (cross-entropy, TRL's
+  GRPO objective), with its gradients computed during forward in one pass where that pays (CPU,
+  fp32 weights); backward only scales them.
+
+`linear_loss` picks between them; either way the loss is ordinary PyTorch on (N,) statistics.
 """
 
 from __future__ import annotations
@@ -13,9 +19,16 @@ import torch
 
 from logitless._checks import check_choice, check_mask, check_tensor, check_token_ids
 from logitless.ops.backend import chunk_kernels
-from logitless.ops.chunks import BlockPlan, input_grads, plan_blocks, token_stats
-from logitless.ops.grpo import check_grpo_inputs, grpo_objective
+from logitless.ops.grpo import check_grpo_inputs, grpo_metrics, grpo_token_loss
 from logitless.ops.head import LinearHead, stat_dtype
+from logitless.ops.loops import BlockPlan, TokenLoss, input_grads, loss_and_grads, plan_blocks, token_stats
+
+
+def _check_finite_logits(lse: torch.Tensor) -> None:
+    if not bool(torch.isfinite(lse).all()):
+        row = int((~torch.isfinite(lse)).nonzero()[0])
+        raise ValueError(f"hidden: the logits of token {row} are not finite (NaN or inf in hidden or weight, "
+                         "or a row whose every logit is -inf)")
 
 
 class LinearTokenStats(torch.autograd.Function):
@@ -30,10 +43,7 @@ class LinearTokenStats(torch.autograd.Function):
                 need_mean_log_prob: bool):
         kernels = chunk_kernels(hidden.device, stat_dtype(hidden.dtype))
         stats = token_stats(head, hidden, targets, plan, kernels, need_entropy, need_mean_log_prob)
-        if not bool(torch.isfinite(stats.lse).all()):
-            row = int((~torch.isfinite(stats.lse)).nonzero()[0])
-            raise ValueError(f"hidden: the logits of token {row} are not finite (NaN or inf in hidden or weight, "
-                             "or a row whose every logit is -inf)")
+        _check_finite_logits(stats.lse)
         expected_logit = stats.lse - stats.entropy if need_entropy else None  # E_p[z], for the entropy's gradient
         ctx.save_for_backward(hidden, weight, bias, targets, stats.lse, expected_logit)
         ctx.head, ctx.plan = head, plan
@@ -53,13 +63,76 @@ class LinearTokenStats(torch.autograd.Function):
         return (*grads, None, None, None, None, None)
 
 
+class LinearLoss(torch.autograd.Function):
+    """A loss summed over per-token terms (``token_loss``), and the statistics it was computed from.
+
+    Returns (loss (), log_probs (N,), entropy (N,) or zeros); the statistics carry no gradient. The
+    gradients of hidden/weight/bias are computed in forward (`loss_and_grads`) and kept on ctx, not
+    in save_for_backward: backward hands them over and drops its reference, so the weight's gradient
+    (the step's largest tensor at a 151k vocabulary) never exists twice. A second backward
+    (retain_graph, gradcheck) recomputes them from the inputs.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, head: LinearHead, plan: BlockPlan, token_loss: TokenLoss,
+                need_entropy: bool, need_mean_log_prob: bool, needs: tuple[bool, bool, bool]):
+        kernels = chunk_kernels(hidden.device, stat_dtype(hidden.dtype))
+        ctx.recompute = (head, plan, kernels, token_loss, needs, need_entropy, need_mean_log_prob)
+        loss, stats, input_grads_ = loss_and_grads(*_positional(hidden, targets, ctx.recompute))
+        _check_finite_logits(stats.lse)
+        ctx.input_grads = input_grads_
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        entropy = torch.zeros_like(stats.lse) if stats.entropy is None else stats.entropy
+        ctx.mark_non_differentiable(stats.log_probs, entropy)
+        return loss, stats.log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_log_probs, _grad_entropy):
+        input_grads_, ctx.input_grads = ctx.input_grads, None
+        if input_grads_ is None:
+            hidden, _, _, targets = ctx.saved_tensors
+            input_grads_ = loss_and_grads(*_positional(hidden, targets, ctx.recompute))[2]
+        if not bool(grad_loss == 1):
+            input_grads_ = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in input_grads_]
+        return (*input_grads_, None, None, None, None, None, None, None)
+
+
+def _positional(hidden, targets, recompute):
+    """`loss_and_grads`'s arguments from a `LinearLoss` call's inputs and settings."""
+    head, plan, kernels, token_loss, needs, need_entropy, need_mean_log_prob = recompute
+    return head, hidden, targets, plan, kernels, token_loss, needs, need_entropy, need_mean_log_prob
+
+
 def linear_token_stats(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, *, need_entropy: bool = True,
                        need_mean_log_prob: bool = False, chunk_size: int | None = None,
                        vocab_block_size: int | None = None):
     """(log_probs, entropy, mean_log_prob), each (N,), of flat hidden (N, H) and targets (N,); differentiable."""
-    plan = plan_blocks(hidden.shape[0], head.vocab_size, hidden.device, chunk_size, vocab_block_size)
+    plan = plan_blocks(hidden.shape[0], head, hidden.device, chunk_size, vocab_block_size)
     return LinearTokenStats.apply(hidden, head.weight, head.bias, targets, head, plan, need_entropy,
                                   need_mean_log_prob)
+
+
+def linear_loss(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, token_loss: TokenLoss, *,
+                need_entropy: bool = False, need_mean_log_prob: bool = False, chunk_size: int | None = None,
+                vocab_block_size: int | None = None):
+    """(loss, log_probs (N,), entropy (N,) or None) of a loss summed over per-token terms of the statistics.
+
+    ``token_loss(rows, log_probs, entropy, mean_log_prob)`` is the loss summed over the tokens ``rows``.
+    One pass with the gradients computed in forward where `plan_blocks` says it pays; otherwise the
+    statistics of `LinearTokenStats` and ``token_loss`` over all tokens. log_probs and entropy are
+    returned without a graph (for metrics).
+    """
+    needs = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad for t in (hidden, head.weight, head.bias))
+    plan = plan_blocks(hidden.shape[0], head, hidden.device, chunk_size, vocab_block_size, loss_known=any(needs))
+    if plan.single_pass:
+        loss, log_probs, entropy = LinearLoss.apply(hidden, head.weight, head.bias, targets, head, plan, token_loss,
+                                                    need_entropy, need_mean_log_prob, needs)
+        return loss, log_probs, entropy if need_entropy else None
+    log_probs, entropy, mean_log_prob = LinearTokenStats.apply(hidden, head.weight, head.bias, targets, head, plan,
+                                                               need_entropy, need_mean_log_prob)
+    loss = token_loss(slice(None), log_probs, entropy if need_entropy else None,
+                      mean_log_prob if need_mean_log_prob else None)
+    return loss, log_probs.detach(), entropy.detach() if need_entropy else None
 
 
 def _linear_inputs(hidden, weight, targets, bias, temperature, softcap, logit_scale, mask, targets_name="targets"):
@@ -134,14 +207,29 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     keep = targets != ignore_index
     head, flat_hidden, flat_targets, kept = _linear_inputs(hidden, weight, targets, bias, temperature, softcap,
                                                            logit_scale, keep)
-    log_probs, _, mean_log_prob = linear_token_stats(head, flat_hidden, flat_targets, need_entropy=False,
-                                                     need_mean_log_prob=label_smoothing > 0, chunk_size=chunk_size,
-                                                     vocab_block_size=vocab_block_size)
-    token_loss = -log_probs if label_smoothing == 0 else (
-        -(1.0 - label_smoothing) * log_probs - label_smoothing * mean_log_prob)  # (K,)
     if reduction == "none":
-        return _scatter_rows(token_loss, kept, targets.shape)
-    return token_loss.sum() / token_loss.shape[0] if reduction == "mean" else token_loss.sum()
+        log_probs, _, mean_log_prob = linear_token_stats(head, flat_hidden, flat_targets, need_entropy=False,
+                                                         need_mean_log_prob=label_smoothing > 0, chunk_size=chunk_size,
+                                                         vocab_block_size=vocab_block_size)
+        return _scatter_rows(_cross_entropy_terms(log_probs, mean_log_prob, label_smoothing), kept, targets.shape)
+    num_tokens = flat_targets.shape[0]
+    scale = 1.0 / num_tokens if reduction == "mean" and num_tokens else 1.0
+
+    def token_loss(_rows, log_probs, _entropy, mean_log_prob):
+        return _cross_entropy_terms(log_probs, mean_log_prob, label_smoothing).sum() * scale
+
+    loss, _, _ = linear_loss(head, flat_hidden, flat_targets, token_loss, need_mean_log_prob=label_smoothing > 0,
+                             chunk_size=chunk_size, vocab_block_size=vocab_block_size)
+    if reduction == "mean" and not num_tokens:
+        return loss + float("nan")  # the mean of no tokens is NaN, with zero gradients, as in PyTorch
+    return loss
+
+
+def _cross_entropy_terms(log_probs, mean_log_prob, label_smoothing: float):
+    """Per-token cross-entropy with label smoothing, from the statistics."""
+    if label_smoothing == 0:
+        return -log_probs
+    return -(1.0 - label_smoothing) * log_probs - label_smoothing * mean_log_prob
 
 
 def fused_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.Tensor,
@@ -169,6 +257,9 @@ def fused_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: 
                               gradient_accumulation_steps, use_bias_correction_kl)
     head, flat_hidden, flat_ids, _ = _linear_inputs(hidden, weight, completion_ids, bias, temperature, softcap,
                                                     logit_scale, batch.keep, targets_name="completion_ids")
-    log_probs, entropy, _ = linear_token_stats(head, flat_hidden, flat_ids, chunk_size=chunk_size,
-                                               vocab_block_size=vocab_block_size)  # (K,) each
-    return grpo_objective(log_probs, entropy.detach(), batch, has_kl=ref_logprobs is not None)
+    def token_loss(rows, log_probs, _entropy, _mean_log_prob):
+        return grpo_token_loss(log_probs, batch, rows)
+
+    loss, log_probs, entropy = linear_loss(head, flat_hidden, flat_ids, token_loss, need_entropy=True,
+                                           chunk_size=chunk_size, vocab_block_size=vocab_block_size)  # (K,) stats
+    return loss, grpo_metrics(log_probs, entropy, batch, has_kl=ref_logprobs is not None)

@@ -1,7 +1,7 @@
 """The GRPO objective on per-token log-probs, normalized the way TRL's GRPOTrainer does it.
 
-Shared by `fused_grpo_loss` and the materialized oracle in `reference.py`: both hand `grpo_objective`
-the kept tokens' log-probs and entropies, and differ only in how they computed them. Per token (TRL 1.x, ``importance_sampling_level="token"``):
+Shared by `fused_grpo_loss` and the materialized oracle in `reference.py`: both hand `grpo_token_loss`
+and `grpo_metrics` the kept tokens' log-probs and entropies, and differ only in how they computed them. Per token (TRL 1.x, ``importance_sampling_level="token"``):
 
     r      = exp(logp - old_logp)                     (old_logp = logp.detach() when not given)
     loss   = -min(min(r, delta) * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
@@ -138,28 +138,33 @@ def check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs,
                      per_kept_token(weights.to(completion_ids.device)), settings)
 
 
-def grpo_objective(log_probs: torch.Tensor, entropy: torch.Tensor, batch: GRPOBatch,
-                   has_kl: bool) -> tuple[torch.Tensor, dict[str, float]]:
-    """TRL's loss from the kept tokens' log-probs (K,) (with their graph) and entropies (K,), and its metrics.
+def grpo_token_loss(log_probs: torch.Tensor, batch: GRPOBatch, rows: slice = slice(None)) -> torch.Tensor:
+    """TRL's loss over the kept tokens ``rows`` (all by default) from their log-probs (with their graph)."""
+    old = None if batch.old_log_probs is None else batch.old_log_probs[rows]
+    ref = None if batch.ref_log_probs is None else batch.ref_log_probs[rows]
+    loss = token_objective(log_probs, batch.advantages[rows], old, ref, batch.settings)[0]
+    return (loss * batch.weights[rows]).sum()
 
-    Metrics (TRL's names): kl (when ``has_kl``), clip_ratio/low_mean, clip_ratio/high_mean,
-    clip_ratio/region_mean and entropy as means over tokens; clip_ratio/low_min and
-    clip_ratio/high_max, the extremes over sequences of their clipped fractions (sequences without
-    tokens left out; NaN when there are none).
+
+@torch.no_grad()
+def grpo_metrics(log_probs: torch.Tensor, entropy: torch.Tensor, batch: GRPOBatch, has_kl: bool) -> dict[str, float]:
+    """TRL's metrics from the kept tokens' log-probs and entropies (K,): kl (when ``has_kl``),
+    clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean and entropy as means over tokens;
+    clip_ratio/low_min and clip_ratio/high_max, the extremes over sequences of their clipped fractions
+    (sequences without tokens left out; NaN when there are none).
     """
-    loss, kl, low, high = token_objective(log_probs, batch.advantages, batch.old_log_probs, batch.ref_log_probs,
-                                          batch.settings)
-    with torch.no_grad():
-        tokens = max(log_probs.shape[0], 1)
-        means = [low.sum(), high.sum(), (low | high).sum(), entropy.sum()] + ([kl.sum()] if has_kl else [])
-        means = (torch.stack([m.float() for m in means]) / tokens).tolist()
-        metrics = dict(zip(("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy",
-                            "kl"), means))
-        num_sequences = batch.keep.shape[0]
-        tokens_per_sequence = batch.keep.sum(dim=1)  # (B,)
-        has_tokens = tokens_per_sequence > 0
-        for name, flags, extreme in (("clip_ratio/low_min", low, torch.min), ("clip_ratio/high_max", high, torch.max)):
-            per_sequence = torch.zeros(num_sequences, device=flags.device).index_add_(0, batch.sequence, flags.float())
-            fractions = per_sequence[has_tokens] / tokens_per_sequence[has_tokens]
-            metrics[name] = extreme(fractions).item() if fractions.numel() else float("nan")
-    return (loss * batch.weights).sum(), metrics
+    _, kl, low, high = token_objective(log_probs, batch.advantages, batch.old_log_probs, batch.ref_log_probs,
+                                       batch.settings)
+    tokens = max(log_probs.shape[0], 1)
+    sums = [low.sum(), high.sum(), (low | high).sum(), entropy.sum()] + ([kl.sum()] if has_kl else [])
+    means = (torch.stack([total.float() for total in sums]) / tokens).tolist()
+    metrics = dict(zip(("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy", "kl"),
+                       means))
+    tokens_per_sequence = batch.keep.sum(dim=1)  # (B,)
+    has_tokens = tokens_per_sequence > 0
+    for name, flags, extreme in (("clip_ratio/low_min", low, torch.min), ("clip_ratio/high_max", high, torch.max)):
+        per_sequence = torch.zeros(batch.keep.shape[0], device=flags.device).index_add_(0, batch.sequence,
+                                                                                        flags.float())
+        fractions = per_sequence[has_tokens] / tokens_per_sequence[has_tokens]
+        metrics[name] = extreme(fractions).item() if fractions.numel() else float("nan")
+    return metrics

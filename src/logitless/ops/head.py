@@ -98,15 +98,24 @@ class LinearHead:
     def with_temperature(self, temperature: float) -> LinearHead:
         return LinearHead(self.weight, self.bias, temperature, self.softcap, self.scale)
 
-    def logits(self, hidden: torch.Tensor, columns: slice | torch.Tensor | None = None) -> torch.Tensor:
-        """(n, H) -> (n, v) fp32 logits of the vocabulary ``columns`` (all of them by default).
+    def logits(self, hidden: torch.Tensor, columns: slice | torch.Tensor | None = None, *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, H) -> (n, v) fp32 logits of the vocabulary ``columns`` (all of them by default), into ``out``
+        (a contiguous (n, v) stat-dtype buffer) when given.
 
         ``hidden`` and the weight are multiplied in their own dtype where the device allows an fp32
         result (see `matmul_stat`). A slice of columns reads a view of the weight; an index tensor
         or list gathers those rows.
         """
         weight = self.weight if columns is None else self.weight[columns]  # (v, H)
-        logits = matmul_stat(hidden, weight.T)  # (n, v)
+        # an out= matmul would escape an autocast region, in which the model's own head runs in low precision
+        if out is not None and hidden.dtype == weight.dtype == out.dtype \
+                and not torch.is_autocast_enabled(hidden.device.type):
+            logits = torch.mm(hidden, weight.T, out=out)
+        elif out is not None:
+            logits = out.copy_(matmul_stat(hidden, weight.T))
+        else:
+            logits = matmul_stat(hidden, weight.T)  # (n, v)
         if self.bias is not None:
             logits += self.bias if columns is None else self.bias[columns]
         return self.finish_(logits)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from logitless._checks import check_positive, check_tensor
-from logitless.ops.grpo import check_grpo_inputs, grpo_objective
+from logitless.ops.grpo import check_grpo_inputs, grpo_metrics, grpo_token_loss
 from logitless.ops.head import LinearHead, stat_dtype
 
 
@@ -78,4 +78,5 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
     log_probs, entropy = linear_logprobs(hidden, weight, completion_ids, bias=bias, temperature=temperature,
                                          return_entropy=True, softcap=softcap, logit_scale=logit_scale)  # (B, T) each
     kept_log_probs, kept_entropy = (values.reshape(-1)[batch.kept] for values in (log_probs, entropy))
-    return grpo_objective(kept_log_probs, kept_entropy.detach(), batch, has_kl=ref_logprobs is not None)
+    return grpo_token_loss(kept_log_probs, batch), grpo_metrics(kept_log_probs.detach(), kept_entropy.detach(), batch,
+                                                                has_kl=ref_logprobs is not None)

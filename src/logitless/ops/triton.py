@@ -40,8 +40,9 @@ def _check_block(logits: torch.Tensor) -> None:
 
 
 def update_stats(stats: OnlineSoftmax, logits: torch.Tensor, start: int, targets: torch.Tensor,
-                 has_neg_inf: bool) -> None:
-    """Add one block of logits (n, c) to the running sums of ``stats`` (the kernel handles -inf itself)."""
+                 has_neg_inf: bool, keep_logits: bool = False) -> None:
+    """Add one block of logits (n, c) to the running sums of ``stats``; the kernel only reads ``logits``
+    (so ``keep_logits`` is always honoured) and handles -inf itself."""
     _check_block(logits)
     num_rows, num_columns = logits.shape
     if num_rows == 0:
