@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from logitless import fused_grpo_loss, fused_linear_cross_entropy, fused_linear_logprobs
+from logitless import fused_grpo_loss, fused_linear_cross_entropy, fused_linear_kl, fused_linear_logprobs
 from logitless.ops import reference
 
 FUZZ = settings(max_examples=500, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -75,14 +75,14 @@ def _oracle_options(options):
     return {k: v for k, v in options.items() if k not in ("chunk_size", "vocab_block_size")}
 
 
-def _assert_matches(got, want, low_precision: bool):
+def _assert_matches(got, want, low_precision: bool, tolerance: float = 2e-5):
     for g, w in zip(got, want):
         assert g.shape == w.shape
         if low_precision:
             scale = w.detach().abs().nan_to_num(posinf=0.0, neginf=0.0).max().item() if w.numel() else 0.0
-            torch.testing.assert_close(g.detach().float(), w.detach(), atol=4e-2 * scale + 1e-2, rtol=0)
+            torch.testing.assert_close(g.detach().float(), w.detach().float(), atol=4e-2 * scale + 1e-2, rtol=0)
         else:
-            torch.testing.assert_close(g.detach().float(), w.detach(), atol=2e-5, rtol=2e-5)
+            torch.testing.assert_close(g.detach().to(w.dtype), w.detach(), atol=tolerance, rtol=tolerance)
 
 
 def _grads(output, leaves):
@@ -157,3 +157,31 @@ def test_grpo_loss(case, loss_type, beta, with_old, delta):
     if not low_precision:
         for name, value in metrics.items():
             assert value == pytest.approx(want_metrics[name], abs=2e-5, rel=2e-5, nan_ok=True), name
+
+
+@FUZZ
+@given(case=heads(), teacher_size=st.integers(1, 10), with_mask=st.booleans())
+def test_kl(case, teacher_size, with_mask):
+    # the q side: another hidden size, its own bias (with -inf entries where the p side has them, plus others)
+    # judged against float64 (an fp32 oracle is itself off by ~1.5e-5 at temperature 0.3, where logits are large)
+    fused, _ = _leaves(case)
+    generator, dtype = case["generator"], case["hidden"].dtype
+    oracle = [t.detach().double().requires_grad_() for t in fused]
+    hidden_q = (torch.randn(*case["hidden"].shape[:-1], teacher_size, generator=generator) * 0.7).to(dtype)
+    weight_q = (torch.randn(case["weight"].shape[0], teacher_size, generator=generator) * 0.7).to(dtype)
+    bias_q = None if case["bias"] is None else case["bias"] + torch.randn(case["bias"].shape, generator=generator).to(
+        dtype)
+    options = {k: v for k, v in case["options"].items() if k in ("temperature", "chunk_size", "vocab_block_size")}
+    mask = case["mask"] if with_mask else None
+    kl = fused_linear_kl(fused[0], fused[1], hidden_q, weight_q, bias_p=_head(fused)["bias"], bias_q=bias_q,
+                         mask=mask, **options)
+    log_p, log_q = (torch.log_softmax(reference.linear_logits(h.double(), w.double(), None if b is None else b.double(),
+                                                              temperature=options["temperature"]), -1)
+                    for h, w, b in ((oracle[0], oracle[1], _head(oracle)["bias"]), (hidden_q, weight_q, bias_q)))
+    taken = log_p.exp() > 0  # 0 * log(0 / q) = 0
+    want = (log_p.exp() * torch.where(taken, log_p - log_q, 0.0)).sum(-1)
+    if mask is not None:
+        want = want * mask
+    upstream = torch.randn(want.shape, generator=generator)
+    _assert_matches([kl, *_grads((kl * upstream).sum(), fused)],
+                    [want, *_grads((want * upstream.double()).sum(), oracle)], dtype == torch.bfloat16, 5e-5)

@@ -1,9 +1,13 @@
-"""LM-head ops: materialized oracles (`reference`) and chunked fused autograd Functions (`fused`).
+"""LM-head ops: one head definition (`head`), materialized oracles (`reference`), the chunk loops (`loops`,
+`chunks`, `triton`) and the fused autograd Functions built on them (`fused`, `kl`).
 
 Nothing here imports transformers or TRL.
 """
 
 from logitless.ops.fused import fused_grpo_loss, fused_linear_cross_entropy, fused_linear_logprobs
+from logitless.ops.head import LinearHead
+from logitless.ops.kl import fused_linear_kl
 from logitless.ops.reference import compute_entropy
 
-__all__ = ["compute_entropy", "fused_grpo_loss", "fused_linear_cross_entropy", "fused_linear_logprobs"]
+__all__ = ["LinearHead", "compute_entropy", "fused_grpo_loss", "fused_linear_cross_entropy", "fused_linear_kl",
+           "fused_linear_logprobs"]

@@ -80,16 +80,16 @@ def plan_blocks(num_rows: int, head: LinearHead, device: torch.device, chunk_siz
     return BlockPlan(max(1, min(rows, num_rows)), min(columns, vocab_size), single_pass)
 
 
-def _compute_operand(tensor: torch.Tensor) -> torch.Tensor:
+def compute_operand(tensor: torch.Tensor) -> torch.Tensor:
     """A matmul operand as `matmul_stat` will use it: upcast once here when it would upcast it per block."""
     return tensor if tensor.is_cuda else tensor.to(stat_dtype(tensor.dtype))
 
 
-def _row_chunks(num_rows: int, plan: BlockPlan):
+def row_chunks(num_rows: int, plan: BlockPlan):
     return (slice(start, start + plan.rows) for start in range(0, num_rows, plan.rows))
 
 
-def _column_blocks(vocab_size: int, plan: BlockPlan):
+def column_blocks(vocab_size: int, plan: BlockPlan):
     return ((start, slice(start, start + plan.columns)) for start in range(0, vocab_size, plan.columns))
 
 
@@ -110,10 +110,10 @@ def token_stats(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, p
         return _empty_stats(dtype, hidden.device, need_entropy, need_mean_log_prob)
     has_neg_inf = head.may_have_neg_inf_logits
     parts = []
-    for rows in _row_chunks(num_rows, plan):
-        chunk_hidden, chunk_targets = _compute_operand(hidden[rows]), targets[rows]
+    for rows in row_chunks(num_rows, plan):
+        chunk_hidden, chunk_targets = compute_operand(hidden[rows]), targets[rows]
         stats = OnlineSoftmax(chunk_targets.shape[0], dtype, hidden.device, need_entropy, need_mean_log_prob)
-        for start, columns in _column_blocks(head.vocab_size, plan):
+        for start, columns in column_blocks(head.vocab_size, plan):
             kernels.update_stats(stats, head.logits(chunk_hidden, columns), start, chunk_targets, has_neg_inf)
         parts.append(stats.result(head.vocab_size))
     return _concat(parts)
@@ -189,11 +189,11 @@ def input_grads(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, l
     has_neg_inf = head.may_have_neg_inf_logits
     coefs = stat_grads(head, grad_log_probs, grad_entropy, grad_mean_log_prob, dtype)
     grads = InputGrads(head, hidden, needs, num_chunks=-(-num_rows // plan.rows))
-    for rows in _row_chunks(num_rows, plan):
-        chunk_hidden, chunk_targets = _compute_operand(hidden[rows]), targets[rows]
+    for rows in row_chunks(num_rows, plan):
+        chunk_hidden, chunk_targets = compute_operand(hidden[rows]), targets[rows]
         chunk_coefs = StatGrads(*(None if c is None else c[rows] for c in coefs))
         hidden_sum = grads.hidden_sum(chunk_hidden)
-        for start, columns in _column_blocks(head.vocab_size, plan):
+        for start, columns in column_blocks(head.vocab_size, plan):
             block_grad = kernels.block_logits_grad(
                 head, head.logits(chunk_hidden, columns), start, chunk_targets, lse[rows],
                 None if expected_logit is None else expected_logit[rows], chunk_coefs, has_neg_inf)
@@ -213,12 +213,12 @@ def loss_and_grads(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor
     num_rows, dtype = hidden.shape[0], stat_dtype(hidden.dtype)
     has_neg_inf = head.may_have_neg_inf_logits
     grads = InputGrads(head, hidden, needs, num_chunks=-(-num_rows // plan.rows))
-    blocks = list(_column_blocks(head.vocab_size, plan))
+    blocks = list(column_blocks(head.vocab_size, plan))
     loss = torch.zeros((), dtype=dtype, device=hidden.device)
     parts = []
     kept = None  # the chunk's logits, one (n, c) block after another; reused from chunk to chunk
-    for rows in _row_chunks(num_rows, plan):
-        chunk_hidden, chunk_targets = _compute_operand(hidden[rows]), targets[rows]
+    for rows in row_chunks(num_rows, plan):
+        chunk_hidden, chunk_targets = compute_operand(hidden[rows]), targets[rows]
         num_chunk_rows = chunk_targets.shape[0]
         if kept is None or kept.shape[0] < num_chunk_rows * head.vocab_size:
             kept = torch.empty(num_chunk_rows * head.vocab_size, dtype=dtype, device=hidden.device)
