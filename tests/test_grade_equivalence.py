@@ -11,30 +11,35 @@ from logitless.grade.rewards import RewardInputs
 from logitless.grade.rollout import NoiseStream, sparse_rollout
 from logitless.grade.soft_tokens import PromptBatch, as_records
 from logitless.grade.steppers import CachedStepper, PrefixStepper
-from logitless.models import QWEN_VOCAB_SIZE, tiny_qwen2
 from logitless.ops.gumbel import gumbel_noise
 
-SMALL = dict(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)
+from grade_helpers import BYTE_VOCAB, ByteTokenizer, byte_model
+
 PROMPTS = ["Tell me a story:", "Hi", "The answer is", "2 + 2 ="]
 
 
+@pytest.fixture
+def tokenizer():
+    return ByteTokenizer()
+
+
 def _models():
-    return tiny_qwen2(seed=0, **SMALL), tiny_qwen2(seed=1, **SMALL), tiny_qwen2(seed=2, **SMALL)
+    return byte_model(seed=0), byte_model(seed=1), byte_model(seed=2)
 
 
 def _noise(batch, steps, seed):
-    return gumbel_noise((batch, steps, QWEN_VOCAB_SIZE), generator=torch.Generator().manual_seed(seed))
+    return gumbel_noise((batch, steps, BYTE_VOCAB), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("method", ["gumbel", "ste"])
 def test_efficient_with_full_vocabulary_equals_legacy_over_three_steps(tokenizer, method):
-    config = GradeConfig(method=method, gumbel_topk=QWEN_VOCAB_SIZE, max_new_tokens=3, batch_size=2,
+    config = GradeConfig(method=method, gumbel_topk=BYTE_VOCAB, max_new_tokens=3, batch_size=2,
                          gradient_accumulation_steps=2, kl_coef=0.5, tau_start=0.9, tau_end=0.5, tau_anneal_steps=2,
                          max_grad_norm=1e6)
     trainers, grads = [], []
     for trainer_class in (GumbelTrainer, GumbelTrainerMemoryEfficient):
         policy, reference, reward_model = _models()
-        reward = TokenLogProbReward(reward_model, tokenizer, token=" yes", suffix=" Good?")
+        reward = TokenLogProbReward(reward_model, tokenizer, token="y", suffix=" Good?")
         trainer = trainer_class(policy, reward, config, tokenizer=tokenizer, reference=reference,
                                 optimizer=torch.optim.SGD(policy.parameters(), lr=0.5))
         captured = []
@@ -58,9 +63,9 @@ def test_efficient_with_full_vocabulary_equals_legacy_over_three_steps(tokenizer
 def _rollout_loss(tokenizer, rollout_fn, seed=3):
     policy, reference, reward_model = _models()
     parts, reference_parts = CausalLMParts.of(policy, "policy"), CausalLMParts.of(reference, "reference")
-    reward = TokenLogProbReward(reward_model, tokenizer, token=" yes")
+    reward = TokenLogProbReward(reward_model, tokenizer, token="y")
     prompt = PromptBatch.from_records(as_records(PROMPTS), tokenizer)
-    noise = NoiseStream(_noise(4, 5, seed), None, 4, QWEN_VOCAB_SIZE, "cpu")
+    noise = NoiseStream(_noise(4, 5, seed), None, 4, BYTE_VOCAB, "cpu")
     rollout = rollout_fn(parts, reference_parts, prompt, noise)
     loss = (-reward(RewardInputs(prompt, rollout.completion)) + 0.3 * rollout.kl).mean()
     return loss, rollout, torch.autograd.grad(loss, list(policy.parameters()))
@@ -80,7 +85,7 @@ def test_kv_cached_rollout_equals_full_prefix_recompute(tokenizer, checkpointing
 
 
 def test_online_fused_kl_equals_kl_from_stored_logits(tokenizer):
-    online = _rollout_loss(tokenizer, lambda *a: sparse_rollout(*a, steps=5, k=QWEN_VOCAB_SIZE, tau=0.8, hard=False))
+    online = _rollout_loss(tokenizer, lambda *a: sparse_rollout(*a, steps=5, k=BYTE_VOCAB, tau=0.8, hard=False))
     stored = _rollout_loss(tokenizer, lambda *a: dense_rollout(*a, steps=5, tau=0.8, hard=False))
     torch.testing.assert_close(online[1].kl, stored[1].kl, atol=1e-5, rtol=1e-5)
     assert bool((stored[1].kl > 0).all())

@@ -1,4 +1,4 @@
-"""The ``logitless`` command: demo | sft | bench lmhead | bench grpo | bench reward."""
+"""The ``logitless`` command: demo | sft | grpo | grade | bench lmhead | bench grpo | bench reward | bench grade."""
 
 from __future__ import annotations
 
@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     grpo.add_argument("--save-every", dest="save_every", type=int)
     grpo.add_argument("--seed", type=int)
     grpo.set_defaults(handler=run_grpo)
+    from logitless.recipes import grade as grade_recipe
+
+    grade_recipe.add_parser(commands)
     bench = commands.add_parser("bench", help="microbenchmarks against the peers, side by side")
     targets = bench.add_subparsers(dest="target", required=True)
     lmhead = targets.add_parser("lmhead", help="GRPO loss fwd+bwd through the LM head: time, peak memory, accuracy")

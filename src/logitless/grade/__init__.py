@@ -8,11 +8,11 @@ from logitless.grade.config import GradeConfig
 from logitless.grade.grpo import GRPOBaseline
 from logitless.grade.judge import MultichoiceJudgeReward
 from logitless.grade.metrics import METRIC_NAMES
-from logitless.grade.rewards import (KeywordReward, RewardInputs, SequenceClassifierReward, SoftReward,
-                                     TokenLogProbReward)
+from logitless.grade.rewards import (RewardInputs, SequenceClassifierReward, SoftReward, TokenLogProbReward,
+                                     TokenSetReward)
 from logitless.grade.soft_tokens import SoftTokens
 from logitless.grade.trainer import GumbelTrainer, GumbelTrainerMemoryEfficient
 
-__all__ = ["GRPOBaseline", "GradeConfig", "GumbelTrainer", "GumbelTrainerMemoryEfficient", "KeywordReward",
-           "METRIC_NAMES", "MultichoiceJudgeReward", "RewardInputs", "SequenceClassifierReward", "SoftReward",
-           "SoftTokens", "TokenLogProbReward"]
+__all__ = ["GRPOBaseline", "GradeConfig", "GumbelTrainer", "GumbelTrainerMemoryEfficient", "METRIC_NAMES",
+           "MultichoiceJudgeReward", "RewardInputs", "SequenceClassifierReward", "SoftReward", "SoftTokens",
+           "TokenLogProbReward", "TokenSetReward"]

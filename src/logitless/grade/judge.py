@@ -37,7 +37,8 @@ class MultichoiceJudgeReward(SoftReward):
     def __call__(self, inputs: RewardInputs) -> torch.Tensor:
         records = inputs.prompt.records
         for i, record in enumerate(records):
-            if record.get("answer") not in self.judge.choices or len(str(record.get("answer"))) != 1:
+            answer = record.get("answer")
+            if not isinstance(answer, str) or len(answer) != 1 or answer not in self.judge.choices:
                 raise ValueError(f"prompts[{i}]: needs an 'answer' among the letters {self.judge.choices!r}, "
                                  f"got {record.get('answer')!r}")
         device = inputs.prompt.input_ids.device

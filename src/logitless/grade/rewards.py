@@ -5,7 +5,7 @@ A reward is called on `RewardInputs` (the left-padded prompts and the soft compl
 ``inputs_embeds`` = their own embedding of the prompt, of the soft completion (sparse: k rows per
 position, `TokenEmbedding.of_soft`) and of an optional fixed suffix; the model is frozen.
 
-* `KeywordReward`: the fraction of generated tokens that are one of some words (no model).
+* `TokenSetReward`: the fraction of generated tokens in a set (some words, or every capitalized word).
 * `SequenceClassifierReward`: a Hugging Face sequence classifier's logit for one label.
 * `TokenLogProbReward`: a causal LM's log-probability of one token after the completion (and a suffix
   such as "\\nWas this answer helpful?"), e.g. " yes".
@@ -14,6 +14,8 @@ position, `TokenEmbedding.of_soft`) and of an optional fixed suffix; the model i
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import re
 
 import torch
 
@@ -74,16 +76,36 @@ def single_token_ids(tokenizer, words, name: str) -> list[int]:
     return ids
 
 
-class KeywordReward(SoftReward):
-    """The fraction of the completion's tokens that are one of ``words`` (each a single token): 0 to 1.
+class TokenSetReward(SoftReward):
+    """The fraction of the completion's tokens that belong to a set of token ids: 0 to 1, no model.
 
-    Soft tokens count their weight on those ids, so the reward is differentiable; a hard completion
-    scores the plain fraction.
+    Soft tokens count their weight on the set, so the reward is differentiable; a hard completion
+    scores the plain fraction. `from_words` builds the set from words (each one token),
+    `capitalized_words` from every vocabulary entry that is a space and a capitalized word (" Paris").
     """
 
-    def __init__(self, tokenizer, words=(" good", " great")):
-        self.words = list(words)
-        self.token_ids = torch.tensor(single_token_ids(tokenizer, self.words, "words"))
+    def __init__(self, token_ids, description: str = "tokens in the set"):
+        self.token_ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        if self.token_ids.numel() == 0:
+            raise ValueError("token_ids: the set is empty; the reward would always be 0")
+        self.description = description
+
+    @classmethod
+    def from_words(cls, tokenizer, words) -> TokenSetReward:
+        words = check_strings("words", words)
+        return cls(single_token_ids(tokenizer, words, "words"), f"tokens among {words}")
+
+    @classmethod
+    def capitalized_words(cls, tokenizer) -> TokenSetReward:
+        """Tokens that decode to a space and a capitalized word: " The", " Paris" (about 8% of Qwen's vocabulary)."""
+        pattern = re.compile(r"^ [A-Z][a-z]+$")
+        texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+        return cls([i for i, text in enumerate(texts) if pattern.match(text)], "capitalized words")
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        if int(self.token_ids.max()) >= vocab_size:
+            raise ValueError(f"token_ids: id {int(self.token_ids.max())} is outside the policy's vocabulary of "
+                             f"{vocab_size}")
 
     def __call__(self, inputs: RewardInputs) -> torch.Tensor:
         token_ids = self.token_ids.to(inputs.completion.weights.device)
