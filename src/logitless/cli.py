@@ -220,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
                               help="SFT steps that teach the tiny policy to answer 'ANSWER: X'")
     bench_reward.add_argument("--json", help="write the report here")
     bench_reward.set_defaults(handler=run_bench_trainer)
+    from logitless.bench import grade as bench_grade
+
+    bench_grade.add_parser(targets)
     return parser
 
 

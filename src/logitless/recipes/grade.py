@@ -238,7 +238,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("grade", help="GRADE: backprop a differentiable reward through Gumbel-softmax "
                                                  "rollouts (and the GRPO baseline), resumable")
     parser.add_argument("--method", help=f"{' | '.join(METHODS)} | all (default {run_defaults.method})")
-    parser.add_argument("--config", help="YAML file of GradeRunConfig and GradeConfig fields (command-line options win)")
+    parser.add_argument("--config", help="YAML file of GradeRunConfig and GradeConfig fields; command-line options win (default: none)")
     for options, defaults in ((_RUN_OPTIONS, run_defaults), (_GRADE_OPTIONS, grade_defaults)):
         for name, (kind, text) in options.items():
             parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind,
