@@ -35,7 +35,7 @@ DEFAULT_PROMPTS = ["Once upon a time", "The weather today is", "My favourite foo
                    "When I was young", "The meeting is about", "Dear diary,", "The recipe needs",
                    "Our team will", "The old house", "Scientists found that", "Tomorrow we will"]
 # The recipe's defaults: a run that shows the reward rising within a few minutes on a CPU.
-RUN_DEFAULTS = dict(gumbel_topk=64, max_new_tokens=12, batch_size=4, learning_rate=1e-2, kl_coef=0.02,
+RUN_DEFAULTS = dict(gumbel_topk=1024, max_new_tokens=12, batch_size=4, learning_rate=1e-2, kl_coef=0.02,
                     tau_start=1.0, tau_end=0.5, tau_anneal_steps=30)
 
 
@@ -50,7 +50,7 @@ class GradeRunConfig:
     reward_suffix: str = "\nIs this a good answer?"  # ... and this text
     data: str | None = None  # jsonl of {"prompt": ...} (judge: question/choices/answer); None: built-in prompts
     output_dir: str = "runs/grade"
-    steps: int = 30
+    steps: int = 20
     save_every: int = 10
     resume: bool = True
     grade: GradeConfig = field(default_factory=lambda: GradeConfig(**RUN_DEFAULTS))
