@@ -34,7 +34,7 @@ class GradeVarianceConfig:
     minibatches: int = 8
     batch_size: int = 8  # rollouts per minibatch: every prompt batch_size / 4 times (GRPO's group size)
     max_new_tokens: int = 8
-    gumbel_topk: int = 64
+    gumbel_topk: int = 1024
     tau: float = 0.7
     reference_samples: int = 256
 
