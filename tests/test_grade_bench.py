@@ -5,6 +5,7 @@ import math
 from dataclasses import asdict
 
 import pytest
+import torch
 
 from logitless.bench.grade import VARIANTS, GradeBenchConfig, format_table, run_worker
 from logitless.bench.grade_variance import GradeVarianceConfig, run as run_variance
@@ -33,11 +34,30 @@ def test_bench_grade_bad_options(argv, match):
 
 
 def test_bench_grade_variance_report():
-    report = run_variance(GradeVarianceConfig(minibatches=2, batch_size=8, max_new_tokens=1, gumbel_topk=8,
+    report = run_variance(GradeVarianceConfig(minibatches=2, batch_size=8, max_new_tokens=2, gumbel_topk=8,
                                               reference_samples=8), progress=False)
     assert set(report["results"]) == {"gumbel", "ste", "grpo"}
-    assert -1 <= report["reference_half_cosine"] <= 1
+    assert report["reference"] == "REINFORCE over 8 samples" and -1 <= report["reference_half_cosine"] <= 1
     for result in report["results"].values():
         assert result["relative_variance"] >= 0 and result["minibatches"] == 2
         for name in ("cosine_to_reference", "mean_cosine_to_reference"):
             assert math.isfinite(result[name]) and -1 <= result[name] <= 1
+
+
+def test_exact_reference_gradient_for_one_token_completions():
+    """For T = 1 and a linear reward, the reference is autograd through the softmax: check it on a tiny policy."""
+    from logitless.bench.grade_variance import _exact_reference_gradient
+    from logitless.grade import TokenSetReward
+    from logitless.grade.soft_tokens import PromptBatch, as_records
+
+    from grade_helpers import ByteTokenizer, byte_model
+
+    policy = byte_model(seed=3)
+    prompts = PromptBatch.from_records(as_records(["ab", "xyz"]), ByteTokenizer())
+    got = _exact_reference_gradient(policy, TokenSetReward([97, 98]), prompts)
+    # E[r] = mean over prompts of p(a) + p(b), straight from the model's logits
+    logits = policy(input_ids=prompts.input_ids, attention_mask=prompts.attention_mask,
+                    position_ids=(prompts.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits[:, -1]
+    (-torch.softmax(logits, -1)[:, [97, 98]].sum(-1).mean()).backward()
+    expected = torch.cat([p.grad.flatten() for p in policy.parameters()])
+    torch.testing.assert_close(got, expected)

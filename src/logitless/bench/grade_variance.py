@@ -9,10 +9,12 @@ estimated). Reported per method:
 * ``relative_variance``: sum of the per-coordinate variances across minibatches / |mean g|^2, i.e.
   E|g_i - mean g|^2 / |mean g|^2 (below 1: one minibatch already points where the mean does);
 * ``cosine_to_reference`` (mean, std over minibatches) and ``mean_cosine_to_reference`` (of mean g):
-  agreement with a many-sample reference, the REINFORCE estimate of the true gradient of E[reward]
-  (unbiased; leave-group-mean baseline) over ``reference_samples`` sampled completions.
-  ``reference_half_cosine`` (the cosine between the references of the two halves of those samples)
-  says how exact the reference itself is.
+  agreement with the true gradient of E[reward]. With ``max_new_tokens`` 1 it is exact: the reward is
+  linear in the soft token, so E_{v ~ p}[r(v)] = r(p) and autograd through the policy's softmax p gives
+  the true gradient (``reference: "exact"``). With longer completions it is a many-sample estimate, the
+  REINFORCE gradient (unbiased, group-mean baseline) over ``reference_samples`` sampled completions, and
+  ``reference_half_cosine`` (the cosine between the estimates of the two halves of those samples) says
+  how much of it is noise.
 
 GRADE's gradient is biased (the relaxation is not the sampled sequence), GRPO's is not: the cosine of
 the method's mean gradient to the reference separates bias from noise.
@@ -33,7 +35,7 @@ METHODS = ("gumbel", "ste", "grpo")
 class GradeVarianceConfig:
     minibatches: int = 8
     batch_size: int = 8  # rollouts per minibatch: every prompt batch_size / 4 times (GRPO's group size)
-    max_new_tokens: int = 8
+    max_new_tokens: int = 1  # 1: the reference gradient is exact
     gumbel_topk: int = 1024
     tau: float = 0.7
     reference_samples: int = 256
@@ -95,12 +97,26 @@ def _reference_gradient(policy, tokenizer, reward, config: GradeVarianceConfig, 
         attention = torch.cat([repeated.attention_mask, torch.ones_like(completion)], dim=1)[:, :-1]
         log_probs = get_response_log_probs(policy, sequence[:, :-1], sequence[:, 1:],
                                            attention_mask=attention)["log_probs"][:, -config.max_new_tokens:]
-        (-(advantages[:, None] * log_probs).sum(dim=1).mean()).backward()
+        (-(advantages[:, None] * log_probs).sum(dim=1).mean()).backward()  # the gradient of -E[reward]
         gradient = _flat_gradient(parameters)
         half = batch * 2 // batches
         halves[half] = gradient if halves[half] is None else halves[half].add_(gradient)
     half_cosine = float(torch.nn.functional.cosine_similarity(halves[0], halves[1], dim=0))
     return (halves[0] + halves[1]) / batches, half_cosine
+
+
+def _exact_reference_gradient(policy, reward, prompts) -> torch.Tensor:
+    """The true gradient of -E[reward] for one-token completions and a reward linear in the soft token."""
+    from logitless.grade.parts import CausalLMParts
+    from logitless.grade.rewards import RewardInputs
+    from logitless.grade.soft_tokens import SoftTokens
+    from logitless.logprobs import final_hidden_states
+
+    parts = CausalLMParts.of(policy, "policy")
+    hidden = final_hidden_states(policy, prompts.input_ids, prompts.attention_mask)[:, -1]  # left padded: last prompt token
+    probs = torch.softmax(parts.logits(hidden), dim=-1)  # (P, V): the next-token distribution
+    (-reward(RewardInputs(prompts, SoftTokens(probs.unsqueeze(1)))).mean()).backward()
+    return _flat_gradient([p for p in policy.parameters() if p.requires_grad])
 
 
 def run(config: GradeVarianceConfig, progress: bool = True) -> dict:
@@ -114,7 +130,11 @@ def run(config: GradeVarianceConfig, progress: bool = True) -> dict:
     policy, tokenizer = load_model_and_tokenizer("tiny-qwen2", seed=0)
     reward = TokenSetReward.capitalized_words(tokenizer)
     prompts = PromptBatch.from_records(as_records(PROMPTS), tokenizer)
-    reference, half_cosine = _reference_gradient(policy, tokenizer, reward, config, prompts)
+    if config.max_new_tokens == 1:
+        reference, half_cosine, kind = _exact_reference_gradient(policy, reward, prompts), None, "exact"
+    else:
+        reference, half_cosine = _reference_gradient(policy, tokenizer, reward, config, prompts)
+        kind = f"REINFORCE over {config.reference_samples} samples"
     minibatch = PromptBatch.from_records(as_records([PROMPTS[i % len(PROMPTS)] for i in range(config.batch_size)]),
                                          tokenizer)
     results = {}
@@ -130,14 +150,15 @@ def run(config: GradeVarianceConfig, progress: bool = True) -> dict:
             trainer.microbatch(minibatch, None, microbatch_generator(1, 0, index, "cpu"))
             stats.add(_flat_gradient(trainer.parameters))
         results[method] = stats.summary()
-    return {"config": asdict(config), "reference_half_cosine": half_cosine, "results": results}
+    return {"config": asdict(config), "reference": kind, "reference_half_cosine": half_cosine, "results": results}
 
 
 def format_table(report: dict) -> str:
     c = report["config"]
+    halves = report["reference_half_cosine"]
     lines = [f"gradient estimators at fixed weights: {c['minibatches']} minibatches of {c['batch_size']} rollouts x "
-             f"{c['max_new_tokens']} tokens, tau {c['tau']}, top-k {c['gumbel_topk']}; reference: REINFORCE over "
-             f"{c['reference_samples']} samples (its two halves agree to cosine {report['reference_half_cosine']:.3f})",
+             f"{c['max_new_tokens']} tokens, tau {c['tau']}, top-k {c['gumbel_topk']}; reference gradient: "
+             f"{report['reference']}" + ("" if halves is None else f" (its two halves agree to cosine {halves:.3f})"),
              f"{'method':<8}{'rel. variance':>15}{'cos(g_i, ref)':>16}{'cos(mean g, ref)':>18}"]
     for name, r in report["results"].items():
         lines.append(f"{name:<8}{r['relative_variance']:>15.3f}{r['cosine_to_reference']:>9.3f} ± "

@@ -183,7 +183,7 @@ def run_method(run: GradeRunConfig, method: str, *, progress: bool = True) -> li
                 save_checkpoint(checkpoint_dir, policy, tokenizer, trainer.optimizer,
                                 {"step": trainer.step, "history": history, "settings": settings})
     bar.close()
-    title = f"{method}: reward ({trainer.reward.description if hasattr(trainer.reward, 'description') else run.reward})"
+    title = f"{method}: reward ({getattr(trainer.reward, 'description', run.reward)})"
     plot_curve([row["reward"] for row in history], directory / "reward.png", title=title, ylabel="mean reward")
     plot_curve([row["kl"] for row in history], directory / "kl.png", title=f"{method}: KL(policy || reference)",
                ylabel="KL per rollout (nats)")
