@@ -184,3 +184,21 @@ def test_bad_input_names_the_argument(trainer_class):
         trainer.train_step(PROMPTS)
     with pytest.raises(TypeError, match="^prompts"):
         trainer.train_step("one prompt")
+
+
+def test_lora_trains_only_the_adapters():
+    pytest.importorskip("peft")  # peft is in the dev extra; LoRA is optional for users
+    policy = byte_model(seed=0)
+    base_before = {name: p.detach().clone() for name, p in policy.named_parameters()}
+    config = GradeConfig(max_new_tokens=2, batch_size=2, gumbel_topk=5, lora_rank=2, learning_rate=1e-2)
+    trainer = GumbelTrainerMemoryEfficient(policy, TokenSetReward(list(range(97, 123))), config, tokenizer=BYTES)
+    assert trainer.parameters and all("lora_" in name for name, p in trainer.model.named_parameters()
+                                      if p.requires_grad)
+    adapters_before = [p.detach().clone() for p in trainer.parameters]
+    assert math.isfinite(trainer.train_step(PROMPTS[:2])["loss"])
+    assert any(not torch.equal(a, p) for a, p in zip(adapters_before, trainer.parameters))
+    for name, p in trainer.policy.model.named_parameters():
+        if "lora_" not in name:
+            assert torch.equal(p, base_before[name.replace("base_layer.", "")]), name
+    with pytest.raises(ValueError, match="^lora_rank"):
+        GradeConfig(lora_rank=-1)

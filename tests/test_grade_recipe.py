@@ -78,3 +78,18 @@ def test_help_states_every_default():
 def test_command_line_errors_name_the_option(argv, message, tmp_path):
     with pytest.raises(SystemExit, match=message):
         main(["grade", "--output-dir", str(tmp_path), *argv])
+
+
+def test_lora_run_resumes_from_its_adapter_checkpoint(tmp_path):
+    pytest.importorskip("peft")  # in the dev extra
+    settings = dict(reward="words", max_new_tokens=2, batch_size=2, gumbel_topk=8, lora_rank=2, save_every=1)
+    run_grade(GradeRunConfig.from_dict(dict(output_dir=str(tmp_path / "split"), steps=1, **settings)), progress=False)
+    resumed = run_grade(GradeRunConfig.from_dict(dict(output_dir=str(tmp_path / "split"), steps=2, **settings)),
+                        progress=False)["gumbel"]
+    whole = run_grade(GradeRunConfig.from_dict(dict(output_dir=str(tmp_path / "whole"), steps=2, **settings)),
+                      progress=False)["gumbel"]
+    assert [row["step"] for row in resumed] == [1, 2]
+    assert [row["loss"] for row in resumed] == [row["loss"] for row in whole]
+    split = load_file(str(tmp_path / "split" / "gumbel" / "checkpoint" / "adapter_model.safetensors"))
+    unsplit = load_file(str(tmp_path / "whole" / "gumbel" / "checkpoint" / "adapter_model.safetensors"))
+    assert split.keys() == unsplit.keys() and all(torch.equal(split[k], unsplit[k]) for k in split)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from logitless._checks import check_choice, check_positive, check_positive_ints, dataclass_from_dict
+from logitless._checks import check_choice, check_positive, check_positive_ints, check_strings, dataclass_from_dict
 
 METHODS = ("gumbel", "ste")
 
@@ -26,6 +26,9 @@ class GradeConfig:
     seed: int = 0
     activation_checkpointing: bool = True  # recompute each decode step in backward (efficient trainer)
     grpo_group_size: int = 4  # GRPO baseline: completions per prompt (must divide batch_size)
+    lora_rank: int = 0  # > 0: train LoRA adapters of this rank (peft) instead of every weight
+    lora_alpha: float = 16.0
+    lora_target_modules: str | list[str] = "all-linear"  # peft's target_modules
 
     def __post_init__(self):
         check_choice("method", self.method, METHODS)
@@ -40,6 +43,11 @@ class GradeConfig:
             raise ValueError(f"kl_coef: expected a number >= 0, got {self.kl_coef!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed: expected an int >= 0, got {self.seed!r}")
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ValueError(f"lora_rank: expected an int >= 0 (0: no LoRA), got {self.lora_rank!r}")
+        check_positive("lora_alpha", self.lora_alpha)
+        if not isinstance(self.lora_target_modules, str):
+            check_strings("lora_target_modules", self.lora_target_modules)
         if not isinstance(self.activation_checkpointing, bool):
             raise TypeError(f"activation_checkpointing: expected a bool, got {self.activation_checkpointing!r}")
 

@@ -23,6 +23,7 @@ import torch
 
 from logitless.grade.config import GradeConfig
 from logitless.grade.legacy import dense_rollout
+from logitless.grade.lora import base_of, with_lora
 from logitless.grade.metrics import peak_mb, step_metrics
 from logitless.grade.parts import CausalLMParts
 from logitless.grade.rewards import RewardInputs, SoftReward
@@ -47,8 +48,12 @@ class _Trainer:
             raise TypeError(f"reward: expected a logitless.grade SoftReward, got {type(reward).__name__}")
         if not callable(tokenizer):
             raise TypeError(f"tokenizer: expected a Hugging Face tokenizer, got {type(tokenizer).__name__}")
-        self.policy = CausalLMParts.of(policy, "policy")
+        CausalLMParts.of(policy, "policy")  # before anything is copied or wrapped
         reference = reference if reference is not None else copy.deepcopy(policy)
+        if config.lora_rank:
+            policy = with_lora(policy, config.lora_rank, config.lora_alpha, config.lora_target_modules, config.seed)
+        self.model = policy  # what trains (and is saved): the policy, or its peft wrapper
+        self.policy = CausalLMParts.of(base_of(policy), "policy")
         self.reference = CausalLMParts.of(reference.eval().requires_grad_(False), "reference")
         if self.reference.vocab_size != self.policy.vocab_size:
             raise ValueError(f"reference: vocabulary of {self.reference.vocab_size}, the policy's {self.policy.vocab_size}")
@@ -73,7 +78,7 @@ class _Trainer:
             raise ValueError(f"prompts: expected batch_size * gradient_accumulation_steps = {expected}, "
                              f"got {len(records)}")
         started = time.perf_counter()
-        self.policy.model.train()
+        self.model.train()
         sums = {}
         for micro in range(config.gradient_accumulation_steps):
             rows = slice(micro * config.batch_size, (micro + 1) * config.batch_size)

@@ -143,6 +143,7 @@ def run_method(run: GradeRunConfig, method: str, *, progress: bool = True) -> li
 
     from logitless import grade
     from logitless.checkpoint import has_checkpoint, load_checkpoint_state, save_checkpoint
+    from logitless.grade.lora import load_adapter
     from logitless.models import load_model_and_tokenizer
     from logitless.plots import plot_curve
 
@@ -153,7 +154,9 @@ def run_method(run: GradeRunConfig, method: str, *, progress: bool = True) -> li
     resuming = run.resume and has_checkpoint(checkpoint_dir)
     seed = run.grade.seed
     reference, tokenizer = load_model_and_tokenizer(run.model, seed=seed)
-    policy = load_model_and_tokenizer(str(checkpoint_dir), seed=seed)[0] if resuming else copy.deepcopy(reference)
+    lora = run.grade.lora_rank > 0  # a LoRA checkpoint holds the adapters only: loaded after wrapping
+    policy = (load_model_and_tokenizer(str(checkpoint_dir), seed=seed)[0] if resuming and not lora
+              else copy.deepcopy(reference))
     records = load_prompts(run)
     trainer_name, grade_method = METHODS[method]
     trainer = getattr(grade, trainer_name)(policy, build_reward(run, tokenizer, reference),
@@ -166,6 +169,8 @@ def run_method(run: GradeRunConfig, method: str, *, progress: bool = True) -> li
             raise SystemExit(f"--output-dir: {checkpoint_dir} was written with other options; rerun with the "
                              f"same options to resume, or --no-resume to start over")
         trainer.step, history = state["step"], state["history"]
+        if lora:
+            load_adapter(trainer.model, checkpoint_dir)
     directory.mkdir(parents=True, exist_ok=True)
     metrics_path = directory / "metrics.jsonl"  # rows past the checkpoint (from a crashed run) are dropped
     _write_text_atomically(metrics_path, "".join(json.dumps(row) + "\n" for row in history))
@@ -180,7 +185,7 @@ def run_method(run: GradeRunConfig, method: str, *, progress: bool = True) -> li
             metrics_file.flush()
             bar.set_postfix(reward=f"{row['reward']:.3f}", kl=f"{row['kl']:.3f}")
             if trainer.step % run.save_every == 0 or trainer.step == run.steps:
-                save_checkpoint(checkpoint_dir, policy, tokenizer, trainer.optimizer,
+                save_checkpoint(checkpoint_dir, trainer.model, tokenizer, trainer.optimizer,
                                 {"step": trainer.step, "history": history, "settings": settings})
     bar.close()
     title = f"{method}: reward ({getattr(trainer.reward, 'description', run.reward)})"
@@ -228,6 +233,8 @@ _GRADE_OPTIONS = {
     "learning_rate": (float, "AdamW learning rate"),
     "max_grad_norm": (float, "gradient clipping norm"),
     "grpo_group_size": (int, "GRPO: completions per prompt"),
+    "lora_rank": (int, "> 0: train LoRA adapters of this rank (needs peft) instead of every weight; 0: off"),
+    "lora_alpha": (float, "LoRA scaling alpha"),
     "seed": (int, "seed of the model, the prompts and the Gumbel noise"),
 }
 
