@@ -38,7 +38,7 @@ def test_bench_grade_variance_report():
                                               reference_samples=8), progress=False)
     assert set(report["results"]) == {"gumbel", "ste", "grpo"}
     assert report["reference"] == "REINFORCE over 8 samples" and -1 <= report["reference_half_cosine"] <= 1
-    for result in report["results"].values():
+    for result in [*report["results"].values(), *(r["body"] for r in report["results"].values())]:
         assert result["relative_variance"] >= 0 and result["minibatches"] == 2
         for name in ("cosine_to_reference", "mean_cosine_to_reference"):
             assert math.isfinite(result[name]) and -1 <= result[name] <= 1

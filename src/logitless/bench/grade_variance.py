@@ -17,7 +17,9 @@ estimated). Reported per method:
   how much of it is noise.
 
 GRADE's gradient is biased (the relaxation is not the sampled sequence), GRPO's is not: the cosine of
-the method's mean gradient to the reference separates bias from noise.
+the method's mean gradient to the reference separates bias from noise. Every number is given for all
+parameters and for the body alone (without the embedding / LM head matrix, whose sampled gradients
+touch only the rows of the tokens a minibatch saw).
 """
 
 from __future__ import annotations
@@ -105,6 +107,15 @@ def _reference_gradient(policy, tokenizer, reward, config: GradeVarianceConfig, 
     return (halves[0] + halves[1]) / batches, half_cosine
 
 
+def _body_mask(parameters, parts) -> torch.Tensor:
+    """Over the flattened gradient: True outside the embedding / LM head matrices (the transformer body).
+
+    A sampled estimator touches only the embedding rows of the tokens it saw, while the true gradient
+    has every row: the body's gradient is dense for all of them and compares like with like."""
+    vocabulary_matrices = {id(parts.embedding.weight), id(parts.head.weight)}
+    return torch.cat([torch.full((p.numel(),), id(p) not in vocabulary_matrices) for p in parameters])
+
+
 def _exact_reference_gradient(policy, reward, prompts) -> torch.Tensor:
     """The true gradient of -E[reward] for one-token completions and a reward linear in the soft token."""
     from logitless.grade.parts import CausalLMParts
@@ -145,11 +156,15 @@ def run(config: GradeVarianceConfig, progress: bool = True) -> dict:
                             grpo_group_size=config.batch_size // len(PROMPTS))
         trainer_class = GRPOBaseline if method == "grpo" else GumbelTrainerMemoryEfficient
         trainer = trainer_class(policy, reward, grade, tokenizer=tokenizer)
-        stats = _GradientStats(reference)
+        body = _body_mask(trainer.parameters, trainer.policy)
+        stats = {"all": _GradientStats(reference), "body": _GradientStats(reference[body])}
         for index in range(config.minibatches):
             trainer.microbatch(minibatch, None, microbatch_generator(1, 0, index, "cpu"))
-            stats.add(_flat_gradient(trainer.parameters))
-        results[method] = stats.summary()
+            gradient = _flat_gradient(trainer.parameters)
+            stats["all"].add(gradient)
+            stats["body"].add(gradient[body])
+        results[method] = stats["all"].summary()
+        results[method]["body"] = stats["body"].summary()
     return {"config": asdict(config), "reference": kind, "reference_half_cosine": half_cosine, "results": results}
 
 
@@ -160,9 +175,12 @@ def format_table(report: dict) -> str:
              f"{c['max_new_tokens']} tokens, tau {c['tau']}, top-k {c['gumbel_topk']}; reference gradient: "
              f"{report['reference']}" + ("" if halves is None else f" (its two halves agree to cosine {halves:.3f})"),
              f"{'method':<8}{'rel. variance':>15}{'cos(g_i, ref)':>16}{'cos(mean g, ref)':>18}"]
-    for name, r in report["results"].items():
-        lines.append(f"{name:<8}{r['relative_variance']:>15.3f}{r['cosine_to_reference']:>9.3f} ± "
-                     f"{r['cosine_to_reference_std']:<5.3f}{r['mean_cosine_to_reference']:>17.3f}")
+    for part in ("all parameters", "body only (no embedding / LM head)"):
+        lines.append(f"  {part}")
+        for name, r in report["results"].items():
+            r = r if part.startswith("all") else r["body"]
+            lines.append(f"{name:<8}{r['relative_variance']:>15.3f}{r['cosine_to_reference']:>9.3f} ± "
+                         f"{r['cosine_to_reference_std']:<5.3f}{r['mean_cosine_to_reference']:>17.3f}")
     return "\n".join(lines)
 
 
