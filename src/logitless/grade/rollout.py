@@ -72,20 +72,20 @@ def sparse_rollout(policy: CausalLMParts, reference: CausalLMParts, prompt: Prom
             logits = policy.logits(hidden)  # (B, V), no graph
             step_indices = perturbed_topk(logits, step_noise, k)  # (B, k)
             kept_mass = torch.softmax((logits + step_noise) / tau, dim=-1).gather(-1, step_indices).sum(-1)  # (B,)
-            tail_mass += float((1.0 - kept_mass).clamp(min=0).mean())
+            tail_mass = tail_mass + (1.0 - kept_mass).clamp(min=0).mean()  # a tensor: no device sync per step
         step_weights = relaxed_weights(policy.selected_logits(hidden, step_indices)
                                        + step_noise.gather(-1, step_indices), tau, hard)  # (B, k)
         kls.append(policy.kl_to(hidden, reference, reference_hidden))  # (B,)
         indices.append(step_indices)
         weights.append(step_weights)
-        top_weight += float(step_weights.detach().amax(-1).mean())
+        top_weight = top_weight + step_weights.detach().amax(-1).mean()
         if t + 1 < steps:
             token = SoftTokens(step_weights.unsqueeze(1), step_indices.unsqueeze(1))
             hidden = policy_steps.step(policy.embedding.of_soft(token)[:, 0])
             with torch.no_grad():
                 reference_hidden = reference_steps.step(reference.embedding.of_soft(token.detach())[:, 0])
     completion = SoftTokens(torch.stack(weights, dim=1), torch.stack(indices, dim=1))
-    return Rollout(completion, torch.stack(kls, dim=1).sum(dim=1), tail_mass / steps, top_weight / steps)
+    return Rollout(completion, torch.stack(kls, dim=1).sum(dim=1), float(tail_mass) / steps, float(top_weight) / steps)
 
 
 @torch.no_grad()
