@@ -33,6 +33,7 @@ class GradeBenchConfig:
     max_new_tokens: int = 64
     gumbel_topk: int = 256
     method: str = "gumbel"  # gumbel | ste
+    activation_checkpointing: bool = True  # the efficient trainer's per-step recomputation
 
 
 def _trainer(variant: str, config: GradeBenchConfig):
@@ -41,7 +42,8 @@ def _trainer(variant: str, config: GradeBenchConfig):
 
     policy, tokenizer = load_model_and_tokenizer("tiny-qwen2", seed=0)
     grade = GradeConfig(method=config.method, gumbel_topk=config.gumbel_topk, max_new_tokens=config.max_new_tokens,
-                        batch_size=config.batch_size, learning_rate=1e-2, kl_coef=0.02)
+                        batch_size=config.batch_size, learning_rate=1e-2, kl_coef=0.02,
+                        activation_checkpointing=config.activation_checkpointing)
     trainer_class = GumbelTrainer if variant == "legacy" else GumbelTrainerMemoryEfficient
     return trainer_class(policy, TokenSetReward.capitalized_words(tokenizer), grade, tokenizer=tokenizer)
 
@@ -79,7 +81,8 @@ def run(config: GradeBenchConfig, progress: bool = True) -> dict:
 def format_table(report: dict) -> str:
     c = report["config"]
     lines = [f"GRADE ({c['method']}), {c['steps']} steps of {c['batch_size']} rollouts x {c['max_new_tokens']} tokens, "
-             f"top-k {c['gumbel_topk']}, tiny Qwen2 (vocabulary 151936), CPU",
+             f"top-k {c['gumbel_topk']}, activation checkpointing {'on' if c['activation_checkpointing'] else 'off'}, "
+             f"tiny Qwen2 (vocabulary 151936), CPU",
              f"{'trainer':<10}{'step s':>9}{'x legacy':>10}{'peak MB':>10}{'x legacy':>10}{'reward':>9}{'kl':>9}"]
     for name, r in report["results"].items():
         lines.append(f"{name:<10}{r['step_s']:>9.2f}{format_ratio(r['time_ratio'], 10)}{r['peak_mb']:>10.0f}"
@@ -102,6 +105,8 @@ def add_parser(targets) -> None:
     parser.add_argument("--gumbel-topk", dest="gumbel_topk", type=int, default=defaults.gumbel_topk,
                         help=f"tokens kept per step by the efficient trainer (default {defaults.gumbel_topk})")
     parser.add_argument("--method", default=defaults.method, help=f"gumbel | ste (default {defaults.method})")
+    parser.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_false",
+                        help="the efficient trainer keeps each decode step's activations (default: recomputes them)")
     parser.add_argument("--json", help="write the report here (default: print only)")
     parser.set_defaults(handler=_main)
     grade_variance.add_parser(targets)
@@ -115,7 +120,8 @@ def _main(args) -> int:
             raise SystemExit(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     if args.method not in ("gumbel", "ste"):
         raise SystemExit(f"--method: expected gumbel or ste, got {args.method!r}")
-    report = run(GradeBenchConfig(args.steps, args.batch_size, args.max_new_tokens, args.gumbel_topk, args.method))
+    report = run(GradeBenchConfig(args.steps, args.batch_size, args.max_new_tokens, args.gumbel_topk, args.method,
+                                  args.activation_checkpointing))
     print(format_table(report))
     _write_report(report, args.json, None)
     return 0

@@ -35,7 +35,7 @@ METHODS = ("gumbel", "ste", "grpo")
 
 @dataclass
 class GradeVarianceConfig:
-    minibatches: int = 8
+    minibatches: int = 32
     batch_size: int = 8  # rollouts per minibatch: every prompt batch_size / 4 times (GRPO's group size)
     max_new_tokens: int = 1  # 1: the reference gradient is exact
     gumbel_topk: int = 1024
