@@ -62,9 +62,8 @@ class LinearKL(torch.autograd.Function):
             log_q.sub_(lse_q[rows].unsqueeze(1))
             p = log_p.exp()  # (n, V)
             # p * (log p - log q - KL), 0 where p = 0, scaled by the incoming gradient and 1 / T
-            coef = log_p.sub_(log_q).sub_(kl[rows].unsqueeze(1))
-            logits_grad = torch.where(p > 0, p * coef, torch.zeros_like(p))
-            logits_grad.mul_((grad_kl[rows].to(lse_p.dtype) / ctx.temperature).unsqueeze(1))
+            coef = log_p.sub_(log_q).sub_(kl[rows].unsqueeze(1)).masked_fill_(p == 0, 0.0)
+            logits_grad = p.mul_(coef).mul_((grad_kl[rows].to(lse_p.dtype) / ctx.temperature).unsqueeze(1))
             grads.add(rows, hidden_p[rows], weight_p, logits_grad)
         return (*grads.result(weight_p, bias_p), None, None, None, None, None)
 
