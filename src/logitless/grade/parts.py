@@ -53,9 +53,11 @@ class CausalLMParts:
             raw = raw + self.head.bias[indices]
         return self.head.logits_from(raw)
 
-    def kl_to(self, hidden: torch.Tensor, reference: CausalLMParts, reference_hidden: torch.Tensor) -> torch.Tensor:
-        """Per-row exact KL(self || reference) of the next-token distributions: (B, H), (B, H_ref) -> (B,) fp32."""
+    def kl_to(self, hidden: torch.Tensor, reference: CausalLMParts, reference_hidden: torch.Tensor,
+              chunk_size: int | None = None) -> torch.Tensor:
+        """Per-row exact KL(self || reference) of the next-token distributions: (..., H), (..., H_ref) -> (...) fp32."""
         scale, ref_scale = self.head.scale, reference.head.scale  # folded into hidden and bias: s * (h W^T + b)
         return fused_linear_kl(hidden * scale, self.head.weight, reference_hidden * ref_scale, reference.head.weight,
                                bias_p=None if self.head.bias is None else self.head.bias * scale,
-                               bias_q=None if reference.head.bias is None else reference.head.bias * ref_scale)
+                               bias_q=None if reference.head.bias is None else reference.head.bias * ref_scale,
+                               chunk_size=chunk_size)

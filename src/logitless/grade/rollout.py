@@ -7,8 +7,10 @@ At each of the T steps, from the policy's final hidden state h (B, H):
    Gumbel noise) and give the metrics (the relaxed sample's mass outside those k);
 2. with a graph, only those k logits are recomputed, ``h @ W[idx].T``, and relaxed:
    ``w = softmax((z_idx + g_idx) / tau)`` (straight-through one-hot for STE);
-3. the exact full-vocabulary KL(policy || reference) of this step comes from `fused_linear_kl` on the
-   two models' hidden states, kept in the graph (it is in the loss);
+3. the two models' final hidden states are kept (B, H each, the policy's in the graph); after the
+   rollout `fused_linear_kl` gives every step's exact full-vocabulary KL(policy || reference) from them
+   in one chunked pass (the LM heads are streamed once per chunk of rows, not once per step), and the
+   KL is in the loss;
 4. the soft token ``sum_j w_j E[idx_j]`` is the policy's next input (`CachedStepper`), and the same
    weights, detached, through the reference's own embedding are the reference's next input: the
    reference reads the same prefix as the policy (the legacy trainer uses the same convention).
@@ -26,6 +28,11 @@ from logitless.grade.parts import CausalLMParts
 from logitless.grade.soft_tokens import PromptBatch, SoftTokens
 from logitless.grade.steppers import CachedStepper
 from logitless.ops.gumbel import gumbel_noise, perturbed_topk, relaxed_weights
+
+
+# Rows per chunk of the rollout's KL: each chunk streams both LM heads once and holds a few
+# (rows, V) fp32 blocks (64 rows x 151,936 = 39 MB each).
+KL_CHUNK_ROWS = 64
 
 
 @dataclass
@@ -65,7 +72,7 @@ def sparse_rollout(policy: CausalLMParts, reference: CausalLMParts, prompt: Prom
     with torch.no_grad():
         reference_steps = CachedStepper(reference, _embed_prompt(reference, prompt), prompt.attention_mask)
         reference_hidden = reference_steps.start()
-    indices, weights, kls, tail_mass, top_weight = [], [], [], 0.0, 0.0
+    indices, weights, hiddens, reference_hiddens, tail_mass, top_weight = [], [], [], [], 0.0, 0.0
     for t in range(steps):
         step_noise = noise.at(t)  # (B, V)
         with torch.no_grad():
@@ -75,7 +82,8 @@ def sparse_rollout(policy: CausalLMParts, reference: CausalLMParts, prompt: Prom
             tail_mass = tail_mass + (1.0 - kept_mass).clamp(min=0).mean()  # a tensor: no device sync per step
         step_weights = relaxed_weights(policy.selected_logits(hidden, step_indices)
                                        + step_noise.gather(-1, step_indices), tau, hard)  # (B, k)
-        kls.append(policy.kl_to(hidden, reference, reference_hidden))  # (B,)
+        hiddens.append(hidden)
+        reference_hiddens.append(reference_hidden)
         indices.append(step_indices)
         weights.append(step_weights)
         top_weight = top_weight + step_weights.detach().amax(-1).mean()
@@ -85,7 +93,10 @@ def sparse_rollout(policy: CausalLMParts, reference: CausalLMParts, prompt: Prom
             with torch.no_grad():
                 reference_hidden = reference_steps.step(reference.embedding.of_soft(token.detach())[:, 0])
     completion = SoftTokens(torch.stack(weights, dim=1), torch.stack(indices, dim=1))
-    return Rollout(completion, torch.stack(kls, dim=1).sum(dim=1), float(tail_mass) / steps, float(top_weight) / steps)
+    # every step's exact KL in one chunked pass over the (B, T) final hidden states of both models
+    kl = policy.kl_to(torch.stack(hiddens, dim=1), reference, torch.stack(reference_hiddens, dim=1),
+                      chunk_size=KL_CHUNK_ROWS)  # (B, T)
+    return Rollout(completion, kl.sum(dim=1), float(tail_mass) / steps, float(top_weight) / steps)
 
 
 @torch.no_grad()

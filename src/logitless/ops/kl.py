@@ -45,7 +45,9 @@ class LinearKL(torch.autograd.Function):
             rows = slice(start, start + chunk_rows)
             log_p, lse_p[rows] = _log_softmax_lse(chunk_logits(hidden_p[rows], weight_p, bias_p, temperature).to(dtype))
             log_q, lse_q[rows] = _log_softmax_lse(chunk_logits(hidden_q[rows], weight_q, bias_q, temperature).to(dtype))
-            kl[rows] = kl_from_log_probs(log_p, log_q)
+            p = log_p.exp()  # (n, V)
+            # kl_from_log_probs, in place on the chunk: p * (log p - log q), 0 where p = 0
+            kl[rows] = log_p.sub_(log_q).mul_(p).masked_fill_(p == 0, 0.0).sum(dim=-1)
         ctx.save_for_backward(hidden_p, weight_p, bias_p, hidden_q, weight_q, bias_q, lse_p, lse_q, kl)
         ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
         return kl
