@@ -24,7 +24,7 @@ def _weights(directory):
 
 
 def test_reward_rises_over_a_short_cpu_run(tmp_path):
-    run = GradeRunConfig.from_dict(dict(output_dir=str(tmp_path), steps=12, max_new_tokens=6, batch_size=4,
+    run = GradeRunConfig.from_dict(dict(output_dir=str(tmp_path), steps=12, max_new_tokens=4, batch_size=4,
                                         save_every=12, seed=0))
     rewards = [row["reward"] for row in run_grade(run, progress=False)["gumbel"]]
     quarter = len(rewards) // 4
