@@ -1,4 +1,4 @@
-"""The ``logitless`` command: demo | sft | bench lmhead | bench grpo | bench reward | bench jax."""
+"""The ``logitless`` command: demo | sft | grpo | grade | bench lmhead | grpo | reward | jax | grade | grade-variance."""
 
 from __future__ import annotations
 
@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     grpo.add_argument("--save-every", dest="save_every", type=int)
     grpo.add_argument("--seed", type=int)
     grpo.set_defaults(handler=run_grpo)
+    from logitless.recipes import grade as grade_recipe
+
+    grade_recipe.add_parser(commands)
     bench = commands.add_parser("bench", help="microbenchmarks against the peers, side by side")
     targets = bench.add_subparsers(dest="target", required=True)
     bench_lmhead.add_parser(targets)
@@ -189,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_reward.add_argument("--json", help="write the report here")
     bench_reward.set_defaults(handler=run_bench_trainer)
     bench_jax.add_parser(targets)
+    from logitless.bench import grade as bench_grade
+
+    bench_grade.add_parser(targets)
     return parser
 
 

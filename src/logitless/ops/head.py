@@ -120,6 +120,14 @@ class LinearHead:
             logits += self.bias if columns is None else self.bias[columns]
         return self.finish_(logits)
 
+    def gathered_logits(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """(n, H), (n, k) -> (n, k) fp32: the logits of k vocabulary entries per row, a different k for each row
+        (only those k rows of the weight are read)."""
+        raw = torch.einsum("nh,nkh->nk", hidden, self.weight[indices]).to(stat_dtype(hidden.dtype))
+        if self.bias is not None:
+            raw = raw + self.bias[indices]
+        return self.finish_(raw)
+
     def finish_(self, raw: torch.Tensor) -> torch.Tensor:
         """``hidden @ weight.T + bias`` (already in stat_dtype) -> logits, in place where autograd allows."""
         if self.scale != 1.0:

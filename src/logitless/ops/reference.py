@@ -23,6 +23,15 @@ def entropy_from_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
     return -(safe.exp() * safe).sum(dim=-1)
 
 
+def kl_from_log_probs(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """sum over the last dim of p * (log p - log q) from log-softmax outputs: (..., V) -> (...).
+
+    Where p = 0 the term is 0 whatever q is (also in the gradient); where p > 0 and q = 0 it is +inf.
+    """
+    probs = log_p.exp()
+    return (probs * torch.where(probs > 0, log_p - log_q, 0.0)).sum(dim=-1)
+
+
 def compute_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) over the last dim: (..., V) -> (...), fp32 (fp64 for fp64 input).
 

@@ -1,0 +1,131 @@
+"""`logitless bench grade`: the legacy GumbelTrainer against GumbelTrainerMemoryEfficient.
+
+Both train the same policy (the embedded tiny Qwen2, real 151,936-token vocabulary) on the same prompts,
+reward (the capitalized-word fraction), seed, config and steps, each in a fresh process. One warm-up
+step (it creates the optimizer's state, equal for both) is not measured; then ``steps`` optimizer steps
+are, and each worker reports the peak memory growth over them (CPU: peak RSS of the process), the
+median step time, and the mean reward and KL of the measured steps.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from logitless.bench.ratios import add_ratios, format_ratio
+from logitless.bench.worker import run_worker_process, worker_main
+
+VARIANTS = ("legacy", "efficient")
+PROMPTS = ["Once upon a time", "The weather today is", "My favourite food is", "Yesterday I went to",
+           "The best way to learn is", "In the morning", "A good friend", "The city at night"]
+
+
+@dataclass
+class GradeBenchConfig:
+    steps: int = 2  # measured optimizer steps (after one warm-up step)
+    batch_size: int = 8
+    max_new_tokens: int = 64
+    gumbel_topk: int = 256
+    method: str = "gumbel"  # gumbel | ste
+    activation_checkpointing: bool = True  # the efficient trainer's per-step recomputation
+
+
+def _trainer(variant: str, config: GradeBenchConfig):
+    from logitless.grade import GradeConfig, GumbelTrainer, GumbelTrainerMemoryEfficient, TokenSetReward
+    from logitless.models import load_model_and_tokenizer
+
+    policy, tokenizer = load_model_and_tokenizer("tiny-qwen2", seed=0)
+    grade = GradeConfig(method=config.method, gumbel_topk=config.gumbel_topk, max_new_tokens=config.max_new_tokens,
+                        batch_size=config.batch_size, learning_rate=1e-2, kl_coef=0.02,
+                        activation_checkpointing=config.activation_checkpointing)
+    trainer_class = GumbelTrainer if variant == "legacy" else GumbelTrainerMemoryEfficient
+    return trainer_class(policy, TokenSetReward.capitalized_words(tokenizer), grade, tokenizer=tokenizer)
+
+
+def run_worker(variant: str, _directory: str, config: GradeBenchConfig) -> dict:
+    from logitless.bench.memory import PeakMemory
+
+    trainer = _trainer(variant, config)
+    prompts = [PROMPTS[(i + step) % len(PROMPTS)] for step in range(config.steps + 1)
+               for i in range(config.batch_size)]
+    trainer.train_step(prompts[:config.batch_size])  # warm-up: optimizer state, lazy allocations
+    rows = []
+    with PeakMemory(torch.device("cpu")) as peak:
+        for step in range(1, config.steps + 1):
+            started = time.perf_counter()
+            row = trainer.train_step(prompts[step * config.batch_size: (step + 1) * config.batch_size])
+            rows.append({**row, "step_s": time.perf_counter() - started})
+    return {"peak_mb": peak.megabytes, "step_s": statistics.median(r["step_s"] for r in rows),
+            "reward": statistics.mean(r["reward"] for r in rows), "kl": statistics.mean(r["kl"] for r in rows),
+            "topk_tail_mass": statistics.mean(r["topk_tail_mass"] for r in rows)}
+
+
+def run(config: GradeBenchConfig, progress: bool = True) -> dict:
+    from tqdm.auto import tqdm
+
+    results = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for variant in tqdm(VARIANTS, desc="bench grade", disable=not progress):
+            results[variant] = run_worker_process("logitless.bench.grade", ["--worker", variant, "--scratch", scratch,
+                                                                            "--config", json.dumps(asdict(config))])
+    add_ratios(results, "legacy", time_key="step_s")
+    return {"config": asdict(config), "results": results}
+
+
+def format_table(report: dict) -> str:
+    c = report["config"]
+    lines = [f"GRADE ({c['method']}), {c['steps']} steps of {c['batch_size']} rollouts x {c['max_new_tokens']} tokens, "
+             f"top-k {c['gumbel_topk']}, activation checkpointing {'on' if c['activation_checkpointing'] else 'off'}, "
+             f"tiny Qwen2 (vocabulary 151936), CPU",
+             f"{'trainer':<10}{'step s':>9}{'x legacy':>10}{'peak MB':>10}{'x legacy':>10}{'reward':>9}{'kl':>9}"]
+    for name, r in report["results"].items():
+        lines.append(f"{name:<10}{r['step_s']:>9.2f}{format_ratio(r['time_ratio'], 10)}{r['peak_mb']:>10.0f}"
+                     f"{format_ratio(r['peak_ratio'], 10)}{r['reward']:>9.4f}{r['kl']:>9.4f}")
+    return "\n".join(lines)
+
+
+def add_parser(targets) -> None:
+    """Register ``logitless bench grade`` and ``logitless bench grade-variance``."""
+    from logitless.bench import grade_variance
+
+    defaults = GradeBenchConfig()
+    parser = targets.add_parser("grade", help="GRADE: legacy GumbelTrainer vs GumbelTrainerMemoryEfficient, "
+                                              "peak memory and step time in fresh processes")
+    parser.add_argument("--steps", type=int, default=defaults.steps, help=f"measured steps (default {defaults.steps})")
+    parser.add_argument("--batch-size", dest="batch_size", type=int, default=defaults.batch_size,
+                        help=f"rollouts per step (default {defaults.batch_size})")
+    parser.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=defaults.max_new_tokens,
+                        help=f"tokens per rollout (default {defaults.max_new_tokens})")
+    parser.add_argument("--gumbel-topk", dest="gumbel_topk", type=int, default=defaults.gumbel_topk,
+                        help=f"tokens kept per step by the efficient trainer (default {defaults.gumbel_topk})")
+    parser.add_argument("--method", default=defaults.method, help=f"gumbel | ste (default {defaults.method})")
+    parser.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_false",
+                        help="the efficient trainer keeps each decode step's activations (default: recomputes them)")
+    parser.add_argument("--json", help="write the report here (default: print only)")
+    parser.set_defaults(handler=_main)
+    grade_variance.add_parser(targets)
+
+
+def _main(args) -> int:
+    from logitless.cli import _write_report
+
+    for name in ("steps", "batch_size", "max_new_tokens", "gumbel_topk"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.method not in ("gumbel", "ste"):
+        raise SystemExit(f"--method: expected gumbel or ste, got {args.method!r}")
+    report = run(GradeBenchConfig(args.steps, args.batch_size, args.max_new_tokens, args.gumbel_topk, args.method,
+                                  args.activation_checkpointing))
+    print(format_table(report))
+    _write_report(report, args.json, None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(run_worker, GradeBenchConfig, VARIANTS, "--scratch"))

@@ -1,0 +1,65 @@
+"""GradeConfig: one dataclass for both GRADE trainers and the GRPO baseline, checked when it is built."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from logitless._checks import check_choice, check_positive, check_positive_ints, check_strings, dataclass_from_dict
+
+METHODS = ("gumbel", "ste")
+
+
+@dataclass
+class GradeConfig:
+    method: str = "gumbel"  # gumbel: soft samples forward and backward; ste: hard forward, soft backward
+    gumbel_topk: int = 256  # tokens kept per step by the memory-efficient trainer (the vocabulary size = all)
+    tau_start: float = 1.0  # Gumbel-softmax temperature at step 0 ...
+    tau_end: float = 0.5  # ... annealed geometrically to this ...
+    tau_anneal_steps: int = 100  # ... over this many optimizer steps (0: tau_end from the start)
+    max_new_tokens: int = 16  # tokens generated per rollout (every rollout has exactly this many)
+    batch_size: int = 4  # rollouts per microbatch
+    gradient_accumulation_steps: int = 1  # microbatches per optimizer step
+    kl_coef: float = 0.05  # loss = -reward + kl_coef * KL(policy || reference) summed over the rollout
+    learning_rate: float = 1e-3
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    activation_checkpointing: bool = True  # recompute each decode step in backward (efficient trainer)
+    grpo_group_size: int = 4  # GRPO baseline: completions per prompt (must divide batch_size)
+    lora_rank: int = 0  # > 0: train LoRA adapters of this rank (peft) instead of every weight
+    lora_alpha: float = 16.0
+    lora_target_modules: str | list[str] = "all-linear"  # peft's target_modules
+
+    def __post_init__(self):
+        check_choice("method", self.method, METHODS)
+        check_positive_ints(self, ("gumbel_topk", "max_new_tokens", "batch_size", "gradient_accumulation_steps",
+                                   "grpo_group_size"))
+        for name in ("tau_start", "tau_end", "learning_rate", "max_grad_norm"):
+            check_positive(name, getattr(self, name))
+        if isinstance(self.tau_anneal_steps, bool) or not isinstance(self.tau_anneal_steps, int) \
+                or self.tau_anneal_steps < 0:
+            raise ValueError(f"tau_anneal_steps: expected an int >= 0, got {self.tau_anneal_steps!r}")
+        if isinstance(self.kl_coef, bool) or not isinstance(self.kl_coef, (int, float)) or not self.kl_coef >= 0:
+            raise ValueError(f"kl_coef: expected a number >= 0, got {self.kl_coef!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed: expected an int >= 0, got {self.seed!r}")
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ValueError(f"lora_rank: expected an int >= 0 (0: no LoRA), got {self.lora_rank!r}")
+        check_positive("lora_alpha", self.lora_alpha)
+        if not isinstance(self.lora_target_modules, str):
+            check_strings("lora_target_modules", self.lora_target_modules)
+        if not isinstance(self.activation_checkpointing, bool):
+            raise TypeError(f"activation_checkpointing: expected a bool, got {self.activation_checkpointing!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> GradeConfig:
+        return dataclass_from_dict(cls, values)
+
+    @property
+    def hard(self) -> bool:
+        return self.method == "ste"
+
+    def tau_at(self, step: int) -> float:
+        """Geometric annealing: tau_start * (tau_end / tau_start) ** min(step / tau_anneal_steps, 1)."""
+        progress = 1.0 if self.tau_anneal_steps == 0 else min(step / self.tau_anneal_steps, 1.0)
+        return self.tau_start * math.exp(progress * math.log(self.tau_end / self.tau_start))

@@ -1,0 +1,58 @@
+"""A causal LM taken apart for GRADE: the body that gives final hidden states, the LM head, the input embedding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from logitless.grade.soft_tokens import TokenEmbedding
+from logitless.hf import lm_head_of, model_body
+from logitless.ops.head import LinearHead
+from logitless.ops.kl import heads_kl
+
+
+@dataclass
+class CausalLMParts:
+    model: torch.nn.Module
+    body: torch.nn.Module  # (inputs_embeds, attention_mask, position_ids, past_key_values) -> last_hidden_state
+    head: LinearHead
+    embedding: TokenEmbedding
+
+    @classmethod
+    def of(cls, model, name: str) -> CausalLMParts:
+        embedding = TokenEmbedding.of(model, name)
+        try:
+            head, body = lm_head_of(model), model_body(model)
+        except TypeError as err:
+            raise TypeError(f"{name}: {str(err).partition(': ')[2]}") from None
+        if head.softcap is not None:
+            raise ValueError(f"{name}: soft-capped LM heads (final_logit_softcapping) are not supported by GRADE")
+        if head.weight.shape[0] != embedding.vocab_size:
+            raise ValueError(f"{name}: its LM head has {head.weight.shape[0]} rows but its input embedding "
+                             f"{embedding.vocab_size}; soft tokens need one vocabulary")
+        return cls(model, body, head, embedding)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.head.weight.shape[0]
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, H) -> (B, V) fp32, the full next-token logits."""
+        return self.head.logits(hidden)
+
+    def selected_logits(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """(B, H), (B, k) -> (B, k) fp32: the logits of k tokens per row only (k rows of the head)."""
+        return self.head.gathered_logits(hidden, indices)
+
+    def kl_to(self, hidden: torch.Tensor, reference: CausalLMParts, reference_hidden: torch.Tensor,
+              chunk_size: int | None = None) -> torch.Tensor:
+        """Per-row exact KL(self || reference) of the next-token distributions: (..., H), (..., H_ref) -> (...) fp32."""
+        leading = hidden.shape[:-1]
+        kl = heads_kl(hidden.reshape(-1, hidden.shape[-1]), self.head,
+                      reference_hidden.reshape(-1, reference_hidden.shape[-1]), reference.head, chunk_size=chunk_size)
+        return kl.reshape(leading)

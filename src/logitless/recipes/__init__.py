@@ -1,0 +1,1 @@
+"""Programs built on the library: the commands behind `logitless` (the library never imports them)."""
