@@ -81,23 +81,26 @@ def targets_in_block(targets: torch.Tensor, start: int, width: int) -> tuple[tor
 
 
 def update_stats(stats: OnlineSoftmax, logits: torch.Tensor, start: int, targets: torch.Tensor,
-                 has_neg_inf: bool, keep_logits: bool = False) -> None:
-    """Add one block of logits (n, c) to the running sums; ``logits`` is consumed unless ``keep_logits``.
+                 has_neg_inf: bool, keep: str | None = None) -> torch.Tensor:
+    """Add one block of logits (n, c) to the running sums; returns the shift m (n,) the block was measured from.
 
-    ``has_neg_inf``: the block may hold -inf logits, which must count as 0 * log 0 = 0.
+    ``keep``: None consumes ``logits``; "logits" leaves them as they are; "weights" overwrites them with
+    ``exp(z - m)`` (what `block_grad_from_weights` turns into the gradient). ``has_neg_inf``: the block
+    may hold -inf logits, which must count as 0 * log 0 = 0.
     """
     rows, columns = targets_in_block(targets, start, logits.shape[1])
     stats.target_logit[rows] = logits[rows, columns]
     if stats.logit_sum is not None:
         stats.logit_sum += logits.sum(dim=1)
     shift, _ = stats.rescale(logits.amax(dim=1))
-    shifted = logits - shift.unsqueeze(1) if keep_logits else logits.sub_(shift.unsqueeze(1))  # (n, c), <= 0
-    weights = shifted.exp()  # (n, c)
+    shifted = logits.sub_(shift.unsqueeze(1)) if keep is None else logits - shift.unsqueeze(1)  # (n, c), <= 0
+    weights = torch.exp(shifted, out=logits) if keep == "weights" else shifted.exp()  # (n, c)
     stats.total += weights.sum(dim=1)
     if stats.weighted is not None:
         if has_neg_inf:  # a -inf logit has weight 0 and adds 0 * log 0 = 0, not 0 * -inf = NaN
             shifted.masked_fill_(torch.isneginf(shifted), 0.0)
-        stats.weighted += weights.mul_(shifted).sum(dim=1)
+        stats.weighted += shifted.mul_(weights).sum(dim=1)
+    return shift
 
 
 class StatGrads(NamedTuple):
@@ -149,3 +152,23 @@ def block_logits_grad(head: LinearHead, logits: torch.Tensor, start: int, target
         rows, columns = targets_in_block(targets, start, grad.shape[1])
         grad[rows, columns] += coefs.onehot[rows]
     return head.softcap_slope_(grad, slope_logits)
+
+
+def block_grad_from_weights(weights: torch.Tensor, shift: torch.Tensor, start: int, targets: torch.Tensor,
+                            lse: torch.Tensor, coefs: StatGrads) -> torch.Tensor:
+    """`block_logits_grad` from a block kept as ``exp(z - m)`` (see `update_stats`), without the exponentials
+    again: ``p = exp(z - m) * exp(m - lse)``, a per-row rescale. For a loss that does not differentiate
+    the entropy, of a head without a soft cap. ``weights`` is consumed.
+    """
+    if coefs.centered is not None:
+        raise ValueError("coefs: an entropy gradient needs the logits, not their exponentials")
+    if coefs.probs is None:
+        grad = weights.zero_()
+    else:
+        grad = weights.mul_((coefs.probs * (shift - lse).exp()).neg_().unsqueeze(1))  # (n, c)
+    if coefs.uniform is not None:
+        grad.add_(coefs.uniform.unsqueeze(1))
+    if coefs.onehot is not None:
+        rows, columns = targets_in_block(targets, start, grad.shape[1])
+        grad[rows, columns] += coefs.onehot[rows]
+    return grad

@@ -76,8 +76,7 @@ class LinearLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, head: LinearHead, plan: BlockPlan, token_loss: TokenLoss,
                 need_entropy: bool, need_mean_log_prob: bool, needs: tuple[bool, bool, bool]):
-        kernels = chunk_kernels(hidden.device, stat_dtype(hidden.dtype))
-        ctx.recompute = (head, plan, kernels, token_loss, needs, need_entropy, need_mean_log_prob)
+        ctx.recompute = (head, plan, token_loss, needs, need_entropy, need_mean_log_prob)
         loss, stats, input_grads_ = loss_and_grads(*_positional(hidden, targets, ctx.recompute))
         _check_finite_logits(stats.lse)
         ctx.input_grads = input_grads_
@@ -99,8 +98,8 @@ class LinearLoss(torch.autograd.Function):
 
 def _positional(hidden, targets, recompute):
     """`loss_and_grads`'s arguments from a `LinearLoss` call's inputs and settings."""
-    head, plan, kernels, token_loss, needs, need_entropy, need_mean_log_prob = recompute
-    return head, hidden, targets, plan, kernels, token_loss, needs, need_entropy, need_mean_log_prob
+    head, plan, token_loss, needs, need_entropy, need_mean_log_prob = recompute
+    return head, hidden, targets, plan, token_loss, needs, need_entropy, need_mean_log_prob
 
 
 def linear_token_stats(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, *, need_entropy: bool = True,
@@ -117,7 +116,8 @@ def linear_loss(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, t
                 vocab_block_size: int | None = None):
     """(loss, log_probs (N,), entropy (N,) or None) of a loss summed over per-token terms of the statistics.
 
-    ``token_loss(rows, log_probs, entropy, mean_log_prob)`` is the loss summed over the tokens ``rows``.
+    ``token_loss(rows, log_probs, entropy, mean_log_prob)`` is the loss summed over the tokens ``rows``; it
+    may read the entropy (a metric) but not differentiate it.
     One pass with the gradients computed in forward where `plan_blocks` says it pays; otherwise the
     statistics of `LinearTokenStats` and ``token_loss`` over all tokens. log_probs and entropy are
     returned without a graph (for metrics).
@@ -130,7 +130,7 @@ def linear_loss(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, t
         return loss, log_probs, entropy if need_entropy else None
     log_probs, entropy, mean_log_prob = LinearTokenStats.apply(hidden, head.weight, head.bias, targets, head, plan,
                                                                need_entropy, need_mean_log_prob)
-    loss = token_loss(slice(None), log_probs, entropy if need_entropy else None,
+    loss = token_loss(slice(None), log_probs, entropy.detach() if need_entropy else None,
                       mean_log_prob if need_mean_log_prob else None)
     return loss, log_probs.detach(), entropy.detach() if need_entropy else None
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from logitless.ops.chunks import OnlineSoftmax, StatGrads, TokenStats, stat_grads
+from logitless.ops.chunks import (OnlineSoftmax, StatGrads, TokenStats, block_grad_from_weights, block_logits_grad,
+                                  stat_grads, update_stats)
 from logitless.ops.head import LinearHead, matmul_stat, stat_dtype
 
 # Two passes: bytes of fp32 logits in one block. A CPU's last-level cache holds tens of MB; a GPU
@@ -98,7 +99,7 @@ def _empty_stats(dtype, device, need_entropy: bool, need_mean_log_prob: bool) ->
     return TokenStats(empty, empty, empty if need_entropy else None, empty if need_mean_log_prob else None)
 
 
-def _concat(parts: list[TokenStats]) -> TokenStats:
+def concat_stats(parts: list[TokenStats]) -> TokenStats:
     return TokenStats(*(None if field[0] is None else torch.cat(field) for field in zip(*parts)))
 
 
@@ -116,7 +117,7 @@ def token_stats(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, p
         for start, columns in column_blocks(head.vocab_size, plan):
             kernels.update_stats(stats, head.logits(chunk_hidden, columns), start, chunk_targets, has_neg_inf)
         parts.append(stats.result(head.vocab_size))
-    return _concat(parts)
+    return concat_stats(parts)
 
 
 class InputGrads:
@@ -202,40 +203,45 @@ def input_grads(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, l
     return grads.result(head)
 
 
-def loss_and_grads(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, plan: BlockPlan, kernels,
+def loss_and_grads(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, plan: BlockPlan,
                    token_loss: TokenLoss, needs: tuple[bool, bool, bool], need_entropy: bool,
                    need_mean_log_prob: bool):
     """One pass: (loss, TokenStats of every token (N,), (grad_hidden, grad_weight, grad_bias)).
 
     ``token_loss`` gives each chunk's share of the loss from its statistics; its gradient with respect
-    to them is taken by autograd on (n,) vectors, then carried to the chunk's kept logits.
+    to log p and mean log p is taken by autograd on (n,) vectors (the entropy is handed over without
+    a graph: a loss that differentiates it takes the two passes). The chunk keeps each block as
+    ``exp(z - m)``, so the gradient costs a rescale rather than the exponentials again; a soft-capped
+    head keeps the logits instead (its slope is read from them). This schedule runs on CPUs, with the
+    PyTorch block math of `chunks.py`.
     """
     num_rows, dtype = hidden.shape[0], stat_dtype(hidden.dtype)
     has_neg_inf = head.may_have_neg_inf_logits
+    keep = "logits" if head.softcap is not None else "weights"
     grads = InputGrads(head, hidden, needs, num_chunks=-(-num_rows // plan.rows))
     blocks = list(column_blocks(head.vocab_size, plan))
     loss = torch.zeros((), dtype=dtype, device=hidden.device)
     parts = []
-    kept = None  # the chunk's logits, one (n, c) block after another; reused from chunk to chunk
+    kept = None  # the chunk's blocks, one (n, c) after another; reused from chunk to chunk
     for rows in row_chunks(num_rows, plan):
         chunk_hidden, chunk_targets = compute_operand(hidden[rows]), targets[rows]
         num_chunk_rows = chunk_targets.shape[0]
         if kept is None or kept.shape[0] < num_chunk_rows * head.vocab_size:
             kept = torch.empty(num_chunk_rows * head.vocab_size, dtype=dtype, device=hidden.device)
         stats = OnlineSoftmax(num_chunk_rows, dtype, hidden.device, need_entropy, need_mean_log_prob)
-        block_logits = []
+        block_values, block_shifts = [], []
         for start, columns in blocks:
             width = min(plan.columns, head.vocab_size - start)
             logits = head.logits(chunk_hidden, columns, out=kept[start * num_chunk_rows: (start + width) * num_chunk_rows]
                                  .view(num_chunk_rows, width))
-            kernels.update_stats(stats, logits, start, chunk_targets, has_neg_inf, keep_logits=True)
-            block_logits.append(logits)
+            block_shifts.append(update_stats(stats, logits, start, chunk_targets, has_neg_inf, keep=keep))
+            block_values.append(logits)
         chunk_stats = stats.result(head.vocab_size)
         parts.append(chunk_stats)
         with torch.enable_grad():
             leaves = [None if s is None else s.detach().requires_grad_()
-                      for s in (chunk_stats.log_probs, chunk_stats.entropy, chunk_stats.mean_log_prob)]
-            chunk_loss = token_loss(rows, *leaves)
+                      for s in (chunk_stats.log_probs, chunk_stats.mean_log_prob)]
+            chunk_loss = token_loss(rows, leaves[0], chunk_stats.entropy, leaves[1])
             used = [leaf for leaf in leaves if leaf is not None]
             stat_grad_list = (torch.autograd.grad(chunk_loss, used, allow_unused=True)
                               if any(needs) and chunk_loss.requires_grad else [None] * len(used))
@@ -243,14 +249,16 @@ def loss_and_grads(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor
         if not any(needs):
             continue
         grad_iter = iter(stat_grad_list)
-        grad_log_probs, grad_entropy, grad_mean = (None if leaf is None else next(grad_iter) for leaf in leaves)
-        coefs = stat_grads(head, grad_log_probs, grad_entropy, grad_mean, dtype)
-        expected_logit = chunk_stats.lse - chunk_stats.entropy if coefs.centered is not None else None
+        grad_log_probs, grad_mean = (None if leaf is None else next(grad_iter) for leaf in leaves)
+        coefs = stat_grads(head, grad_log_probs, None, grad_mean, dtype)
         hidden_sum = grads.hidden_sum(chunk_hidden)
-        for (start, columns), logits in zip(blocks, block_logits):
-            block_grad = kernels.block_logits_grad(head, logits, start, chunk_targets, chunk_stats.lse,
-                                                   expected_logit, coefs, has_neg_inf)
+        for (start, columns), values, shift in zip(blocks, block_values, block_shifts):
+            if keep == "weights":
+                block_grad = block_grad_from_weights(values, shift, start, chunk_targets, chunk_stats.lse, coefs)
+            else:
+                block_grad = block_logits_grad(head, values, start, chunk_targets, chunk_stats.lse, None, coefs,
+                                               has_neg_inf)
             grads.add_block(columns, block_grad, chunk_hidden, hidden_sum, head.weight[columns])
         grads.finish_chunk(rows, hidden_sum)
-    stats = _concat(parts) if parts else _empty_stats(dtype, hidden.device, need_entropy, need_mean_log_prob)
+    stats = concat_stats(parts) if parts else _empty_stats(dtype, hidden.device, need_entropy, need_mean_log_prob)
     return loss, stats, grads.result(head) if any(needs) else (None, None, None)

@@ -40,13 +40,13 @@ def _check_block(logits: torch.Tensor) -> None:
 
 
 def update_stats(stats: OnlineSoftmax, logits: torch.Tensor, start: int, targets: torch.Tensor,
-                 has_neg_inf: bool, keep_logits: bool = False) -> None:
-    """Add one block of logits (n, c) to the running sums of ``stats``; the kernel only reads ``logits``
-    (so ``keep_logits`` is always honoured) and handles -inf itself."""
+                 has_neg_inf: bool) -> torch.Tensor:
+    """Add one block of logits (n, c) to the running sums of ``stats`` (the kernel handles -inf itself, and only
+    reads ``logits``); returns the shift the block was measured from, as the PyTorch twin does."""
     _check_block(logits)
     num_rows, num_columns = logits.shape
     if num_rows == 0:
-        return
+        return stats.shift
     placeholder = stats.total  # for a sum not kept, whose HAS_* flag keeps the kernel from touching it
     grid = (triton.cdiv(num_rows, STATS_TILE["BLOCK_ROWS"]),)
     _update_stats_kernel[grid](
@@ -55,6 +55,7 @@ def update_stats(stats: OnlineSoftmax, logits: torch.Tensor, start: int, targets
         placeholder if stats.weighted is None else stats.weighted,
         placeholder if stats.logit_sum is None else stats.logit_sum, stats.target_logit,
         HAS_WEIGHTED=stats.weighted is not None, HAS_LOGIT_SUM=stats.logit_sum is not None, **STATS_TILE)
+    return stats.shift
 
 
 def block_logits_grad(head: LinearHead, logits: torch.Tensor, start: int, targets: torch.Tensor, lse: torch.Tensor,
