@@ -13,6 +13,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
@@ -123,6 +125,50 @@ if INTERPRETED or torch.cuda.is_available():
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
         for g, w in zip(torch.autograd.grad(loss, (hidden, weight)), torch.autograd.grad(ref_loss, (hidden, weight))):
             torch.testing.assert_close(g.cpu(), w.cpu(), rtol=1e-5, atol=1e-6)
+
+    @settings(max_examples=40, deadline=None, derandomize=True)
+    @given(num_rows=st.integers(0, 20), vocab=st.integers(2, 700), block=st.integers(16, 300), neg_inf=st.booleans(),
+           softcap=st.one_of(st.none(), st.floats(0.5, 20.0)), temperature=st.floats(0.3, 2.0),
+           seed=st.integers(0, 2**16))
+    def test_random_shapes_through_the_kernels(num_rows, vocab, block, neg_inf, softcap, temperature, seed):
+        """Log-probs, entropy, cross-entropy and the GRPO loss with the kernels forced (the two-pass schedule,
+        as on GPUs), against the oracles."""
+        import os as _os
+
+        from logitless import fused_grpo_loss, fused_linear_cross_entropy, fused_linear_logprobs
+        from logitless.ops import loops, reference
+
+        _os.environ["LOGITLESS_TRITON"] = "1"
+        single_pass_devices, loops.SINGLE_PASS_DEVICES = loops.SINGLE_PASS_DEVICES, ()
+        try:
+            generator = torch.Generator().manual_seed(seed)
+            hidden = (torch.randn(1, num_rows, 6, generator=generator) * 0.7).requires_grad_()
+            weight = (torch.randn(vocab, 6, generator=generator) * 0.7).requires_grad_()
+            bias = torch.randn(vocab, generator=generator)
+            if neg_inf:
+                bias[1::4] = float("-inf")
+            ids = torch.randint(0, vocab, (1, num_rows), generator=generator)
+            ids = ids - ids % 4 if neg_inf else ids  # never a -inf row
+            mask = torch.rand(1, num_rows, generator=generator) > 0.2
+            options = dict(bias=bias, temperature=temperature, softcap=softcap)
+            log_probs, entropy = fused_linear_logprobs(hidden, weight, ids, return_entropy=True, mask=mask,
+                                                       vocab_block_size=block, **options)
+            cross = fused_linear_cross_entropy(hidden, weight, ids.masked_fill(~mask, -100), reduction="sum",
+                                               vocab_block_size=block, **options)
+            advantages = torch.randn(1, generator=generator)
+            grpo, _ = fused_grpo_loss(hidden, weight, ids, mask, advantages, vocab_block_size=block, **options)
+            ref_log_probs, ref_entropy = reference.linear_logprobs(hidden, weight, ids, return_entropy=True, **options)
+            ref_cross = reference.cross_entropy(reference.linear_logits(hidden, weight, bias, softcap, temperature),
+                                                ids.masked_fill(~mask, -100), reduction="sum")
+            ref_grpo, _ = reference.grpo_loss(hidden, weight, ids, mask, advantages, **options)
+            total = (log_probs + 0.5 * entropy).sum() + cross + grpo
+            ref_total = ((ref_log_probs + 0.5 * ref_entropy) * mask).sum() + ref_cross + ref_grpo
+            for got, want in zip((total, *torch.autograd.grad(total, (hidden, weight))),
+                                 (ref_total, *torch.autograd.grad(ref_total, (hidden, weight)))):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        finally:
+            loops.SINGLE_PASS_DEVICES = single_pass_devices
+            _os.environ.pop("LOGITLESS_TRITON")
 
 else:
 
