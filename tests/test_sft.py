@@ -3,7 +3,7 @@ import json
 import pytest
 
 from logitless.cli import main
-from logitless.sft import SFTConfig, train_sft
+from logitless.recipes.sft import SFTConfig, train_sft
 
 
 def test_loss_falls(tmp_path):
@@ -50,7 +50,7 @@ def test_cli_sft_with_yaml_config(tmp_path, capsys):
 
 def test_demo_refuses_a_directory_it_did_not_write_and_checks_options_first(tmp_path):
     from logitless.cli import main
-    from logitless.demo import MARKER, fresh_output_dir
+    from logitless.recipes.demo import MARKER, fresh_output_dir
 
     precious = tmp_path / "precious"
     precious.mkdir()

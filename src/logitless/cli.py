@@ -45,7 +45,7 @@ def _sft_overrides(args: argparse.Namespace) -> dict:
 
 
 def run_sft(args: argparse.Namespace) -> int:
-    from logitless.sft import SFTConfig, train_sft
+    from logitless.recipes.sft import SFTConfig, train_sft
 
     try:
         config = SFTConfig.from_dict({**_load_config(args.config), **_sft_overrides(args)})
@@ -59,7 +59,7 @@ def run_sft(args: argparse.Namespace) -> int:
 
 
 def run_grpo(args: argparse.Namespace) -> int:
-    from logitless.grpo_multichoice import MultichoiceGRPOConfig, train_grpo_multichoice
+    from logitless.recipes.grpo import MultichoiceGRPOConfig, train_grpo_multichoice
 
     names = ("model", "judge", "data", "output_dir", "steps", "completions_per_step", "num_generations",
              "max_completion_length", "learning_rate", "loss_type", "temperature", "save_every", "seed")
@@ -75,7 +75,7 @@ def run_grpo(args: argparse.Namespace) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from logitless.demo import check_run_args, run
+    from logitless.recipes.demo import check_run_args, run
 
     try:  # before any work, with the option's name
         check_run_args(args.output_dir, args.steps, args.grpo_steps)

@@ -47,8 +47,8 @@ def run_worker(variant: str, policy_dir: str, config: RewardBenchConfig) -> dict
 
     from logitless.bench.memory import PeakMemory
     from logitless.models import load_model_and_tokenizer
-    from logitless.multichoice_data import synthetic_multichoice, to_trl_dataset
-    from logitless.rewards.multichoice import MultichoiceJudge, multichoice_judge_reward
+    from logitless.multichoice.data import synthetic_multichoice, to_trl_dataset
+    from logitless.multichoice.reward import MultichoiceJudge, multichoice_judge_reward
     from logitless.trl import GRPOTrainerWithLogits
 
     policy, tokenizer = load_model_and_tokenizer(policy_dir)
@@ -95,7 +95,7 @@ def run_worker(variant: str, policy_dir: str, config: RewardBenchConfig) -> dict
 def run(config: RewardBenchConfig, progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
-    from logitless.warm_start import warm_start_policy
+    from logitless.recipes.warm_start import warm_start_policy
 
     results = {}
     with tempfile.TemporaryDirectory() as scratch:

@@ -17,11 +17,11 @@ import torch
 
 from logitless._checks import check_positive_ints
 from logitless.data import tokenize_prompt_and_output
-from logitless.grpo_multichoice import MultichoiceGRPOConfig, train_grpo_multichoice
+from logitless.recipes.grpo import MultichoiceGRPOConfig, train_grpo_multichoice
 from logitless.logprobs import get_response_log_probs
 from logitless.models import load_model_and_tokenizer
-from logitless.multichoice_data import synthetic_multichoice
-from logitless.warm_start import multichoice_sft_pairs, warm_start_policy
+from logitless.multichoice.data import synthetic_multichoice
+from logitless.recipes.warm_start import multichoice_sft_pairs, warm_start_policy
 
 
 def _fused_matches_materialized(model_dir: Path) -> float:

@@ -1,6 +1,6 @@
 """A tiny policy that already answers multiple-choice questions as "... ANSWER: X".
 
-A short SFT of the embedded tiny Qwen2 on synthetic questions (`multichoice_data`), so that the
+A short SFT of the embedded tiny Qwen2 on synthetic questions (`multichoice.data`), so that the
 GRPO demo and `logitless bench reward` generate completions with an answer letter to read.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from logitless.multichoice_data import synthetic_multichoice
-from logitless.sft import SFTConfig, train_sft
+from logitless.multichoice.data import synthetic_multichoice
+from logitless.recipes.sft import SFTConfig, train_sft
 
 
 def multichoice_sft_pairs(records: list[dict], letters: str = "ABCD") -> list[dict[str, str]]:

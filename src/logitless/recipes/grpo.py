@@ -53,7 +53,7 @@ class MultichoiceGRPOConfig:
 
 
 def _records(config: MultichoiceGRPOConfig) -> list[dict]:
-    from logitless.multichoice_data import load_multichoice, synthetic_multichoice
+    from logitless.multichoice.data import load_multichoice, synthetic_multichoice
 
     if config.data:
         return load_multichoice(config.data)
@@ -67,8 +67,8 @@ def train_grpo_multichoice(config: MultichoiceGRPOConfig, *, progress: bool = Tr
     from transformers.utils import logging as hf_logging
     from trl import GRPOConfig
 
-    from logitless.multichoice_data import to_trl_dataset
-    from logitless.rewards.multichoice import MultichoiceJudge, multichoice_judge_reward
+    from logitless.multichoice.data import to_trl_dataset
+    from logitless.multichoice.reward import MultichoiceJudge, multichoice_judge_reward
     from logitless.trl import GRPOTrainerWithLogits
 
     hf_logging.disable_progress_bar()  # no bars for each checkpoint write and model load

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from logitless.cli import main
-from logitless.grpo_multichoice import MultichoiceGRPOConfig
+from logitless.recipes.grpo import MultichoiceGRPOConfig
 
 
 def test_grpo_command_trains_logs_and_resumes(tmp_path, capsys):

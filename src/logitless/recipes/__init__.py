@@ -1,0 +1,2 @@
+"""Programs built on the library: the `logitless` subcommands (sft, multiple-choice GRPO, demo) and the
+warm start they share. Nothing in the library imports from here."""
