@@ -1,0 +1,28 @@
+"""SIGKILL at random moments, during steps and during checkpoint saves: every rerun ends with the weights
+of an uninterrupted run (tests/sigkill.py; LOGITLESS_KILL_POINTS=N runs N kills per trainer)."""
+
+import sys
+
+from sigkill import check_sigkill_anywhere, kill_points, safetensors_weights
+
+from logitless.checkpoint import last_complete_checkpoint
+
+CLI = [sys.executable, "-m", "logitless.cli"]
+
+
+def test_sft_survives_sigkill_anywhere(tmp_path):
+    command = CLI + ["sft", "--steps", "5", "--batch-size", "2", "--save-every", "1"]
+    report = check_sigkill_anywhere(command, "--output-dir", lambda run: safetensors_weights(run / "checkpoint"),
+                                    tmp_path, kill_points=kill_points(3))
+    print(report)
+    assert report["kills"] == kill_points(3)
+
+
+def test_grpo_survives_sigkill_anywhere(tmp_path):
+    command = CLI + ["grpo", "--steps", "3", "--completions-per-step", "4", "--num-generations", "2",
+                     "--max-completion-length", "4", "--save-every", "1"]
+    report = check_sigkill_anywhere(command, "--output-dir",
+                                    lambda run: safetensors_weights(last_complete_checkpoint(run)[0]),
+                                    tmp_path, kill_points=kill_points(3))
+    print(report)
+    assert report["kills"] == kill_points(3)
