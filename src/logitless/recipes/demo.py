@@ -1,101 +1,206 @@
-"""``make demo``: the embedded tiny Qwen2 (real 151,936-token Qwen vocabulary) trained on CPU, logit-free.
+"""``make demo``: the embedded tiny Qwen2 (real 151,936-token Qwen vocabulary) learns from a reward on CPU,
+logit-free, in a few minutes, and a summary table says what the fused path saved.
 
-1. SFT on built-in multiple-choice questions answered as "... ANSWER: X" (progress bar, loss plot).
-2. GRPO from that checkpoint with `GRPOTrainerWithLogits` and the judge reward
-   ``P(correct | model) * (1 - P(correct | judge))``, the first factor read from the policy's own
-   logits (no extra forward), the judge a frozen copy of the SFT model (reward plot).
-3. A check that the fused log-probs equal the materialized ones on the trained model.
+1. Warm-up SFT (`warm_start`): the model learns the answer format " ANSWER: <ordinal> <letter>" on
+   sums it cannot solve, so it does not know which option to pick yet.
+2. GRPO with `GRPOTrainerWithLogits` and the judge reward ``P(correct | model) * (1 - P(correct |
+   judge))`` on "Which number is the largest?" with the options in increasing order: the answer is
+   always the last one, a rule the policy can only learn from the reward. P(correct | model) is read
+   from the policy's own logits (no extra forward); the judge is a frozen copy of the warm-up model.
+3. Greedy accuracy on held-out questions before and after GRPO; the peak memory of one GRPO step
+   with stock TRL (logits) and with GRPOTrainerWithLogits, each in a fresh process
+   (`logitless bench grpo`); the error of fused and of materialized log-probs against float64.
+4. The summary table, printed and written to OUTPUT_DIR/summary.md; plots sft/loss.png, grpo/reward.png.
 """
 
 from __future__ import annotations
 
-import shutil
+import argparse
+import json
+from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 from logitless._checks import check_positive_ints
 from logitless.data import tokenize_prompt_and_output
-from logitless.recipes.grpo import MultichoiceGRPOConfig, train_grpo_multichoice
-from logitless.logprobs import get_response_log_probs
+from logitless.logprobs import final_hidden_states, get_response_log_probs, lm_head_of
 from logitless.models import load_model_and_tokenizer
 from logitless.multichoice.data import synthetic_multichoice
+from logitless.multichoice.reward import find_answer_position
+from logitless.recipes.grpo import MultichoiceGRPOConfig, train_grpo_multichoice
+from logitless.recipes.options import option_error
 from logitless.recipes.warm_start import multichoice_sft_pairs, warm_start_policy
+from logitless.rundir import RunDirectory
+
+TASK = ("sorted_largest",)  # "Which number is the largest?", options in increasing order
+OUTPUTS = ("sft", "grpo", "warm_start.jsonl", "questions.jsonl", "summary.md")
 
 
-def _fused_matches_materialized(model_dir: Path) -> float:
+@dataclass
+class DemoConfig:
+    output_dir: str = "runs/demo"
+    steps: int = 80
+    grpo_steps: int = 16
+    completions_per_step: int = 16
+    num_generations: int = 4
+    grpo_learning_rate: float = 2e-3
+    eval_questions: int = 32
+    memory_completion_length: int = 32  # of the GRPO step whose peak memory is measured; 0: not measured
+
+    def __post_init__(self):
+        check_positive_ints(self, ("steps", "grpo_steps", "completions_per_step", "num_generations",
+                                   "eval_questions"))
+
+
+def quarter_means(values: list[float]) -> tuple[float, float]:
+    """Means of the first and of the last quarter of ``values`` (at least one value each)."""
+    quarter = max(len(values) // 4, 1)
+    return sum(values[:quarter]) / quarter, sum(values[-quarter:]) / quarter
+
+
+def greedy_accuracy(model_dir: str | Path, questions: list[dict]) -> float:
+    """Fraction of ``questions`` whose greedy completion names the right letter after "ANSWER:"."""
+    model, tokenizer = load_model_and_tokenizer(str(model_dir))
+    tokenizer.padding_side = "left"
+    encoded = tokenizer([q["prompt"] for q in questions], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        generated = model.generate(**encoded, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    right = 0
+    for question, row in zip(questions, generated[:, encoded["input_ids"].shape[1]:].tolist()):
+        ids = row[: row.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in row else row
+        position = find_answer_position(ids, tokenizer)
+        right += position is not None and tokenizer.decode(ids[position]).strip() == question["answer"]
+    return right / len(questions)
+
+
+def log_prob_errors(model_dir: str | Path) -> dict[str, float]:
+    """Max |error| of the response tokens' log-probs on the warm-up model, fused and materialized, against
+    a float64 computation from the same hidden states (fp32 log_softmax over 151,936 logits rounds)."""
     model, tokenizer = load_model_and_tokenizer(str(model_dir))
     pairs = multichoice_sft_pairs(synthetic_multichoice(count=8, seed=7))
     tensors = tokenize_prompt_and_output([p["prompt"] for p in pairs], [p["response"] for p in pairs], tokenizer)
+    rows = tensors["response_mask"].bool()  # (B, T)
     with torch.no_grad():
-        fused = get_response_log_probs(model, tensors["input_ids"], tensors["labels"], True)
-        materialized = get_response_log_probs(model, tensors["input_ids"], tensors["labels"], True,
-                                              impl="materialized")
-    shape = tuple(tensors["labels"].shape) + (model.config.vocab_size,)
-    difference = (fused["log_probs"] - materialized["log_probs"]).abs().max().item()
-    print(f"fused vs materialized on the trained policy: max |d log p| = {difference:.2e}, max |d entropy| = "
-          f"{(fused['token_entropy'] - materialized['token_entropy']).abs().max().item():.2e}; the fused path "
-          f"never built the {shape} fp32 logits ({torch.Size(shape).numel() * 4 / 2**20:.0f} MB)")
-    return difference
+        scored = {impl: get_response_log_probs(model, tensors["input_ids"], tensors["labels"], impl=impl)["log_probs"]
+                  for impl in ("fused", "materialized")}
+        hidden = final_hidden_states(model, tensors["input_ids"])[rows].double()  # (N, H), response rows only
+        exact = torch.log_softmax(hidden @ lm_head_of(model).weight.double().T, dim=-1)  # (N, V) float64
+        exact = exact.gather(-1, tensors["labels"][rows][:, None])[:, 0]
+    return {impl: (log_probs[rows].double() - exact).abs().max().item() for impl, log_probs in scored.items()}
 
 
-MARKER = ".logitless-demo"  # written into the output directory: only such a directory is ever emptied
-DEMO_OUTPUTS = {"sft", "grpo"}  # what the demo writes there (a directory holding only these is an earlier demo's)
-
-
-def check_output_dir(output_dir: str) -> Path:
-    """Raise unless ``output_dir`` is new, empty, or an earlier demo's output; touches nothing."""
-    directory = Path(output_dir)
-    if directory.exists():
-        if not directory.is_dir():
-            raise ValueError(f"output_dir: {output_dir} is a file, not a directory")
-        entries = {entry.name for entry in directory.iterdir()}
-        if not (MARKER in entries or entries <= DEMO_OUTPUTS):
-            raise ValueError(f"output_dir: {output_dir} holds files the demo did not write; "
-                             "choose a new or empty directory")
-    return directory
-
-
-def fresh_output_dir(output_dir: str) -> Path:
-    """The demo always starts fresh, but only empties a directory that it created itself."""
-    directory = check_output_dir(output_dir)
-    if directory.exists():
-        shutil.rmtree(directory)
-    directory.mkdir(parents=True)
-    (directory / MARKER).write_text("written by `logitless demo`; the next demo run replaces this directory\n")
-    return directory
-
-
-def check_run_args(output_dir: str, steps: int, grpo_steps: int) -> None:
-    """Raise ValueError naming the argument unless `run` can start with these; touches nothing."""
-    check_positive_ints(SimpleNamespace(steps=steps, grpo_steps=grpo_steps), ("steps", "grpo_steps"))
-    check_output_dir(output_dir)
-
-
-def run(output_dir: str = "runs/demo", steps: int = 40, grpo_steps: int = 4) -> int:
-    check_run_args(output_dir, steps, grpo_steps)
-    directory = fresh_output_dir(output_dir)
-    print(f"logitless demo 1/3: {steps} SFT steps of tiny-qwen2 (vocabulary 151,936) on multiple-choice answers")
-    history = warm_start_policy(directory / "sft", steps=steps)
-    first, last = history["loss"][0], history["loss"][-1]
-    print(f"SFT loss {first:.3f} -> {last:.3f} nats/token in {history['seconds']:.1f}s; "
+def train_demo(config: DemoConfig, directory: Path, *, progress: bool = True) -> dict:
+    """Steps 1 and 2 and the accuracies of step 3, in ``directory``; returns the numbers of the summary."""
+    print(f"logitless demo 1/3: {config.steps} warm-up SFT steps of tiny-qwen2 (vocabulary 151,936): the "
+          "answer format ' ANSWER: <ordinal> <letter>', on sums it cannot solve")
+    sft = warm_start_policy(directory / "sft", steps=config.steps, progress=progress,
+                            data_file=directory / "warm_start.jsonl")
+    print(f"SFT loss {sft['loss'][0]:.3f} -> {sft['loss'][-1]:.3f} nats/token in {sft['seconds']:.0f}s; "
           f"plot: {directory / 'sft' / 'loss.png'}")
 
-    print(f"logitless demo 2/3: {grpo_steps} GRPO steps with GRPOTrainerWithLogits and the multiple-choice judge "
-          "reward (P(correct|model) read from the policy's own logits)")
-    rewards = train_grpo_multichoice(MultichoiceGRPOConfig(model=str(directory / "sft" / "checkpoint"),
-                                                           output_dir=str(directory / "grpo"), steps=grpo_steps,
-                                                           save_every=grpo_steps))
-    for step, (reward, p_model, p_judge) in enumerate(zip(rewards["reward"], rewards["p_correct_model"],
-                                                          rewards["p_correct_judge"]), start=1):
-        print(f"  step {step}: reward {reward:.4f} = mean of P(correct|model) {p_model:.3f} x "
-              f"(1 - P(correct|judge) {p_judge:.3f}); entropy {rewards['entropy'][step - 1]:.3f}")
+    questions = directory / "questions.jsonl"
+    records = synthetic_multichoice(count=256, seed=1, kinds=TASK)
+    questions.write_text("\n".join(json.dumps({k: r[k] for k in ("question", "choices", "answer")})
+                                   for r in records) + "\n")
+    held_out = synthetic_multichoice(count=config.eval_questions, seed=2, kinds=TASK)
+    policy_dir = directory / "sft" / "checkpoint"
+    print(f"logitless demo 2/3: {config.grpo_steps} GRPO steps of {config.completions_per_step} completions with "
+          "GRPOTrainerWithLogits on 'Which number is the largest?' (options in increasing order); reward "
+          "P(correct|model) x (1 - P(correct|judge)), P(correct|model) read from the policy's own logits")
+    grpo = train_grpo_multichoice(MultichoiceGRPOConfig(
+        model=str(policy_dir), data=str(questions), output_dir=str(directory / "grpo"), steps=config.grpo_steps,
+        save_every=config.grpo_steps, completions_per_step=config.completions_per_step,
+        num_generations=config.num_generations, max_completion_length=8, learning_rate=config.grpo_learning_rate),
+        progress=progress)
     print(f"plot: {directory / 'grpo' / 'reward.png'}")
+    return {"sft_loss": (sft["loss"][0], sft["loss"][-1]), "reward": quarter_means(grpo["reward"]),
+            "p_correct_model": quarter_means(grpo["p_correct_model"]),
+            "p_correct_judge": quarter_means(grpo["p_correct_judge"]), "steps_trained": len(grpo["reward"]),
+            "accuracy": (greedy_accuracy(policy_dir, held_out),
+                         greedy_accuracy(directory / "grpo" / f"checkpoint-{config.grpo_steps}", held_out)),
+            "completions_scored": config.completions_per_step * len(grpo["reward"]),
+            "history": grpo}
 
-    print("logitless demo 3/3: fused vs materialized")
-    difference = _fused_matches_materialized(directory / "sft" / "checkpoint")
-    if not last < first or difference > 1e-4 or len(rewards["reward"]) != grpo_steps:
-        print("demo FAILED: the SFT loss did not fall, GRPO did not run every step, or the fused path disagrees")
+
+def measure_step_memory(config: DemoConfig) -> dict | None:
+    """Peak memory of one GRPO step, stock TRL vs GRPOTrainerWithLogits, in fresh processes (bench grpo)."""
+    if not config.memory_completion_length:
+        return None
+    from logitless.bench import grpo as bench_grpo
+
+    report = bench_grpo.run(bench_grpo.GRPOBenchConfig(
+        completions=config.completions_per_step, completion_length=config.memory_completion_length,
+        num_generations=config.num_generations, steps=1), progress=False)
+    return {name: result["peak_mb"] for name, result in report["results"].items()}
+
+
+def summary_table(config: DemoConfig, results: dict, memory: dict | None) -> str:
+    """The demo's outcome as a markdown table."""
+    quarter = max(results["steps_trained"] // 4, 1)
+    accuracy = results["accuracy"]
+    rows = ["| | before GRPO | after GRPO |", "|---|---|---|",
+            f"| judge reward (mean of the first / last {quarter} GRPO steps) | {results['reward'][0]:.3f} | "
+            f"{results['reward'][1]:.3f} |",
+            f"| P(correct \\| model), same steps | {results['p_correct_model'][0]:.3f} | "
+            f"{results['p_correct_model'][1]:.3f} |",
+            f"| P(correct \\| judge), same steps | {results['p_correct_judge'][0]:.3f} | "
+            f"{results['p_correct_judge'][1]:.3f} |",
+            f"| greedy accuracy on {config.eval_questions} held-out questions | {accuracy[0]:.0%} | {accuracy[1]:.0%} |",
+            "", "| what the fused path saved | stock TRL (logits) | logitless |", "|---|---|---|"]
+    if memory is not None:
+        ratio = memory["logitless"] / memory["trl"] if memory["trl"] >= 1 else float("nan")
+        rows.append(f"| peak memory of one GRPO step ({config.completions_per_step} completions x "
+                    f"{config.memory_completion_length} tokens), fresh process | {memory['trl']:.0f} MB | "
+                    f"{memory['logitless']:.0f} MB ({ratio:.2f}x) |")
+    rows.append(f"| policy forwards made by the reward to read P(correct \\| model) | "
+                f"{results['completions_scored']} (one per completion) | 0 (reads completion_logits) |")
+    return "\n".join(rows)
+
+
+def run(config: DemoConfig) -> int:
+    run_dir = RunDirectory.claim(config.output_dir, "demo", outputs=OUTPUTS)
+    run_dir.start({"steps": config.steps, "grpo_steps": config.grpo_steps}, resume=False,
+                  result_options=())  # the demo starts over: its own earlier outputs are replaced
+    directory = run_dir.path
+    results = train_demo(config, directory)
+    print("logitless demo 3/3: held-out accuracy, peak memory of a GRPO step with and without logits (fresh "
+          "processes), fused vs materialized")
+    memory = measure_step_memory(config)
+    errors = log_prob_errors(directory / "sft" / "checkpoint")
+    table = summary_table(config, results, memory)
+    (directory / "summary.md").write_text(table + "\n")
+    print(f"\n{table}\n\nlog-probs of the warm-up model's response tokens against float64: fused max error "
+          f"{errors['fused']:.1e}, materialized (fp32 logits, log_softmax) {errors['materialized']:.1e}\n"
+          f"summary: {directory / 'summary.md'}")
+    first, last = results["sft_loss"]
+    if not last < first or errors["fused"] > 1e-4 or results["steps_trained"] != config.grpo_steps:
+        print("demo FAILED: the SFT loss did not fall, GRPO did not run every step, or the fused path is off")
         return 1
     return 0
+
+
+# -- the `logitless demo` command ------------------------------------------------------------------
+
+def add_parser(subcommands) -> argparse.ArgumentParser:
+    defaults = DemoConfig()
+    parser = subcommands.add_parser("demo", help="warm-up SFT then GRPO of the embedded tiny Qwen2 (real Qwen "
+                                                 "vocabulary) on CPU, with a summary table")
+    parser.add_argument("--output-dir", dest="output_dir", default=defaults.output_dir,
+                        help="the demo's directory, replaced by the next demo run; a directory the demo did not "
+                             "create is refused (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=defaults.steps,
+                        help="warm-up SFT steps (default: %(default)s)")
+    parser.add_argument("--grpo-steps", dest="grpo_steps", type=int, default=defaults.grpo_steps,
+                        help="GRPO steps (default: %(default)s)")
+    parser.set_defaults(handler=run_command)
+    return parser
+
+
+def run_command(args: argparse.Namespace) -> int:
+    try:  # every check before any work, naming the option
+        config = DemoConfig(output_dir=args.output_dir, steps=args.steps, grpo_steps=args.grpo_steps)
+        RunDirectory.claim(config.output_dir, "demo", outputs=OUTPUTS)
+    except (TypeError, ValueError) as err:
+        raise option_error(err, ("output_dir", "steps", "grpo_steps")) from None
+    return run(config)

@@ -1,37 +1,60 @@
-"""A tiny policy that already answers multiple-choice questions as "... ANSWER: X".
+"""A tiny policy that already answers multiple-choice questions in the form "ANSWER: fourth D".
 
-A short SFT of the embedded tiny Qwen2 on synthetic questions (`multichoice.data`), so that the
-GRPO demo and `logitless bench reward` generate completions with an answer letter to read.
+A short SFT (`logitless.recipes.sft`) of the embedded tiny Qwen2 on synthetic questions
+(`multichoice.data`), so that GRPO and `logitless bench reward` generate completions with an
+answer letter to read. By default the questions are sums ("What is a + b?"), which the tiny model
+cannot solve in a few dozen steps: it learns the format, not the answers.
+
+Why an ordinal word before the letter: the multiple-choice reward reads P(correct | model) at the
+answer letter, so only what the policy sampled BEFORE that letter can make one completion's reward
+differ from another's (GRPO learns from those differences). A 2-layer, 64-wide model does not learn
+in a minute to look back at a letter it wrote earlier, but the letter right after a word is a
+function of that word alone, which it learns in a few dozen steps: the sampled ordinal is the decision.
 """
 
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
+from logitless.models import qwen_tokenizer
 from logitless.multichoice.data import synthetic_multichoice
 from logitless.recipes.sft import SFTConfig, train_sft
 
 
-def multichoice_sft_pairs(records: list[dict], letters: str = "ABCD") -> list[dict[str, str]]:
-    """(prompt, response) pairs whose response names the right option and ends with "ANSWER: X".
+ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth")
 
-    ``letters`` are the answer letters the records were built with (`synthetic_multichoice`'s ``choices``).
+
+def multichoice_sft_pairs(records: list[dict], letters: str = "ABCD", end: str = "") -> list[dict[str, str]]:
+    """(prompt, response) pairs whose response is " ANSWER: <ordinal> <letter>" + ``end`` for the right option
+    (" ANSWER: fourth D").
+
+    ``letters``: the answer letters the records were built with (`synthetic_multichoice`'s
+    ``choices``, at most 10); ``end``: e.g. the tokenizer's EOS, so that generation stops there.
     """
-    pairs = []
-    for record in records:
-        option = record["choices"][letters.index(record["answer"])]
-        pairs.append({"prompt": record["prompt"],
-                      "response": f" Option {record['answer']} is {option}. ANSWER: {record['answer']}"})
-    return pairs
+    if len(letters) > len(ORDINALS):
+        raise ValueError(f"letters: at most {len(ORDINALS)} answer letters, got {letters!r}")
+    for i, record in enumerate(records):
+        if record["answer"] not in letters:
+            raise ValueError(f"records[{i}]: answer {record['answer']!r} is not one of the letters {letters!r}")
+    return [{"prompt": record["prompt"],
+             "response": f" ANSWER: {ORDINALS[letters.index(record['answer'])]} {record['answer']}{end}"}
+            for record in records]
 
 
-def warm_start_policy(output_dir: str | Path, steps: int = 40, seed: int = 0, progress: bool = True) -> dict:
-    """SFT tiny-qwen2 on synthetic multiple-choice answers; the model lands in OUTPUT_DIR/checkpoint."""
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    data_path = output_dir / "multichoice_sft.jsonl"
-    pairs = multichoice_sft_pairs(synthetic_multichoice(count=256, seed=seed))
-    data_path.write_text("\n".join(json.dumps(pair) for pair in pairs) + "\n")
-    return train_sft(SFTConfig(data=str(data_path), output_dir=str(output_dir), steps=steps, save_every=steps,
-                               seed=seed, resume=False), progress=progress)
+def warm_start_policy(output_dir: str | Path, steps: int = 80, seed: int = 0, progress: bool = True, *,
+                      kinds: tuple[str, ...] = ("sum",), learning_rate: float = 1e-2, batch_size: int = 8,
+                      data_file: str | Path | None = None) -> dict:
+    """SFT tiny-qwen2 on 256 synthetic questions of ``kinds``; the model lands in OUTPUT_DIR/checkpoint.
+
+    The training pairs are written to ``data_file`` (kept) or to a temporary file. Returns SFT's history.
+    """
+    pairs = multichoice_sft_pairs(synthetic_multichoice(count=256, seed=seed, kinds=kinds),
+                                  end=qwen_tokenizer().eos_token)
+    with tempfile.TemporaryDirectory() as scratch:
+        data_path = Path(data_file) if data_file is not None else Path(scratch) / "warm_start.jsonl"
+        data_path.write_text("\n".join(json.dumps(pair) for pair in pairs) + "\n")
+        return train_sft(SFTConfig(data=str(data_path), output_dir=str(output_dir), steps=steps, save_every=steps,
+                                   seed=seed, learning_rate=learning_rate, batch_size=batch_size, resume=False),
+                         progress=progress)
