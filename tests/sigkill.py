@@ -7,7 +7,8 @@ Reusable for any trainer whose command resumes from its output directory: give t
                                     sft_weights, tmp_path, kill_points=3)
 
 The uninterrupted run is timed first; the moment its output directory is claimed (``logitless-run.json``
-appears: imports and checks are done) starts the window in which kills fall, uniformly, until its end.
+appears: imports and checks are done) starts the window in which kills fall, uniformly, over the
+first 70% of the time it then took (a rerun resumes, so the same delay reaches later steps and saves).
 Each chain of runs shares one output directory: a run is killed at a random moment of that window,
 rerun, killed again, ..., until a run finishes; its weights must equal the uninterrupted run's. The
 number of kills is ``kill_points``, or the environment variable LOGITLESS_KILL_POINTS when it is set
@@ -69,7 +70,8 @@ def check_sigkill_anywhere(command: list[str], output_option: str, final_weights
             claimed = time.monotonic() - started
         time.sleep(0.05)
     _finish(process, "the uninterrupted run")
-    window = (claimed or 0.0, time.monotonic() - started)
+    claimed = claimed or 0.0
+    window = (claimed, claimed + 0.7 * (time.monotonic() - started - claimed))
     expected = final_weights(reference_dir)
 
     rng = random.Random(seed)

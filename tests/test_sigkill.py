@@ -11,7 +11,7 @@ CLI = [sys.executable, "-m", "logitless.cli"]
 
 
 def test_sft_survives_sigkill_anywhere(tmp_path):
-    command = CLI + ["sft", "--steps", "5", "--batch-size", "2", "--save-every", "1"]
+    command = CLI + ["sft", "--steps", "4", "--batch-size", "2", "--save-every", "1"]
     report = check_sigkill_anywhere(command, "--output-dir", lambda run: safetensors_weights(run / "checkpoint"),
                                     tmp_path, kill_points=kill_points(3))
     print(report)
@@ -19,7 +19,7 @@ def test_sft_survives_sigkill_anywhere(tmp_path):
 
 
 def test_grpo_survives_sigkill_anywhere(tmp_path):
-    command = CLI + ["grpo", "--steps", "3", "--completions-per-step", "4", "--num-generations", "2",
+    command = CLI + ["grpo", "--steps", "2", "--completions-per-step", "4", "--num-generations", "2",
                      "--max-completion-length", "4", "--save-every", "1"]
     report = check_sigkill_anywhere(command, "--output-dir",
                                     lambda run: safetensors_weights(last_complete_checkpoint(run)[0]),

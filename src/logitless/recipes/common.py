@@ -3,12 +3,12 @@ command's course (options -> checks before any model -> training -> one-line err
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import argparse
 import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
 
-from logitless._checks import check_choice
+from logitless._checks import check_choice, dataclass_from_dict
 from logitless.models import EMBEDDED_DEFAULT, load_model_and_tokenizer
 from logitless.nonfinite import POLICIES, NonFiniteError
 from logitless.recipes.options import config_from_args, option_error
@@ -27,15 +27,33 @@ RUN_CONTROL_HELP = {
 NONFINITE_ADVICE = "Lower --learning-rate, or pass --on-nonfinite skip to skip such steps."
 
 
-def check_run_control(config) -> None:
-    """The run-control fields every recipe config has (see `RUN_CONTROL_HELP`)."""
-    for name in ("resume", "overwrite"):
-        if not isinstance(getattr(config, name), bool):
-            raise TypeError(f"{name}: expected true or false, got {getattr(config, name)!r}")
-    check_choice("on_nonfinite", config.on_nonfinite, POLICIES)
-    if isinstance(config.allow_changed, str) or not all(isinstance(n, str) for n in config.allow_changed):
-        raise TypeError(f"allow_changed: expected a list of option names, got {config.allow_changed!r}")
-    config.allow_changed = tuple(config.allow_changed)
+@dataclass
+class RecipeConfig:
+    """What every recipe's config has: the model, the seed, and the run-control fields (`RUN_CONTROL_HELP`),
+    which steer the run but not its result and are never compared on resume."""
+
+    model: str = "tiny-qwen2"  # hub id, local directory, or the embedded default
+    seed: int = 0
+    resume: bool = True
+    overwrite: bool = False
+    allow_changed: tuple[str, ...] = ()
+    on_nonfinite: str = "stop"
+
+    def __post_init__(self):
+        check_model_name("model", self.model)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed: expected an int, got {self.seed!r}")
+        for name in ("resume", "overwrite"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: expected true or false, got {getattr(self, name)!r}")
+        check_choice("on_nonfinite", self.on_nonfinite, POLICIES)
+        if isinstance(self.allow_changed, str) or not all(isinstance(n, str) for n in self.allow_changed):
+            raise TypeError(f"allow_changed: expected a list of option names, got {self.allow_changed!r}")
+        self.allow_changed = tuple(self.allow_changed)
+
+    @classmethod
+    def from_dict(cls, values: dict):
+        return dataclass_from_dict(cls, values)
 
 
 def check_model_name(field: str, name) -> None:
@@ -74,3 +92,8 @@ def run_recipe(command: str, args: argparse.Namespace, config_class, prepare, tr
         if str(err).startswith(("model: ", "judge: ")):
             raise option_error(err, names) from None
         raise
+
+
+def skipped_note(history: dict) -> str:
+    """"; N steps skipped (not finite)" for a history that skipped steps, else ""."""
+    return f"; {len(history['skipped'])} steps skipped (not finite)" if history["skipped"] else ""

@@ -21,14 +21,13 @@ from pathlib import Path
 
 from transformers import ProgressCallback, TrainerCallback
 
-from logitless._checks import (check_choice, check_finite_numbers, check_generations, check_positive_ints,
-                               dataclass_from_dict)
+from logitless._checks import check_choice, check_finite_numbers, check_generations, check_positive_ints
 from logitless.checkpoint import last_complete_checkpoint
 from logitless.nonfinite import NonFiniteGuard
 from logitless.plots import plot_curves
-from logitless.recipes.common import (NONFINITE_ADVICE, RUN_CONTROL_HELP, check_model_name, check_run_control,
-                                      load_model, run_recipe)
-from logitless.recipes.options import add_config_options
+from logitless.recipes.common import (NONFINITE_ADVICE, RUN_CONTROL_HELP, RecipeConfig, check_model_name,
+                                      load_model, run_recipe, skipped_note)
+from logitless.recipes.options import add_config_parser
 from logitless.rundir import RunDirectory, file_identity, write_json_atomically
 
 # TRL's loss types that need no other option (luspo needs sequence-level importance sampling); the
@@ -43,8 +42,7 @@ class _QuietProgress(ProgressCallback):
 
 
 @dataclass
-class MultichoiceGRPOConfig:
-    model: str = "tiny-qwen2"  # hub id, local directory, or the embedded default
+class MultichoiceGRPOConfig(RecipeConfig):
     judge: str | None = None  # a causal LM to judge chains of thought; None: a frozen copy of the initial policy
     data: str | None = None  # jsonl / saved or hub dataset with question, choices, answer; None: synthetic
     output_dir: str = "runs/grpo"
@@ -56,32 +54,21 @@ class MultichoiceGRPOConfig:
     loss_type: str = "dapo"
     temperature: float = 1.0
     save_every: int = 2
-    seed: int = 0
-    resume: bool = True
-    overwrite: bool = False
-    allow_changed: tuple[str, ...] = ()
-    on_nonfinite: str = "stop"
 
     def __post_init__(self):
+        super().__post_init__()
         check_positive_ints(self, ("steps", "completions_per_step", "num_generations", "max_completion_length",
                                    "save_every"))
         check_generations(self.num_generations, self.completions_per_step)
         check_finite_numbers(self, ("learning_rate", "temperature"))
         check_choice("loss_type", self.loss_type, LOSS_TYPES)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise TypeError(f"seed: expected an int, got {self.seed!r}")
-        check_model_name("model", self.model)
         if self.judge is not None:
             check_model_name("judge", self.judge)
-        check_run_control(self)
 
     @property
     def prompts_per_step(self) -> int:
         return self.completions_per_step // self.num_generations
 
-    @classmethod
-    def from_dict(cls, values: dict) -> MultichoiceGRPOConfig:
-        return dataclass_from_dict(cls, values)
 
 
 HELP = {
@@ -211,17 +198,13 @@ def train_grpo_multichoice(config: MultichoiceGRPOConfig | GRPOPlan, *, progress
 # -- the `logitless grpo` command ------------------------------------------------------------------
 
 def add_parser(subcommands) -> argparse.ArgumentParser:
-    parser = subcommands.add_parser("grpo", help="GRPO on multiple-choice questions with the judge reward, "
-                                                 "logit-free, resumable from --output-dir",
-                                    description=__doc__.split("\n\n")[0])
-    add_config_options(parser, MultichoiceGRPOConfig, HELP)
-    parser.set_defaults(handler=run_command)
-    return parser
+    return add_config_parser(subcommands, "grpo", "GRPO on multiple-choice questions with the judge reward, "
+                             "logit-free, resumable from --output-dir", MultichoiceGRPOConfig, HELP, run_command,
+                             __doc__.split("\n\n")[0])
 
 
 def run_command(args: argparse.Namespace) -> int:
     plan, history = run_recipe("grpo", args, MultichoiceGRPOConfig, prepare_grpo, train_grpo_multichoice)
-    skipped = f"; {len(history['skipped'])} steps skipped (not finite)" if history["skipped"] else ""
     print(f"reward {history['reward'][0]:.4f} -> {history['reward'][-1]:.4f} over {len(history['reward'])} steps"
-          f"{skipped}; plot: {plan.run.path / 'reward.png'}")
+          f"{skipped_note(history)}; plot: {plan.run.path / 'reward.png'}")
     return 0

@@ -62,15 +62,15 @@ def _default_text(value) -> str:
 
 
 def add_config_options(parser: argparse.ArgumentParser, config_class, helps: dict[str, str]) -> None:
-    """``--config`` and one option per field named in ``helps`` (in the dataclass's order). A help text
+    """``--config`` and one option per field named in ``helps`` (in that order). A help text
     that does not state its default gets the dataclass's. Unset options stay None, so `config_from_args`
     can tell them from values given on the command line."""
     parser.add_argument("--config", metavar="FILE.yaml",
                         help="YAML file of these options by field name, e.g. 'learning_rate: 1e-3'; options given "
                              "on the command line win (default: none)")
-    for field in dataclasses.fields(config_class):
-        if field.name not in helps:
-            continue
+    fields = {field.name: field for field in dataclasses.fields(config_class)}
+    for name in helps:  # in the order of ``helps``
+        field = fields[name]
         default = field.default_factory() if field.default is dataclasses.MISSING else field.default
         text = helps[field.name]
         if "default" not in text:
@@ -84,6 +84,15 @@ def add_config_options(parser: argparse.ArgumentParser, config_class, helps: dic
         else:
             kind = {"int": int, "float": float}.get(field.type.split(" |")[0], str)
             parser.add_argument(option(field.name), dest=field.name, type=kind, metavar=field.name.upper(), help=text)
+
+
+def add_config_parser(subcommands, name: str, summary: str, config_class, helps: dict[str, str], handler,
+                      description: str) -> argparse.ArgumentParser:
+    """The subcommand ``name`` whose options are `add_config_options`'s and whose handler is ``handler``."""
+    parser = subcommands.add_parser(name, help=summary, description=description)
+    add_config_options(parser, config_class, helps)
+    parser.set_defaults(handler=handler)
+    return parser
 
 
 def config_from_args(config_class, args: argparse.Namespace):

@@ -20,12 +20,11 @@ import argparse
 import dataclasses
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from logitless._checks import check_finite_numbers, check_positive_ints, dataclass_from_dict
+from logitless._checks import check_finite_numbers, check_positive_ints
 from logitless.checkpoint import checkpoint_problem, load_checkpoint_state, read_checkpoint_state, save_checkpoint
 from logitless.data import arithmetic_sft_examples, iterate_batches, load_jsonl, tokenize_prompt_and_output
 from logitless.logprobs import final_hidden_states, lm_head_of
@@ -34,15 +33,14 @@ from logitless.masked import masked_mean
 from logitless.nonfinite import check_step
 from logitless.ops.fused import fused_linear_logprobs
 from logitless.plots import plot_curve
-from logitless.recipes.common import (NONFINITE_ADVICE, RUN_CONTROL_HELP, check_model_name, check_run_control,
-                                      load_model, run_recipe)
-from logitless.recipes.options import add_config_options
+from logitless.recipes.common import (NONFINITE_ADVICE, RUN_CONTROL_HELP, RecipeConfig, load_model, run_recipe,
+                                      skipped_note)
+from logitless.recipes.options import add_config_parser
 from logitless.rundir import RunDirectory, file_identity, write_json_atomically
 
 
 @dataclass
-class SFTConfig:
-    model: str = "tiny-qwen2"  # hub id, local directory, or the embedded default
+class SFTConfig(RecipeConfig):
     data: str | None = None  # jsonl with prompt/response; None: the built-in arithmetic set
     output_dir: str = "runs/sft"
     steps: int = 40
@@ -52,24 +50,12 @@ class SFTConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     save_every: int = 20
-    seed: int = 0
-    resume: bool = True
-    overwrite: bool = False
-    allow_changed: tuple[str, ...] = ()
-    on_nonfinite: str = "stop"
 
     def __post_init__(self):
+        super().__post_init__()
         check_positive_ints(self, ("steps", "batch_size", "gradient_accumulation_steps", "save_every"))
         check_finite_numbers(self, ("learning_rate", "max_grad_norm"))
         check_finite_numbers(self, ("weight_decay",), allow_zero=True)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise TypeError(f"seed: expected an int, got {self.seed!r}")
-        check_model_name("model", self.model)
-        check_run_control(self)
-
-    @classmethod
-    def from_dict(cls, values: dict) -> SFTConfig:
-        return dataclass_from_dict(cls, values)
 
 
 HELP = {
@@ -163,7 +149,8 @@ def train_sft(config: SFTConfig | SFTPlan, *, progress: bool = True) -> dict:
     torch.manual_seed(config.seed)
     model, tokenizer = load_model("model", str(checkpoint_dir) if resuming else config.model, config.seed)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay,
+                                  fused=True)  # one kernel per step: ~10x less optimizer time on CPU than foreach
     history = {"loss": [], "entropy": [], "step": 0, "seconds": 0.0, "skipped": []}
     if resuming:
         history = {"skipped": [], **load_checkpoint_state(checkpoint_dir, optimizer)}
@@ -212,17 +199,13 @@ def train_sft(config: SFTConfig | SFTPlan, *, progress: bool = True) -> dict:
 # -- the `logitless sft` command -------------------------------------------------------------------
 
 def add_parser(subcommands) -> argparse.ArgumentParser:
-    parser = subcommands.add_parser("sft", help="supervised fine-tuning, logit-free, resumable from --output-dir",
-                                    description=__doc__.split("\n\n")[0])
-    add_config_options(parser, SFTConfig, HELP)
-    parser.set_defaults(handler=run_command)
-    return parser
+    return add_config_parser(subcommands, "sft", "supervised fine-tuning, logit-free, resumable from --output-dir",
+                             SFTConfig, HELP, run_command, __doc__.split("\n\n")[0])
 
 
 def run_command(args: argparse.Namespace) -> int:
     plan, history = run_recipe("sft", args, SFTConfig, prepare_sft, train_sft)
-    skipped = f"; {len(history['skipped'])} steps skipped (not finite)" if history["skipped"] else ""
     print(f"loss {history['loss'][0]:.3f} -> {history['loss'][-1]:.3f} over {history['step']} steps "
-          f"({history['seconds']:.1f}s){skipped}; plot: {plan.run.path / 'loss.png'}; "
+          f"({history['seconds']:.1f}s){skipped_note(history)}; plot: {plan.run.path / 'loss.png'}; "
           f"checkpoint: {plan.run.path / 'checkpoint'}")
     return 0

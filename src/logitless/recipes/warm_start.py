@@ -14,6 +14,7 @@ function of that word alone, which it learns in a few dozen steps: the sampled o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -43,18 +44,28 @@ def multichoice_sft_pairs(records: list[dict], letters: str = "ABCD", end: str =
             for record in records]
 
 
-def warm_start_policy(output_dir: str | Path, steps: int = 80, seed: int = 0, progress: bool = True, *,
-                      kinds: tuple[str, ...] = ("sum",), learning_rate: float = 1e-2, batch_size: int = 8,
-                      data_file: str | Path | None = None) -> dict:
+def warm_start_policy(output_dir: str | Path, steps: int = 100, seed: int = 0, progress: bool = True, *,
+                      kinds: tuple[str, ...] = ("sum",), learning_rate: float = 1e-2, cooldown_steps: int | None = None,
+                      batch_size: int = 8, data_file: str | Path | None = None) -> dict:
     """SFT tiny-qwen2 on 256 synthetic questions of ``kinds``; the model lands in OUTPUT_DIR/checkpoint.
 
-    The training pairs are written to ``data_file`` (kept) or to a temporary file. Returns SFT's history.
+    ``steps`` at ``learning_rate``, then ``cooldown_steps`` (default: a tenth of ``steps``) at a tenth of
+    it: a resume that is allowed to change the learning rate. The large steps leave the answer prior
+    swinging with the last few batches' letters; the small ones settle it near uniform (the sums'
+    letters are uniform), so that GRPO starts from an unbiased policy. The training pairs are written
+    to ``data_file`` (kept) or to a temporary file. Returns SFT's history.
     """
+    cooldown_steps = steps // 10 if cooldown_steps is None else cooldown_steps
     pairs = multichoice_sft_pairs(synthetic_multichoice(count=256, seed=seed, kinds=kinds),
                                   end=qwen_tokenizer().eos_token)
     with tempfile.TemporaryDirectory() as scratch:
         data_path = Path(data_file) if data_file is not None else Path(scratch) / "warm_start.jsonl"
         data_path.write_text("\n".join(json.dumps(pair) for pair in pairs) + "\n")
-        return train_sft(SFTConfig(data=str(data_path), output_dir=str(output_dir), steps=steps, save_every=steps,
-                                   seed=seed, learning_rate=learning_rate, batch_size=batch_size, resume=False),
-                         progress=progress)
+        config = SFTConfig(data=str(data_path), output_dir=str(output_dir), steps=steps, save_every=steps, seed=seed,
+                           learning_rate=learning_rate, batch_size=batch_size, resume=False)
+        history = train_sft(config, progress=progress)
+        if cooldown_steps:
+            history = train_sft(dataclasses.replace(config, steps=steps + cooldown_steps, save_every=steps + cooldown_steps,
+                                                    learning_rate=learning_rate / 10, resume=True,
+                                                    allow_changed=("learning_rate",)), progress=progress)
+        return history
