@@ -14,12 +14,14 @@ def test_quarter_means():
 
 
 def test_the_demo_recipe_learns_at_a_smaller_size(tmp_path):
-    config = DemoConfig(grpo_steps=6, completions_per_step=8, eval_questions=4, memory_completion_length=0)
+    """8 GRPO steps of 8 completions instead of 10 of 16. With warm starts of seeds 0, 1 and 2 the means of the
+    first and last quarters measured 0.28 -> 0.70, 0.13 -> 0.37 and 0.19 -> 0.62 (this test uses seed 0)."""
+    config = DemoConfig(grpo_steps=8, completions_per_step=8, eval_questions=8, memory_completion_length=0)
     results = train_demo(config, tmp_path, progress=False)
     first_loss, last_loss = results["sft_loss"]
     assert last_loss < first_loss / 10
     history = json.loads((tmp_path / "grpo" / "history.json").read_text())
-    assert len(history["reward"]) == 6 and results["steps_trained"] == 6
+    assert len(history["reward"]) == 8 and results["steps_trained"] == 8
     first, last = quarter_means(history["reward"])
     assert last > first + 0.1, history["reward"]
     assert results["p_correct_model"][1] > results["p_correct_model"][0] + 0.1
@@ -28,8 +30,8 @@ def test_the_demo_recipe_learns_at_a_smaller_size(tmp_path):
     for plot in ("sft/loss.png", "grpo/reward.png"):
         assert (tmp_path / plot).stat().st_size > 10_000
     table = summary_table(config, results, {"trl": 400.0, "logitless": 100.0})
-    assert "| judge reward (mean of the first / last 1 GRPO steps) |" in table and "100 MB (0.25x)" in table
-    assert "| policy forwards made by the reward to read P(correct \\| model) | 48 (one per completion) |" in table
+    assert "| judge reward (mean of the first / last 2 GRPO steps) |" in table and "100 MB (0.25x)" in table
+    assert "| policy forwards made by the reward to read P(correct \\| model) | 64 (one per completion) |" in table
     assert results["accuracy"][1] > results["accuracy"][0]
 
 

@@ -126,5 +126,6 @@ def add_parser(subcommands):
                                 "multiple-choice judge reward: completion_logits vs recomputing them",
                                 completion_length=32, steps=2)
     reward.add_argument("--warm-start-steps", dest="warm_start_steps", type=int, default=40,
-                        help="SFT steps that teach the tiny policy to answer 'ANSWER: X' (default: %(default)s)")
+                        help="warm-up SFT steps that teach the tiny policy to answer 'ANSWER: <ordinal> X' "
+                             "(default: %(default)s)")
     return targets

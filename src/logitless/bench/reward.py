@@ -1,7 +1,7 @@
 """`logitless bench reward`: the multiple-choice judge reward with and without completion_logits.
 
 The same GRPO steps (GRPOTrainerWithLogits, a warm-started tiny Qwen2 policy that answers as
-"ANSWER: X", the judge a frozen copy of it), in a fresh process each:
+"ANSWER: <ordinal> X", the judge a frozen copy of it), in a fresh process each:
 
 * logits    the reward declares ``completion_logits`` and reads P(correct | model) from the rows the
             trainer hands it (hidden states kept from generation);

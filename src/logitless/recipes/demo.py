@@ -1,8 +1,8 @@
 """``make demo``: the embedded tiny Qwen2 (real 151,936-token Qwen vocabulary) learns from a reward on CPU,
 logit-free, in a few minutes, and a summary table says what the fused path saved.
 
-1. Warm-up SFT (`warm_start`): the model learns the answer format " ANSWER: <ordinal> <letter>" on
-   sums it cannot solve, so it does not know which option to pick yet.
+1. Warm-up SFT (`warm_start`) of "tiny-qwen2-untied": the model learns the answer format
+   " ANSWER: <ordinal> <letter>" on sums it cannot solve, so it does not know which option to pick yet.
 2. GRPO with `GRPOTrainerWithLogits` and the judge reward ``P(correct | model) * (1 - P(correct |
    judge))`` on "Which number is the largest?" with the options in increasing order: the answer is
    always the last one, a rule the policy can only learn from the reward. P(correct | model) is read
@@ -40,13 +40,14 @@ OUTPUTS = ("sft", "grpo", "warm_start.jsonl", "questions.jsonl", "summary.md")
 @dataclass
 class DemoConfig:
     output_dir: str = "runs/demo"
-    steps: int = 100  # warm-up SFT steps, then a tenth of them at a tenth of the learning rate
-    grpo_steps: int = 10
-    completions_per_step: int = 16
+    steps: int = 60  # warm-up SFT steps, then a tenth of them at a tenth of the learning rate
+    grpo_steps: int = 8
+    completions_per_step: int = 32  # 8 questions x 4: fewer, or a larger learning rate, and some warm starts collapse
     num_generations: int = 4
-    grpo_learning_rate: float = 2e-3
+    grpo_learning_rate: float = 1e-3
     eval_questions: int = 32
-    memory_completion_length: int = 16  # of the GRPO step whose peak memory is measured; 0: not measured
+    memory_completions: int = 16  # the GRPO step whose peak memory is measured: completions x tokens
+    memory_completion_length: int = 16  # 0: not measured
 
     def __post_init__(self):
         check_positive_ints(self, ("steps", "grpo_steps", "completions_per_step", "num_generations",
@@ -96,8 +97,8 @@ def log_prob_errors(model_dir: str | Path) -> dict[str, float]:
 
 def train_demo(config: DemoConfig, directory: Path, *, progress: bool = True) -> dict:
     """Steps 1 and 2 and the accuracies of step 3, in ``directory``; returns the numbers of the summary."""
-    print(f"logitless demo 1/3: {config.steps} + {config.steps // 10} warm-up SFT steps of tiny-qwen2 (vocabulary "
-          "151,936): the answer format ' ANSWER: <ordinal> <letter>', on sums it cannot solve")
+    print(f"logitless demo 1/3: {config.steps} + {config.steps // 10} warm-up SFT steps of tiny-qwen2-untied "
+          "(vocabulary 151,936): the answer format ' ANSWER: <ordinal> <letter>', on sums it cannot solve")
     sft = warm_start_policy(directory / "sft", steps=config.steps, progress=progress,
                             data_file=directory / "warm_start.jsonl")
     print(f"SFT loss {sft['loss'][0]:.3f} -> {sft['loss'][-1]:.3f} nats/token in {sft['seconds']:.0f}s; "
@@ -134,8 +135,8 @@ def measure_step_memory(config: DemoConfig) -> dict | None:
     from logitless.bench import grpo as bench_grpo
 
     report = bench_grpo.run(bench_grpo.GRPOBenchConfig(
-        completions=config.completions_per_step, completion_length=config.memory_completion_length,
-        num_generations=config.num_generations, steps=1), progress=False)
+        completions=config.memory_completions, completion_length=config.memory_completion_length,
+        num_generations=config.num_generations, steps=1), progress=False, concurrently=True)
     return {name: result["peak_mb"] for name, result in report["results"].items()}
 
 
@@ -155,7 +156,7 @@ def summary_table(config: DemoConfig, results: dict, memory: dict | None) -> str
             "", "| what the fused path saved | stock TRL (logits) | logitless |", "|---|---|---|"]
     if memory is not None:
         ratio = memory["logitless"] / memory["trl"] if memory["trl"] >= 1 else float("nan")
-        rows.append(f"| peak memory of one GRPO step ({config.completions_per_step} completions x "
+        rows.append(f"| peak memory of one GRPO step ({config.memory_completions} completions x "
                     f"{config.memory_completion_length} tokens), fresh process | {memory['trl']:.0f} MB | "
                     f"{memory['logitless']:.0f} MB ({ratio:.2f}x) |")
     rows.append(f"| policy forwards made by the reward to read P(correct \\| model) | "

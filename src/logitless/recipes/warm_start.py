@@ -9,7 +9,9 @@ Why an ordinal word before the letter: the multiple-choice reward reads P(correc
 answer letter, so only what the policy sampled BEFORE that letter can make one completion's reward
 differ from another's (GRPO learns from those differences). A 2-layer, 64-wide model does not learn
 in a minute to look back at a letter it wrote earlier, but the letter right after a word is a
-function of that word alone, which it learns in a few dozen steps: the sampled ordinal is the decision.
+function of that word alone: the sampled ordinal is the decision. With untied embeddings
+("tiny-qwen2-untied") that word-to-letter map is learned within 40-50 steps for every seed tried
+(0, 1, 2); with tied ones it took 70 to over 150 steps, or was not learned at all.
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ def multichoice_sft_pairs(records: list[dict], letters: str = "ABCD", end: str =
             for record in records]
 
 
-def warm_start_policy(output_dir: str | Path, steps: int = 100, seed: int = 0, progress: bool = True, *,
-                      kinds: tuple[str, ...] = ("sum",), learning_rate: float = 1e-2, cooldown_steps: int | None = None,
-                      batch_size: int = 8, data_file: str | Path | None = None) -> dict:
-    """SFT tiny-qwen2 on 256 synthetic questions of ``kinds``; the model lands in OUTPUT_DIR/checkpoint.
+def warm_start_policy(output_dir: str | Path, steps: int = 60, seed: int = 0, progress: bool = True, *,
+                      model: str = "tiny-qwen2-untied", kinds: tuple[str, ...] = ("sum",), learning_rate: float = 1e-2,
+                      cooldown_steps: int | None = None, batch_size: int = 8,
+                      data_file: str | Path | None = None) -> dict:
+    """SFT ``model`` on 256 synthetic questions of ``kinds``; the model lands in OUTPUT_DIR/checkpoint.
 
     ``steps`` at ``learning_rate``, then ``cooldown_steps`` (default: a tenth of ``steps``) at a tenth of
     it: a resume that is allowed to change the learning rate. The large steps leave the answer prior
@@ -61,8 +64,8 @@ def warm_start_policy(output_dir: str | Path, steps: int = 100, seed: int = 0, p
     with tempfile.TemporaryDirectory() as scratch:
         data_path = Path(data_file) if data_file is not None else Path(scratch) / "warm_start.jsonl"
         data_path.write_text("\n".join(json.dumps(pair) for pair in pairs) + "\n")
-        config = SFTConfig(data=str(data_path), output_dir=str(output_dir), steps=steps, save_every=steps, seed=seed,
-                           learning_rate=learning_rate, batch_size=batch_size, resume=False)
+        config = SFTConfig(model=model, data=str(data_path), output_dir=str(output_dir), steps=steps, save_every=steps,
+                           seed=seed, learning_rate=learning_rate, batch_size=batch_size, resume=False)
         history = train_sft(config, progress=progress)
         if cooldown_steps:
             history = train_sft(dataclasses.replace(config, steps=steps + cooldown_steps, save_every=steps + cooldown_steps,
