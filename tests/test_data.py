@@ -55,8 +55,13 @@ def test_bad_input(tokenizer, prompts, outputs, error, match):
 
 def test_load_jsonl(tmp_path):
     path = tmp_path / "d.jsonl"
-    path.write_text(json.dumps({"prompt": "p", "response": "r"}) + "\n\n" + json.dumps({"prompt": 1, "response": 2}))
-    assert load_jsonl(path) == [{"prompt": "p", "response": "r"}, {"prompt": "1", "response": "2"}]
+    path.write_text(json.dumps({"prompt": "p", "response": "r"}) + "\n\n" + json.dumps({"prompt": "q", "response": ""}))
+    assert load_jsonl(path) == [{"prompt": "p", "response": "r"}, {"prompt": "q", "response": ""}]
+    # a number or a null is refused with its line, not turned into "1" or "None"
+    for bad in ({"prompt": 1, "response": "r"}, {"prompt": None, "response": "r"}, {"prompt": "p", "response": 2}):
+        path.write_text(json.dumps({"prompt": "p", "response": "r"}) + "\n" + json.dumps(bad))
+        with pytest.raises(ValueError, match=r"^data: line 2 of .* that is not a string"):
+            load_jsonl(path, name="data")
     path.write_text(json.dumps({"prompt": "p"}))
     with pytest.raises(ValueError, match="lacks key"):
         load_jsonl(path)

@@ -11,7 +11,8 @@ from logitless.grade import (GradeConfig, GRPOBaseline, GumbelTrainer, GumbelTra
                              TokenLogProbReward, TokenSetReward, METRIC_NAMES)
 from logitless.grade.soft_tokens import PromptBatch, as_records
 from logitless.models import tiny_qwen2, tiny_qwen2_config
-from logitless.rewards.multichoice import MultichoiceJudge
+from logitless.nonfinite import NonFiniteError
+from logitless.multichoice.reward import MultichoiceJudge
 
 from grade_helpers import BYTE_VOCAB, ByteTokenizer, SMALL, byte_model
 
@@ -41,6 +42,7 @@ def test_tau_anneals_geometrically_and_config_errors_name_the_field():
     assert GradeConfig(tau_anneal_steps=0, tau_end=0.3).tau_at(0) == pytest.approx(0.3)
     for field, value in [("gumbel_topk", 0), ("tau_start", 0.0), ("tau_end", -1.0), ("max_new_tokens", 0),
                          ("method", "reinforce"), ("kl_coef", -0.1), ("batch_size", 0), ("learning_rate", 0),
+                         ("learning_rate", math.inf), ("tau_start", math.nan), ("on_nonfinite", "ignore"),
                          ("tau_anneal_steps", -1), ("gradient_accumulation_steps", 1.5)]:
         with pytest.raises((ValueError, TypeError), match=f"^{field}:"):
             GradeConfig(**{field: value})
@@ -160,6 +162,30 @@ def test_metrics_of_a_grade_step():
     assert tuple(metrics) == METRIC_NAMES and metrics["step"] == 1 and metrics["tau"] == 2.0
     assert 0 < metrics["topk_tail_mass"] < 1 and 1 / 5 <= metrics["max_soft_weight"] <= 1
     assert all(math.isfinite(metrics[name]) for name in ("reward", "kl", "loss", "grad_norm", "step_s", "peak_mb"))
+
+
+class _PoisonedReward(TokenSetReward):
+    """The fraction of lowercase bytes, NaN for the first rollout: a poisoned reward model."""
+
+    def __call__(self, inputs):
+        reward = super().__call__(inputs)
+        return torch.cat([reward[:1] * math.nan, reward[1:]])
+
+
+def test_a_non_finite_step_is_never_applied():
+    config = GradeConfig(max_new_tokens=2, batch_size=4, gumbel_topk=5, learning_rate=1e-2)
+    trainer = GumbelTrainerMemoryEfficient(byte_model(), _PoisonedReward(list(range(97, 123))), config, tokenizer=BYTES)
+    before = [p.detach().clone() for p in trainer.parameters]
+    with pytest.raises(NonFiniteError, match="^step 1: the loss is nan; stopped before the optimizer step"):
+        trainer.train_step(PROMPTS)
+    skipping = GumbelTrainerMemoryEfficient(byte_model(), _PoisonedReward(list(range(97, 123))),
+                                            GradeConfig(**{**vars(config), "on_nonfinite": "skip"}), tokenizer=BYTES)
+    row = skipping.train_step(PROMPTS)
+    assert row["skipped"] and row["step"] == 1 and math.isnan(row["grad_norm"])
+    for parameters in (trainer.parameters, skipping.parameters):
+        assert all(torch.equal(b, p) for b, p in zip(before, parameters))
+    assert not GumbelTrainerMemoryEfficient(byte_model(), TokenSetReward([97]), config,
+                                            tokenizer=BYTES).train_step(PROMPTS)["skipped"]
 
 
 class _NoEmbeddings(torch.nn.Module):

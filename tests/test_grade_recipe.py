@@ -56,8 +56,19 @@ def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path):
         assert torch.equal(resumed[name], whole[name]), name
     rows = (killed / "ste" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in rows] == [1, 2, 3, 4, 5]
-    with pytest.raises(SystemExit, match="--output-dir: .* other options"):
+    with pytest.raises(SystemExit, match="--learning-rate: resuming the run .* changed options"):
         main(["grade", "--output-dir", str(killed), *options, "--steps", "6", "--learning-rate", "0.5"])
+    assert main(["grade", "--output-dir", str(killed), *options, "--steps", "6", "--learning-rate", "0.5",
+                 "--allow-changed", "learning_rate"]) == 0
+    record = json.loads((killed / "logitless-run.json").read_text())
+    assert record["changes"][-1]["options"] == {"learning_rate": [0.01, 0.5]}
+
+
+def test_a_directory_the_user_filled_is_refused_before_any_model_loads(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="--output-dir: .* not empty and no logitless run claimed it"):
+        main(["grade", "--output-dir", str(tmp_path), "--steps", "1"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
 def test_help_states_every_default():
@@ -70,10 +81,14 @@ def test_help_states_every_default():
 @pytest.mark.parametrize("argv, message", [
     (["--method", "sgd"], "--method: expected one of"),
     (["--gumbel-topk", "0"], "--gumbel-topk: expected a positive int"),
-    (["--tau-start", "0"], "--tau-start: must be > 0"),
+    (["--tau-start", "0"], "--tau-start: expected a finite number > 0"),
+    (["--learning-rate", "inf"], "--learning-rate: expected a finite number > 0, got inf"),
     (["--max-new-tokens", "0"], "--max-new-tokens: expected a positive int"),
     (["--reward", "classifier"], "--reward-model: a sequence classifier"),
     (["--config", "missing.yaml"], "--config: no such file"),
+    (["--model", "./no-such-model"], "--model: no such model directory"),
+    (["--on-nonfinite", "ignore"], "--on-nonfinite: expected one of"),
+    (["--allow-changed", "method"], "--allow-changed: .* are not options a resume may change"),
 ])
 def test_command_line_errors_name_the_option(argv, message, tmp_path):
     with pytest.raises(SystemExit, match=message):

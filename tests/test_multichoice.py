@@ -5,10 +5,10 @@ import torch
 
 from logitless.hf import final_hidden_states, lm_head_of
 from logitless.models import tiny_qwen2
-from logitless.multichoice_data import format_question, synthetic_multichoice
+from logitless.multichoice.data import format_question, synthetic_multichoice
 from logitless.ops.head import LinearHead
 from logitless.ops.lazy import CompletionLogits
-from logitless.rewards.multichoice import (MultichoiceJudge, answer_probability_by_recomputing, choice_token_ids,
+from logitless.multichoice.reward import (MultichoiceJudge, answer_probability_by_recomputing, choice_token_ids,
                                            extract_answer_probability_from_logits, find_answer_position,
                                            multichoice_judge_reward, strip_final_answer)
 

@@ -4,7 +4,7 @@ import re
 import datasets
 import pytest
 
-from logitless.multichoice_data import (format_prompt, format_question, load_multichoice, synthetic_multichoice,
+from logitless.multichoice.data import (format_prompt, format_question, load_multichoice, synthetic_multichoice,
                                         to_trl_dataset)
 
 ROWS = [

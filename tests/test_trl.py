@@ -11,7 +11,7 @@ from datasets import Dataset  # noqa: E402
 from logitless.hf import final_hidden_states  # noqa: E402
 from logitless.models import save_model_and_tokenizer, tiny_qwen2  # noqa: E402
 from logitless.ops.lazy import CompletionLogits  # noqa: E402
-from logitless.rewards.multichoice import (choice_token_ids, extract_answer_probability_from_logits,  # noqa: E402
+from logitless.multichoice.reward import (choice_token_ids, extract_answer_probability_from_logits,  # noqa: E402
                                            find_answer_position)
 from logitless.trl import GRPOTrainerWithLogits  # noqa: E402
 

@@ -12,7 +12,7 @@ from logitless.masked import masked_mean, masked_normalize
 from logitless.ops import (LinearHead, compute_entropy, fused_grpo_loss, fused_linear_cross_entropy, fused_linear_kl,
                            fused_linear_logprobs)
 from logitless.rewards.math import math_reward
-from logitless.rewards.multichoice import (MultichoiceJudge, extract_answer_probability_from_logits,
+from logitless.multichoice.reward import (MultichoiceJudge, extract_answer_probability_from_logits,
                                            multichoice_judge_reward)
 
 __version__ = "0.1.0"

@@ -81,12 +81,27 @@ def check_strings(name: str, values) -> list[str]:
     return list(values)
 
 
+def check_positive_int(name: str, value) -> int:
+    """An int >= 1 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return value
+
+
 def check_positive_ints(config, names: Sequence[str]) -> None:
     """Each named attribute of ``config`` is an int >= 1."""
     for name in names:
+        check_positive_int(name, getattr(config, name))
+
+
+def check_finite_numbers(config, names: Sequence[str], *, allow_zero: bool = False) -> None:
+    """Each named attribute of ``config`` is a finite number > 0 (>= 0 with ``allow_zero``)."""
+    for name in names:
         value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
+        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+            raise ValueError(f"{name}: expected a finite number {'>=' if allow_zero else '>'} 0, got {value}")
 
 
 def dataclass_from_dict(cls, values: dict):

@@ -1,200 +1,34 @@
-"""The ``logitless`` command: demo | sft | grpo | grade | bench lmhead | grpo | reward | jax | grade | grade-variance."""
+"""The ``logitless`` command: demo | sft | grpo | grade | bench (lmhead | grpo | reward | jax | grade | grade-variance).
+
+Each subcommand lives in its own module, which exposes ``add_parser(subcommands)`` (adding its parser
+and a ``handler``); registering one is one line in `build_parser`.
+"""
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import warnings
-from pathlib import Path
 
-import yaml
-
-from logitless.bench import jax as bench_jax
-from logitless.bench import lmhead as bench_lmhead
+from logitless.bench import cli as bench_cli
+from logitless.recipes import demo, grade, grpo, sft
 
 
-class _ConfigLoader(yaml.SafeLoader):
-    """YAML 1.1 reads ``1e-3`` (no dot) as a string; a learning rate written that way must be a float."""
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line that names the option, as all of the command's errors are."""
 
-
-_ConfigLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)?\.?[0-9_]*[eE][-+]?[0-9]+$"),
-    list("-+0123456789."))
-
-
-def _load_config(path: str | None) -> dict:
-    if path is None:
-        return {}
-    file = Path(path)
-    if not file.is_file():
-        raise SystemExit(f"--config: no such file {path!r}")
-    try:
-        values = yaml.load(file.read_text(), Loader=_ConfigLoader) or {}
-    except yaml.YAMLError as err:
-        raise SystemExit(f"--config: {path} is not valid YAML: {err}") from None
-    if not isinstance(values, dict):
-        raise SystemExit(f"--config: {path} must hold a mapping of option: value")
-    return values
-
-
-def _sft_overrides(args: argparse.Namespace) -> dict:
-    names = ("model", "data", "output_dir", "steps", "batch_size", "gradient_accumulation_steps", "learning_rate",
-             "save_every", "seed")
-    overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
-    if args.no_resume:
-        overrides["resume"] = False
-    return overrides
-
-
-def run_sft(args: argparse.Namespace) -> int:
-    from logitless.sft import SFTConfig, train_sft
-
-    try:
-        config = SFTConfig.from_dict({**_load_config(args.config), **_sft_overrides(args)})
-    except (TypeError, ValueError) as err:
-        raise SystemExit(f"logitless sft: {err}") from None
-    history = train_sft(config)
-    print(f"loss {history['loss'][0]:.3f} -> {history['loss'][-1]:.3f} over {history['step']} steps "
-          f"({history['seconds']:.1f}s); plot: {Path(config.output_dir) / 'loss.png'}; "
-          f"checkpoint: {Path(config.output_dir) / 'checkpoint'}")
-    return 0
-
-
-def run_grpo(args: argparse.Namespace) -> int:
-    from logitless.grpo_multichoice import MultichoiceGRPOConfig, train_grpo_multichoice
-
-    names = ("model", "judge", "data", "output_dir", "steps", "completions_per_step", "num_generations",
-             "max_completion_length", "learning_rate", "loss_type", "temperature", "save_every", "seed")
-    overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
-    try:
-        config = MultichoiceGRPOConfig.from_dict({**_load_config(args.config), **overrides})
-    except (TypeError, ValueError) as err:
-        raise SystemExit(f"logitless grpo: {err}") from None
-    history = train_grpo_multichoice(config)
-    print(f"reward {history['reward'][0]:.4f} -> {history['reward'][-1]:.4f} over {len(history['reward'])} steps; "
-          f"plot: {Path(config.output_dir) / 'reward.png'}")
-    return 0
-
-
-def run_demo(args: argparse.Namespace) -> int:
-    from logitless.demo import check_run_args, run
-
-    try:  # before any work, with the option's name
-        check_run_args(args.output_dir, args.steps, args.grpo_steps)
-    except ValueError as err:
-        name, _, message = str(err).partition(": ")
-        raise SystemExit(f"--{name.replace('_', '-')}: {message}") from None
-    return run(output_dir=args.output_dir, steps=args.steps, grpo_steps=args.grpo_steps)
-
-
-def _require_positive(args: argparse.Namespace, names: tuple[str, ...]) -> None:
-    for name in names:
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
-
-
-def _require_groups(args: argparse.Namespace) -> None:
-    if args.completions % args.num_generations:
-        raise SystemExit(f"--num-generations: {args.num_generations} does not divide --completions {args.completions}")
-
-
-def run_bench_trainer(args: argparse.Namespace) -> int:
-    """bench grpo / bench reward: their options are the fields of the module's config dataclass."""
-    import dataclasses
-    import importlib
-
-    module = importlib.import_module(f"logitless.bench.{args.target}")
-    config_class = module.CONFIG
-    names = tuple(field.name for field in dataclasses.fields(config_class))
-    _require_positive(args, names)
-    _require_groups(args)
-    report = module.run(config_class(**{name: getattr(args, name) for name in names}))
-    print(module.format_table(report))
-    _write_report(report, args.json, None)
-    return 0
-
-
-def _write_report(report: dict, json_path: str | None, plot) -> None:
-    import json
-
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(report, indent=2))
-        print(f"wrote {json_path}")
-    if plot is not None:
-        print(f"wrote {plot()}")
-
-
-def _add_sft_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML file of SFTConfig fields (command-line options win)")
-    parser.add_argument("--model", help="hub id, local model directory, or 'tiny-qwen2' (default)")
-    parser.add_argument("--data", help="jsonl with 'prompt' and 'response' per line (default: built-in arithmetic)")
-    parser.add_argument("--output-dir", dest="output_dir")
-    parser.add_argument("--steps", type=int)
-    parser.add_argument("--batch-size", dest="batch_size", type=int)
-    parser.add_argument("--gradient-accumulation-steps", dest="gradient_accumulation_steps", type=int)
-    parser.add_argument("--learning-rate", dest="learning_rate", type=float)
-    parser.add_argument("--save-every", dest="save_every", type=int)
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--no-resume", action="store_true", help="start over even if output_dir has a checkpoint")
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="logitless", description="LLM post-training without [B, T, V] logits")
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="SFT then GRPO of the embedded tiny Qwen2 (real Qwen vocabulary) on CPU")
-    demo.add_argument("--output-dir", dest="output_dir", default="runs/demo",
-                      help="replaced on each run; a directory the demo did not create is refused (default runs/demo)")
-    demo.add_argument("--steps", type=int, default=40, help="SFT steps (default 40)")
-    demo.add_argument("--grpo-steps", dest="grpo_steps", type=int, default=4, help="GRPO steps (default 4)")
-    demo.set_defaults(handler=run_demo)
-    sft = commands.add_parser("sft", help="supervised fine-tuning, resumable from output_dir/checkpoint")
-    _add_sft_options(sft)
-    sft.set_defaults(handler=run_sft)
-    grpo = commands.add_parser("grpo", help="GRPO on multiple-choice questions with the judge reward, logit-free")
-    grpo.add_argument("--config", help="YAML file of MultichoiceGRPOConfig fields (command-line options win)")
-    grpo.add_argument("--model", help="hub id, local model directory, or 'tiny-qwen2'")
-    grpo.add_argument("--judge", help="judge model (default: a frozen copy of the initial policy)")
-    grpo.add_argument("--data", help="jsonl or dataset with question, choices, answer (default: synthetic)")
-    grpo.add_argument("--output-dir", dest="output_dir")
-    grpo.add_argument("--steps", type=int)
-    grpo.add_argument("--completions-per-step", dest="completions_per_step", type=int)
-    grpo.add_argument("--num-generations", dest="num_generations", type=int)
-    grpo.add_argument("--max-completion-length", dest="max_completion_length", type=int)
-    grpo.add_argument("--learning-rate", dest="learning_rate", type=float)
-    grpo.add_argument("--loss-type", dest="loss_type")
-    grpo.add_argument("--temperature", type=float)
-    grpo.add_argument("--save-every", dest="save_every", type=int)
-    grpo.add_argument("--seed", type=int)
-    grpo.set_defaults(handler=run_grpo)
-    from logitless.recipes import grade as grade_recipe
-
-    grade_recipe.add_parser(commands)
-    bench = commands.add_parser("bench", help="microbenchmarks against the peers, side by side")
-    targets = bench.add_subparsers(dest="target", required=True)
-    bench_lmhead.add_parser(targets)
-    bench_grpo = targets.add_parser("grpo", help="a few GRPO steps: stock TRL GRPOTrainer vs GRPOTrainerWithLogits")
-    bench_grpo.add_argument("--completions", type=int, default=16, help="completions per step")
-    bench_grpo.add_argument("--completion-length", dest="completion_length", type=int, default=128)
-    bench_grpo.add_argument("--num-generations", dest="num_generations", type=int, default=4)
-    bench_grpo.add_argument("--steps", type=int, default=3)
-    bench_grpo.add_argument("--hidden-size", dest="hidden_size", type=int, default=64, help="of the tiny Qwen2")
-    bench_grpo.add_argument("--json", help="write the report here")
-    bench_grpo.set_defaults(handler=run_bench_trainer)
-    bench_reward = targets.add_parser("reward", help="multiple-choice judge reward: completion_logits vs recomputing")
-    bench_reward.add_argument("--completions", type=int, default=16, help="completions per step")
-    bench_reward.add_argument("--completion-length", dest="completion_length", type=int, default=32)
-    bench_reward.add_argument("--num-generations", dest="num_generations", type=int, default=4)
-    bench_reward.add_argument("--steps", type=int, default=2)
-    bench_reward.add_argument("--warm-start-steps", dest="warm_start_steps", type=int, default=40,
-                              help="SFT steps that teach the tiny policy to answer 'ANSWER: X'")
-    bench_reward.add_argument("--json", help="write the report here")
-    bench_reward.set_defaults(handler=run_bench_trainer)
-    bench_jax.add_parser(targets)
-    from logitless.bench import grade as bench_grade
-
-    bench_grade.add_parser(targets)
+    parser = _Parser(prog="logitless", description="LLM post-training without [B, T, V] logits")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo.add_parser(commands)
+    sft.add_parser(commands)
+    grpo.add_parser(commands)
+    grade.add_parser(commands)
+    bench_cli.add_parser(commands)
     return parser
 
 

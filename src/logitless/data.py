@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from logitless._checks import check_strings
+from logitless._checks import check_positive_int, check_strings
 
 
 def pad_token_id(tokenizer) -> int:
@@ -78,16 +78,22 @@ def read_jsonl(path: str | Path, name: str = "path") -> Iterator[tuple[str, dict
             yield f"line {line_no} of {path}", record
 
 
-def load_jsonl(path: str | Path, prompt_key: str = "prompt", response_key: str = "response") -> list[dict[str, str]]:
-    """Read (prompt, response) pairs from a jsonl file, one JSON object per line."""
+def load_jsonl(path: str | Path, prompt_key: str = "prompt", response_key: str = "response", *,
+               name: str = "path") -> list[dict[str, str]]:
+    """Read (prompt, response) pairs of strings from a jsonl file, one JSON object per line.
+
+    Errors start with ``name`` (the caller's name for the file, e.g. "data") and give the line."""
     pairs = []
-    for where, record in read_jsonl(path):
+    for where, record in read_jsonl(path, name):
         missing = [k for k in (prompt_key, response_key) if k not in record]
         if missing:
-            raise ValueError(f"path: {where} lacks key(s) {missing}")
-        pairs.append({"prompt": str(record[prompt_key]), "response": str(record[response_key])})
+            raise ValueError(f"{name}: {where} lacks key(s) {missing}")
+        for key in (prompt_key, response_key):
+            if not isinstance(record[key], str):
+                raise ValueError(f"{name}: {where} has a {key} that is not a string: {record[key]!r}")
+        pairs.append({"prompt": record[prompt_key], "response": record[response_key]})
     if not pairs:
-        raise ValueError(f"path: {path} holds no examples")
+        raise ValueError(f"{name}: {path} holds no examples")
     return pairs
 
 
@@ -107,8 +113,7 @@ def arithmetic_sft_examples(count: int = 256, seed: int = 0) -> list[dict[str, s
 
 def iterate_batches(examples: list[dict[str, str]], batch_size: int, seed: int = 0) -> Iterator[list[dict[str, str]]]:
     """Endless shuffled batches; each pass over the data uses a fresh permutation."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+    check_positive_int("batch_size", batch_size)
     rng = random.Random(seed)
     while True:
         order = list(range(len(examples)))

@@ -10,7 +10,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from logitless._checks import check_choice, check_finite, check_mask, check_positive, check_same_shape, check_tensor
+from logitless._checks import (check_choice, check_finite, check_mask, check_positive, check_positive_int,
+                               check_same_shape, check_tensor)
 from logitless.masked import masked_mean, masked_normalize
 from logitless.ops.grpo import clipped_surrogate
 
@@ -31,8 +32,7 @@ def compute_group_normalized_rewards(reward_fn: Callable[[str, str], dict], roll
     if len(rollout_responses) != len(repeated_ground_truths):
         raise ValueError(f"repeated_ground_truths: got {len(repeated_ground_truths)} for "
                          f"{len(rollout_responses)} rollout_responses")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size: expected a positive int, got {group_size!r}")
+    check_positive_int("group_size", group_size)
     if not rollout_responses or len(rollout_responses) % group_size:
         raise ValueError(f"group_size: {group_size} does not divide the {len(rollout_responses)} rollout_responses")
     if advantage_eps < 0:
@@ -112,12 +112,6 @@ def compute_policy_gradient_loss(policy_log_probs: torch.Tensor, loss_type: str,
     return compute_grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange)
 
 
-def _check_accumulation(gradient_accumulation_steps: int) -> None:
-    if isinstance(gradient_accumulation_steps, bool) or not isinstance(gradient_accumulation_steps, int) \
-            or gradient_accumulation_steps < 1:
-        raise ValueError(f"gradient_accumulation_steps: expected a positive int, got {gradient_accumulation_steps!r}")
-
-
 def sft_microbatch_train_step(policy_log_probs: torch.Tensor, response_mask: torch.Tensor,
                               gradient_accumulation_steps: int,
                               normalize_constant: float = 1.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -125,7 +119,7 @@ def sft_microbatch_train_step(policy_log_probs: torch.Tensor, response_mask: tor
     divided by ``gradient_accumulation_steps``; calls ``loss.backward()``."""
     check_tensor("policy_log_probs", policy_log_probs, ndim=2, floating=True)
     keep = check_mask("response_mask", response_mask, "policy_log_probs", policy_log_probs)
-    _check_accumulation(gradient_accumulation_steps)
+    check_positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
     per_sequence = -masked_normalize(policy_log_probs, keep, normalize_constant, dim=-1)  # (B,)
     loss = per_sequence.mean() / gradient_accumulation_steps
     loss.backward()
@@ -143,7 +137,7 @@ def grpo_microbatch_train_step(policy_log_probs: torch.Tensor, response_mask: to
     divided by ``gradient_accumulation_steps``; calls ``loss.backward()``."""
     check_tensor("policy_log_probs", policy_log_probs, ndim=2, floating=True)
     keep = check_mask("response_mask", response_mask, "policy_log_probs", policy_log_probs)
-    _check_accumulation(gradient_accumulation_steps)
+    check_positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
     empty_rows = (~keep.any(dim=-1)).nonzero().flatten().tolist()
     if empty_rows:
         raise ValueError(f"response_mask: rows {empty_rows} have no response token; their mean would be NaN")

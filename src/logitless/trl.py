@@ -16,6 +16,10 @@ Adopt it by changing one import; every GRPOConfig option keeps its meaning.
    policy forward, and nothing of size (C, V) is stored. Other reward functions are called as before.
    (Generation through vLLM, continuous batching, ``rollout_func`` or tools is not supported with
    them yet: the trainer raises when it is built.)
+3. Each ``checkpoint-STEP`` directory appears complete or not at all: it is written in a staging
+   directory, sealed and published with one rename (`logitless.checkpoint`), and
+   ``train(resume_from_checkpoint=True)`` resumes from the newest COMPLETE checkpoint, logging any
+   newer one it skips.
 """
 
 from __future__ import annotations
@@ -24,14 +28,18 @@ import dataclasses
 import functools
 import inspect
 import logging
+import shutil
 import types
+from pathlib import Path
 
 import torch
 from accelerate.utils import is_peft_model
 from transformers.integrations import is_deepspeed_zero3_enabled
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import GRPOTrainer
 from trl.trainer.utils import nanmax, nanmin
 
+from logitless.checkpoint import last_complete_checkpoint, publish_directory
 from logitless.hf import lm_head_of, model_body
 from logitless.ops.fused import fused_grpo_loss, fused_linear_logprobs
 from logitless.ops.head import LinearHead
@@ -40,6 +48,7 @@ from logitless.ops.lazy import CompletionLogits
 logger = logging.getLogger(__name__)
 
 LOGIT_KWARGS = ("completion_logits", "completion_logprobs")
+CHECKPOINT_STAGING = ".logitless-staging"  # in the output directory: checkpoints being written
 FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
@@ -253,3 +262,39 @@ class GRPOTrainerWithLogits(GRPOTrainer):
         for name, extreme in (("clip_ratio/low_min", nanmin), ("clip_ratio/high_max", nanmax)):
             gathered = self.accelerator.gather(torch.tensor([metrics[name]], device=tokens.device))
             self._metrics[mode][name].append(extreme(gathered).item())
+
+    # -- checkpoints: a checkpoint-STEP directory appears complete or not at all -----------------
+
+    def _get_output_dir(self, trial) -> str:
+        return getattr(self, "_checkpoint_staging", None) or super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial):
+        """TRL's save into OUTPUT_DIR/.logitless-staging/checkpoint-STEP, published with one rename once every
+        process has written its part; then the usual rotation (``save_total_limit``)."""
+        run_dir = Path(super()._get_output_dir(trial))
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging = run_dir / CHECKPOINT_STAGING
+        if self.args.should_save and (staging / name).exists():
+            shutil.rmtree(staging / name)  # a save of this step that a crash interrupted
+        self.accelerator.wait_for_everyone()
+        self._checkpoint_staging = str(staging)
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._checkpoint_staging = None
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            publish_directory(staging / name, run_dir / name)
+            rotate_checkpoints(str(run_dir), self.args.save_total_limit, self.state.best_model_checkpoint)
+        self.accelerator.wait_for_everyone()
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """``resume_from_checkpoint=True`` takes the newest complete checkpoint; incomplete newer ones are skipped."""
+        if resume_from_checkpoint is True:
+            checkpoint, skipped = last_complete_checkpoint(self.args.output_dir)
+            for note in skipped:
+                logger.warning(note)
+            if checkpoint is None:
+                raise ValueError(f"resume_from_checkpoint: no complete checkpoint in {self.args.output_dir}")
+            resume_from_checkpoint = str(checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from logitless.bench.options import require_positive, require_writable, write_report
 from logitless.bench.ratios import add_ratios, format_ratio
 from logitless.bench.worker import run_worker_process, worker_main
 
@@ -91,9 +92,7 @@ def format_table(report: dict) -> str:
 
 
 def add_parser(targets) -> None:
-    """Register ``logitless bench grade`` and ``logitless bench grade-variance``."""
-    from logitless.bench import grade_variance
-
+    """Register ``logitless bench grade``."""
     defaults = GradeBenchConfig()
     parser = targets.add_parser("grade", help="GRADE: legacy GumbelTrainer vs GumbelTrainerMemoryEfficient, "
                                               "peak memory and step time in fresh processes")
@@ -109,21 +108,17 @@ def add_parser(targets) -> None:
                         help="the efficient trainer keeps each decode step's activations (default: recomputes them)")
     parser.add_argument("--json", help="write the report here (default: print only)")
     parser.set_defaults(handler=_main)
-    grade_variance.add_parser(targets)
 
 
 def _main(args) -> int:
-    from logitless.cli import _write_report
-
-    for name in ("steps", "batch_size", "max_new_tokens", "gumbel_topk"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    require_positive(args, ("steps", "batch_size", "max_new_tokens", "gumbel_topk"))
     if args.method not in ("gumbel", "ste"):
         raise SystemExit(f"--method: expected gumbel or ste, got {args.method!r}")
+    require_writable(args, ("json",))
     report = run(GradeBenchConfig(args.steps, args.batch_size, args.max_new_tokens, args.gumbel_topk, args.method,
                                   args.activation_checkpointing))
     print(format_table(report))
-    _write_report(report, args.json, None)
+    write_report(report, args.json)
     return 0
 
 

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from logitless.bench.options import require_writable, write_report
+
 PROMPTS = ["Once upon a time", "The weather today is", "My favourite food is", "Yesterday I went to"]
 METHODS = ("gumbel", "ste", "grpo")
 
@@ -200,8 +202,6 @@ def add_parser(targets) -> None:
 
 
 def _main(args) -> int:
-    from logitless.cli import _write_report
-
     for name, value in asdict(GradeVarianceConfig()).items():
         if not getattr(args, name) > 0 or (name == "minibatches" and args.minibatches < 2):
             raise SystemExit(f"--{name.replace('_', '-')}: must be > 0 (minibatches >= 2), got {getattr(args, name)}")
@@ -209,7 +209,8 @@ def _main(args) -> int:
     if config.reference_samples < 2 * len(PROMPTS) or config.batch_size % len(PROMPTS) or config.batch_size < 8:
         raise SystemExit(f"--batch-size / --reference-samples: need multiples of the {len(PROMPTS)} prompts "
                          f"(batch >= 8 so that GRPO's groups have 2 completions, reference >= {2 * len(PROMPTS)})")
+    require_writable(args, ("json",))
     report = run(config)
     print(format_table(report))
-    _write_report(report, args.json, None)
+    write_report(report, args.json)
     return 0

@@ -66,17 +66,25 @@ def run_worker(trainer_name: str, model_dir: str, config: GRPOBenchConfig) -> di
     return {"time_s": seconds, "peak_mb": peak.megabytes, "losses": losses, "mean_completion_length": lengths}
 
 
-def run(config: GRPOBenchConfig, progress: bool = True) -> dict:
+def run(config: GRPOBenchConfig, progress: bool = True, *, concurrently: bool = False) -> dict:
+    """Both trainers, each in a fresh process; ``concurrently`` runs the two processes at once, which keeps
+    each one's peak memory but makes their times compete (for a caller that reads only the memory)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from tqdm.auto import tqdm
 
     from logitless.models import qwen_tokenizer, save_model_and_tokenizer, tiny_qwen2
 
-    results = {}
     with tempfile.TemporaryDirectory() as scratch:
         save_model_and_tokenizer(tiny_qwen2(seed=0, hidden_size=config.hidden_size), qwen_tokenizer(), scratch)
-        for name in tqdm(TRAINERS, desc="bench grpo", disable=not progress):
-            results[name] = run_worker_process("logitless.bench.grpo", ["--worker", name, "--model-dir", scratch,
-                                                                        "--config", json.dumps(asdict(config))])
+
+        def worker(name: str) -> dict:
+            return run_worker_process("logitless.bench.grpo", ["--worker", name, "--model-dir", scratch,
+                                                               "--config", json.dumps(asdict(config))])
+
+        with ThreadPoolExecutor(max_workers=len(TRAINERS) if concurrently else 1) as pool:
+            results = dict(zip(TRAINERS, tqdm(pool.map(worker, TRAINERS), total=len(TRAINERS), desc="bench grpo",
+                                              disable=not progress)))
     add_ratios(results, "trl")
     return {"config": asdict(config), "vocab_size": 151936, "results": results}
 

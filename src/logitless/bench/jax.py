@@ -26,6 +26,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from logitless.bench.options import require_positive, require_writable, write_report
+
 IMPLEMENTATIONS = ("materialized", "fused")
 DTYPES = ("float32", "bfloat16")
 BETA = 0.04
@@ -246,10 +248,8 @@ def add_parser(targets) -> None:
 def run_cli(args: argparse.Namespace) -> int:
     if args.dtype not in DTYPES:
         raise SystemExit(f"--dtype: expected one of {', '.join(DTYPES)}, got {args.dtype!r}")
-    for name in ("batch", "seq", "hidden", "vocab", "repeats", "vocab_block"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise SystemExit(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
+    require_positive(args, ("batch", "seq", "hidden", "vocab", "repeats", "vocab_block"))
+    require_writable(args)
     try:
         import jax  # noqa: F401
     except ImportError:
@@ -257,12 +257,9 @@ def run_cli(args: argparse.Namespace) -> int:
     shape = Shape(args.batch, args.seq, args.hidden, args.vocab, args.dtype, args.vocab_block)
     report = run(shape, repeats=args.repeats, compile_only=args.compile_only)
     print(format_table(report))
-    for path, write in ((args.json, lambda p: Path(p).write_text(json.dumps(report, indent=2))),
-                        (args.plot, lambda p: plot(report, p))):
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            write(path)
-            print(f"wrote {path}")
+    write_report(report, args.json)
+    if args.plot:
+        print(f"wrote {plot(report, args.plot)}")
     return 0
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from logitless.bench.options import require_positive, require_writable, write_report
 from logitless.bench.ratios import add_ratios, format_ratio, ratio
 from logitless.bench.worker import run_worker_process
 
@@ -356,9 +357,7 @@ def add_parser(targets) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    for name in ("batch", "seq", "hidden", "vocab", "repeats"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name}: must be >= 1, got {getattr(args, name)}")
+    require_positive(args, ("batch", "seq", "hidden", "vocab", "repeats"))
     if args.dtype not in DTYPES:
         raise SystemExit(f"--dtype: expected one of {sorted(DTYPES)}, got {args.dtype!r}")
     if not 0.0 <= args.masked_fraction < 1.0:
@@ -370,21 +369,11 @@ def run_cli(args: argparse.Namespace) -> int:
         raise SystemExit(f"--device: expected cpu or cuda[:N], got {args.device!r}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device: CUDA is not available on this machine")
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path:  # before the benchmark runs, not after
-            directory = Path(path).parent
-            try:
-                directory.mkdir(parents=True, exist_ok=True)
-                with tempfile.NamedTemporaryFile(dir=directory):
-                    pass
-            except OSError as err:
-                raise SystemExit(f"{flag}: cannot write to {directory}: {err.strerror}") from None
+    require_writable(args)
     shape = Shape(args.batch, args.seq, args.hidden, args.vocab, args.dtype, args.device, args.masked_fraction)
     report = run(shape, args.impl, repeats=args.repeats)
     print(format_table(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}")
+    write_report(report, args.json)
     if args.plot:
         print(f"wrote {plot(report, args.plot)}")
     return 0

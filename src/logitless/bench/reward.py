@@ -1,7 +1,7 @@
 """`logitless bench reward`: the multiple-choice judge reward with and without completion_logits.
 
 The same GRPO steps (GRPOTrainerWithLogits, a warm-started tiny Qwen2 policy that answers as
-"ANSWER: X", the judge a frozen copy of it), in a fresh process each:
+"ANSWER: <ordinal> X", the judge a frozen copy of it), in a fresh process each:
 
 * logits    the reward declares ``completion_logits`` and reads P(correct | model) from the rows the
             trainer hands it (hidden states kept from generation);
@@ -47,8 +47,8 @@ def run_worker(variant: str, policy_dir: str, config: RewardBenchConfig) -> dict
 
     from logitless.bench.memory import PeakMemory
     from logitless.models import load_model_and_tokenizer
-    from logitless.multichoice_data import synthetic_multichoice, to_trl_dataset
-    from logitless.rewards.multichoice import MultichoiceJudge, multichoice_judge_reward
+    from logitless.multichoice.data import synthetic_multichoice, to_trl_dataset
+    from logitless.multichoice.reward import MultichoiceJudge, multichoice_judge_reward
     from logitless.trl import GRPOTrainerWithLogits
 
     policy, tokenizer = load_model_and_tokenizer(policy_dir)
@@ -95,7 +95,7 @@ def run_worker(variant: str, policy_dir: str, config: RewardBenchConfig) -> dict
 def run(config: RewardBenchConfig, progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
-    from logitless.warm_start import warm_start_policy
+    from logitless.recipes.warm_start import warm_start_policy
 
     results = {}
     with tempfile.TemporaryDirectory() as scratch:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from logitless._checks import check_choice, check_positive, check_positive_ints, check_strings, dataclass_from_dict
+from logitless._checks import check_choice, check_finite_numbers, check_positive, check_positive_ints, check_strings, dataclass_from_dict
+from logitless.nonfinite import POLICIES
 
 METHODS = ("gumbel", "ste")
 
@@ -29,13 +30,14 @@ class GradeConfig:
     lora_rank: int = 0  # > 0: train LoRA adapters of this rank (peft) instead of every weight
     lora_alpha: float = 16.0
     lora_target_modules: str | list[str] = "all-linear"  # peft's target_modules
+    on_nonfinite: str = "stop"  # a NaN/inf loss or gradient: "stop" (NonFiniteError before the update) or "skip"
 
     def __post_init__(self):
         check_choice("method", self.method, METHODS)
+        check_choice("on_nonfinite", self.on_nonfinite, POLICIES)
         check_positive_ints(self, ("gumbel_topk", "max_new_tokens", "batch_size", "gradient_accumulation_steps",
                                    "grpo_group_size"))
-        for name in ("tau_start", "tau_end", "learning_rate", "max_grad_norm"):
-            check_positive(name, getattr(self, name))
+        check_finite_numbers(self, ("tau_start", "tau_end", "learning_rate", "max_grad_norm"))
         if isinstance(self.tau_anneal_steps, bool) or not isinstance(self.tau_anneal_steps, int) \
                 or self.tau_anneal_steps < 0:
             raise ValueError(f"tau_anneal_steps: expected an int >= 0, got {self.tau_anneal_steps!r}")

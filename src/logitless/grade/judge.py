@@ -19,7 +19,7 @@ from logitless._checks import check_choice
 from logitless.grade.parts import CausalLMParts
 from logitless.grade.rewards import RewardInputs, SoftReward, frozen, sequence_inputs
 from logitless.grade.soft_tokens import PromptBatch
-from logitless.rewards.multichoice import MultichoiceJudge, _letter_log_probs
+from logitless.multichoice.reward import MultichoiceJudge, _letter_log_probs
 
 
 class MultichoiceJudgeReward(SoftReward):

@@ -8,7 +8,7 @@ import torch
 
 # Every step of every method logs exactly these keys (None where a quantity does not apply).
 METRIC_NAMES = ("step", "reward", "kl", "loss", "grad_norm", "tau", "topk_tail_mass", "max_soft_weight", "step_s",
-                "peak_mb")
+                "peak_mb", "skipped")  # skipped: the step's loss or gradient was not finite (on_nonfinite="skip")
 
 
 def peak_mb(device: torch.device) -> float:

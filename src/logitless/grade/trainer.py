@@ -29,6 +29,7 @@ from logitless.grade.parts import CausalLMParts
 from logitless.grade.rewards import RewardInputs, SoftReward
 from logitless.grade.rollout import NoiseStream, Rollout, sparse_rollout
 from logitless.grade.soft_tokens import PromptBatch, as_records
+from logitless.nonfinite import check_step
 from logitless.ops.gumbel import check_topk
 
 
@@ -87,12 +88,16 @@ class _Trainer:
             parts = self.microbatch(prompt, None if noise is None else noise[rows], generator)
             for name, value in parts.items():
                 sums[name] = sums.get(name, 0.0) + value / config.gradient_accumulation_steps
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, config.max_grad_norm))
-        self.optimizer.step()
+        applied = check_step(self.step + 1, self.model, [sums["loss"]], policy=config.on_nonfinite,
+                             advice="Lower learning_rate, or set on_nonfinite='skip' to skip such steps.")
+        grad_norm = float("nan")
+        if applied:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, config.max_grad_norm))
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return step_metrics(step=self.step, grad_norm=grad_norm, step_s=time.perf_counter() - started,
-                            peak_mb=peak_mb(self.device), **sums)
+                            peak_mb=peak_mb(self.device), skipped=not applied, **sums)
 
     def microbatch(self, prompt: PromptBatch, noise, generator) -> dict:
         """Forward and backward of one microbatch; returns its metrics (means over its rollouts)."""

@@ -2,10 +2,13 @@
 
 Each method writes into OUTPUT_DIR/METHOD/: ``metrics.jsonl`` (one row per optimizer step, the names of
 `logitless.grade.METRIC_NAMES`), ``reward.png`` and ``kl.png``, and ``checkpoint/`` (written every
-``save_every`` steps and at the end). A rerun with the same output dir resumes from the checkpoint and
-ends with the weights an uninterrupted run would have; a rerun whose options would change the result
-is refused unless ``--no-resume`` says to start over. ``--method all`` runs the five methods one after
-another and adds OUTPUT_DIR/reward_by_method.png.
+``save_every`` steps and at the end; complete or absent whatever the moment of a crash). OUTPUT_DIR is
+claimed as a run directory (`logitless.rundir`) before any model loads. A rerun with the same output dir
+resumes each method from its checkpoint and ends with the weights an uninterrupted run would have; a
+resume with options that change the result is refused unless ``allow_changed`` names them, or
+``--no-resume`` starts over. A NaN or infinite loss or gradient stops the run before that step is
+applied or saved (``on_nonfinite``). ``--method all`` runs the five methods one after another and adds
+OUTPUT_DIR/reward_by_method.png.
 
 The default needs nothing downloaded: the embedded tiny Qwen2 (random weights, the real 151,936-token
 vocabulary) learns to write capitalized words (" The", " Paris"): the reward is the fraction of its
@@ -24,6 +27,8 @@ from pathlib import Path
 
 from logitless._checks import check_choice, check_positive_ints, check_strings
 from logitless.grade.config import GradeConfig
+from logitless.recipes.common import RUN_CONTROL_HELP, check_model_name, load_model
+from logitless.recipes.options import load_config, option_error
 
 # method -> (trainer class name in logitless.grade, GradeConfig.method)
 METHODS = {"gumbel": ("GumbelTrainerMemoryEfficient", "gumbel"), "ste": ("GumbelTrainerMemoryEfficient", "ste"),
@@ -53,6 +58,8 @@ class GradeRunConfig:
     steps: int = 20
     save_every: int = 10
     resume: bool = True
+    overwrite: bool = False  # write into a non-empty directory no logitless run claimed
+    allow_changed: tuple[str, ...] = ()  # options a resume may change (recorded in the run directory)
     grade: GradeConfig = field(default_factory=lambda: GradeConfig(**RUN_DEFAULTS))
 
     def __post_init__(self):
@@ -60,6 +67,12 @@ class GradeRunConfig:
         check_choice("reward", self.reward, REWARDS)
         check_positive_ints(self, ("steps", "save_every"))
         check_strings("reward_words", self.reward_words)
+        check_model_name("model", self.model)
+        if self.reward_model is not None:
+            check_model_name("reward_model", self.reward_model)
+        if isinstance(self.allow_changed, str) or not all(isinstance(n, str) for n in self.allow_changed):
+            raise TypeError(f"allow_changed: expected a list of option names, got {self.allow_changed!r}")
+        self.allow_changed = tuple(self.allow_changed)
         if self.reward == "classifier" and not self.reward_model:
             raise ValueError("reward_model: a sequence classifier (hub id or directory) is required for reward "
                              "'classifier'")
@@ -75,13 +88,36 @@ class GradeRunConfig:
         grade = GradeConfig(**{**RUN_DEFAULTS, **{k: v for k, v in values.items() if k in grade_fields}})
         return cls(**{k: v for k, v in values.items() if k in own}, grade=grade)
 
-    def settings(self, method: str) -> dict:
-        """What decides a method's result: a checkpoint written with other settings is not resumed."""
-        values = dataclasses.asdict(self)
-        for name in ("method", "output_dir", "steps", "save_every", "resume"):
-            values.pop(name)
-        values["grade"]["method"] = METHODS[method][1]
-        return json.loads(json.dumps({"method": method, **values}))
+    def recorded_options(self) -> dict:
+        """Every option by its flat name, as the run directory records and compares them."""
+        from logitless.rundir import file_identity
+
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "grade"}
+        values.update((f.name, getattr(self.grade, f.name)) for f in dataclasses.fields(GradeConfig) if f.name != "method")
+        values["data"] = file_identity(self.data)
+        return json.loads(json.dumps(values))
+
+
+# Options that change a method's trained weights: a resume refuses a change unless allowed. Not among them:
+# method (each has its own directory), steps (the learning rate is constant and tau follows its own
+# schedule, so more steps continue the run), and what only steers the run.
+STEERING_OPTIONS = ("method", "output_dir", "steps", "save_every", "resume", "overwrite", "allow_changed",
+                    "on_nonfinite", "activation_checkpointing")
+FIXED_OPTIONS = ("model",)  # a resume continues the checkpoint's weights: a new model cannot take effect
+
+
+def claim_run_directory(run: GradeRunConfig, methods: list[str]):
+    """Claim OUTPUT_DIR and record this run's options (refusing changed ones on a resume): before any model loads."""
+    from logitless.checkpoint import checkpoint_problem
+    from logitless.rundir import RunDirectory
+
+    directory = RunDirectory.claim(run.output_dir, "grade", outputs=(*METHODS, "reward_by_method.png"),
+                                   overwrite=run.overwrite)
+    resuming = run.resume and any(checkpoint_problem(directory.path / m / "checkpoint") is None for m in methods)
+    options = run.recorded_options()
+    directory.start(options, resume=resuming, result_options=[n for n in options if n not in STEERING_OPTIONS],
+                    fixed_options=FIXED_OPTIONS, allow_changed=run.allow_changed)
+    return directory
 
 
 def step_prompts(records: list[dict], count: int, seed: int, step: int) -> list[dict]:
@@ -92,7 +128,7 @@ def step_prompts(records: list[dict], count: int, seed: int, step: int) -> list[
 
 def load_prompts(run: GradeRunConfig) -> list[dict]:
     from logitless.data import read_jsonl
-    from logitless.multichoice_data import load_multichoice, synthetic_multichoice
+    from logitless.multichoice.data import load_multichoice, synthetic_multichoice
 
     if run.reward == "judge":
         return load_multichoice(run.data) if run.data else synthetic_multichoice(count=64, seed=run.grade.seed)
@@ -111,7 +147,6 @@ def load_prompts(run: GradeRunConfig) -> list[dict]:
 def build_reward(run: GradeRunConfig, tokenizer, initial_policy):
     """The reward the run trains on; model-based ones default to a frozen copy of the initial policy."""
     from logitless import grade
-    from logitless.models import load_model_and_tokenizer
 
     if run.reward == "capitalized":
         return grade.TokenSetReward.capitalized_words(tokenizer)
@@ -121,11 +156,10 @@ def build_reward(run: GradeRunConfig, tokenizer, initial_policy):
         from transformers import AutoModelForSequenceClassification
 
         return grade.SequenceClassifierReward(AutoModelForSequenceClassification.from_pretrained(run.reward_model))
-    model = (load_model_and_tokenizer(run.reward_model)[0] if run.reward_model
-             else copy.deepcopy(initial_policy))
+    model = load_model("reward_model", run.reward_model, 0)[0] if run.reward_model else copy.deepcopy(initial_policy)
     if run.reward == "token":
         return grade.TokenLogProbReward(model, tokenizer, token=run.reward_token, suffix=run.reward_suffix)
-    from logitless.rewards.multichoice import MultichoiceJudge
+    from logitless.multichoice.reward import MultichoiceJudge
 
     return grade.MultichoiceJudgeReward(MultichoiceJudge(model, tokenizer))
 
@@ -136,28 +170,29 @@ def _write_text_atomically(path: Path, text: str) -> None:
     staging.replace(path)
 
 
-def run_method(run: GradeRunConfig, method: str, *, progress: bool = True) -> list[dict]:
-    """Train one method for ``run.steps`` optimizer steps (resuming if it can); returns the metric rows."""
+def run_method(run: GradeRunConfig, method: str, records: list[dict], *, progress: bool = True) -> list[dict]:
+    """Train one method for ``run.steps`` optimizer steps (resuming from its checkpoint if it has a complete
+    one); returns the metric rows. ``run.output_dir`` must be claimed (`claim_run_directory`)."""
     from tqdm.auto import tqdm
     from transformers.utils import logging as hf_logging
 
     from logitless import grade
-    from logitless.checkpoint import has_checkpoint, load_checkpoint_state, save_checkpoint
+    from logitless.checkpoint import checkpoint_problem, load_checkpoint_state, save_checkpoint
     from logitless.grade.lora import load_adapter
-    from logitless.models import load_model_and_tokenizer
     from logitless.plots import plot_curve
 
     hf_logging.disable_progress_bar()
     directory = Path(run.output_dir) / method
     checkpoint_dir = directory / "checkpoint"
-    settings = run.settings(method)
-    resuming = run.resume and has_checkpoint(checkpoint_dir)
+    problem = checkpoint_problem(checkpoint_dir)
+    resuming = run.resume and problem is None
+    if run.resume and problem is not None and (checkpoint_dir.exists() or checkpoint_dir.is_symlink()):
+        print(f"logitless grade: skipping incomplete checkpoint {checkpoint_dir}: {problem}; {method} starts at step 0")
     seed = run.grade.seed
-    reference, tokenizer = load_model_and_tokenizer(run.model, seed=seed)
+    reference, tokenizer = load_model("model", run.model, seed)
     lora = run.grade.lora_rank > 0  # a LoRA checkpoint holds the adapters only: loaded after wrapping
-    policy = (load_model_and_tokenizer(str(checkpoint_dir), seed=seed)[0] if resuming and not lora
+    policy = (load_model("model", str(checkpoint_dir), seed)[0] if resuming and not lora
               else copy.deepcopy(reference))
-    records = load_prompts(run)
     trainer_name, grade_method = METHODS[method]
     trainer = getattr(grade, trainer_name)(policy, build_reward(run, tokenizer, reference),
                                            dataclasses.replace(run.grade, method=grade_method), tokenizer=tokenizer,
@@ -165,9 +200,8 @@ def run_method(run: GradeRunConfig, method: str, *, progress: bool = True) -> li
     history: list[dict] = []
     if resuming:
         state = load_checkpoint_state(checkpoint_dir, trainer.optimizer)
-        if state.get("settings") != settings:
-            raise SystemExit(f"--output-dir: {checkpoint_dir} was written with other options; rerun with the "
-                             f"same options to resume, or --no-resume to start over")
+        for group in trainer.optimizer.param_groups:  # the value now in force (equal, or a change that was allowed)
+            group["lr"] = run.grade.learning_rate
         trainer.step, history = state["step"], state["history"]
         if lora:
             load_adapter(trainer.model, checkpoint_dir)
@@ -186,7 +220,7 @@ def run_method(run: GradeRunConfig, method: str, *, progress: bool = True) -> li
             bar.set_postfix(reward=f"{row['reward']:.3f}", kl=f"{row['kl']:.3f}")
             if trainer.step % run.save_every == 0 or trainer.step == run.steps:
                 save_checkpoint(checkpoint_dir, trainer.model, tokenizer, trainer.optimizer,
-                                {"step": trainer.step, "history": history, "settings": settings})
+                                {"step": trainer.step, "history": history})
     bar.close()
     title = f"{method}: reward ({getattr(trainer.reward, 'description', run.reward)})"
     plot_curve([row["reward"] for row in history], directory / "reward.png", title=title, ylabel="mean reward")
@@ -195,17 +229,30 @@ def run_method(run: GradeRunConfig, method: str, *, progress: bool = True) -> li
     return history
 
 
-def run_grade(run: GradeRunConfig, *, progress: bool = True) -> dict[str, list[dict]]:
-    """Run ``run.method`` (or every method for "all"); returns each method's metric rows."""
+def prepare_grade(run: GradeRunConfig) -> tuple[list[str], list[dict]]:
+    """(methods, prompt records): every check that needs no model, and the run directory claimed. Raises
+    ValueError naming the option at fault."""
+    methods = list(METHODS) if run.method == "all" else [run.method]
+    records = load_prompts(run)
+    claim_run_directory(run, methods)
+    return methods, records
+
+
+def train_grade(run: GradeRunConfig, methods: list[str], records: list[dict], *,
+                progress: bool = True) -> dict[str, list[dict]]:
     from logitless.plots import plot_curves
 
-    methods = list(METHODS) if run.method == "all" else [run.method]
-    histories = {method: run_method(run, method, progress=progress) for method in methods}
+    histories = {method: run_method(run, method, records, progress=progress) for method in methods}
     if len(methods) > 1:
         plot_curves({m: [row["reward"] for row in h] for m, h in histories.items()},
                     Path(run.output_dir) / "reward_by_method.png",
                     title="reward per step (gumbel, gumbel_legacy: of the soft samples)", ylabel="mean reward")
     return histories
+
+
+def run_grade(run: GradeRunConfig, *, progress: bool = True) -> dict[str, list[dict]]:
+    """Run ``run.method`` (or every method for "all"); returns each method's metric rows."""
+    return train_grade(run, *prepare_grade(run), progress=progress)
 
 
 # ---- command line ------------------------------------------------------------------------------------------
@@ -236,6 +283,7 @@ _GRADE_OPTIONS = {
     "lora_rank": (int, "> 0: train LoRA adapters of this rank (needs peft) instead of every weight; 0: off"),
     "lora_alpha": (float, "LoRA scaling alpha"),
     "seed": (int, "seed of the model, the prompts and the Gumbel noise"),
+    "on_nonfinite": (str, RUN_CONTROL_HELP["on_nonfinite"]),
 }
 
 
@@ -256,34 +304,40 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         const=False, help="keep each decode step's activations instead of recomputing them "
                                           "(default: checkpointing on)")
     parser.add_argument("--no-resume", dest="resume", action="store_const", const=False,
-                        help="start over even if OUTPUT_DIR/METHOD has a checkpoint (default: resume)")
+                        help="start over: every method's earlier outputs in OUTPUT_DIR are replaced (default: resume "
+                             "each method from its checkpoint)")
+    parser.add_argument("--overwrite", action="store_const", const=True, help=RUN_CONTROL_HELP["overwrite"])
+    parser.add_argument("--allow-changed", dest="allow_changed", nargs="+", metavar="OPTION",
+                        help=RUN_CONTROL_HELP["allow_changed"])
     parser.set_defaults(handler=main)
     return parser
 
 
-def _option_error(err: Exception) -> SystemExit:
-    """A library error "name: message" as the CLI's one line "--name: message" when name is an option."""
-    name, _, message = str(err).partition(": ")
-    known = {*_RUN_OPTIONS, *_GRADE_OPTIONS, "method", "reward_words", "config"}
-    if name in known:
-        return SystemExit(f"--{name.replace('_', '-')}: {message}")
-    return SystemExit(f"logitless grade: {err}")
-
-
 def main(args: argparse.Namespace) -> int:
-    from logitless.cli import _load_config
+    from logitless.nonfinite import NonFiniteError
 
-    names = ("method", *_RUN_OPTIONS, *_GRADE_OPTIONS, "reward_words", "activation_checkpointing", "resume")
+    names = ("method", *_RUN_OPTIONS, *_GRADE_OPTIONS, "reward_words", "activation_checkpointing", "resume",
+             "overwrite", "allow_changed")
     overrides = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     try:
-        run = GradeRunConfig.from_dict({**_load_config(args.config), **overrides})
-        histories = run_grade(run)
+        run = GradeRunConfig.from_dict({**load_config(args.config), **overrides})
+        methods, records = prepare_grade(run)
     except (TypeError, ValueError) as err:
-        raise _option_error(err) from None
+        raise option_error(err, ["config", *names]) from None
+    try:
+        histories = train_grade(run, methods, records)
+    except NonFiniteError as err:
+        raise SystemExit(f"logitless grade: {err}") from None
+    except ValueError as err:  # a model that cannot be loaded (`load_model`); any other is a bug, with its traceback
+        if str(err).startswith(("model: ", "reward_model: ")):
+            raise option_error(err, names) from None
+        raise
     for method, history in histories.items():
         rewards = [row["reward"] for row in history]
         quarter = max(1, len(rewards) // 4)
+        skipped = sum(bool(row["skipped"]) for row in history)
         print(f"{method}: reward {sum(rewards[:quarter]) / quarter:.4f} (first quarter) -> "
-              f"{sum(rewards[-quarter:]) / quarter:.4f} (last quarter) over {len(rewards)} steps; "
+              f"{sum(rewards[-quarter:]) / quarter:.4f} (last quarter) over {len(rewards)} steps"
+              f"{f'; {skipped} steps skipped (not finite)' if skipped else ''}; "
               f"{Path(run.output_dir) / method}/metrics.jsonl, reward.png")
     return 0

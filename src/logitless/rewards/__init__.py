@@ -1,8 +1,5 @@
-"""Reward functions: math answers (boxed / <answer> grading) and multiple choice (logits + judge)."""
+"""Reward functions: math answers (boxed / <answer> grading). Multiple choice lives in `logitless.multichoice`."""
 
 from logitless.rewards.math import extract_answer, math_reward, normalize_answer
-from logitless.rewards.multichoice import (MultichoiceJudge, extract_answer_probability_from_logits,
-                                           multichoice_judge_reward)
 
-__all__ = ["MultichoiceJudge", "extract_answer", "extract_answer_probability_from_logits", "math_reward",
-           "multichoice_judge_reward", "normalize_answer"]
+__all__ = ["extract_answer", "math_reward", "normalize_answer"]

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from logitless._checks import check_finite, check_positive, check_strings, check_tensor
+from logitless._checks import check_finite, check_positive, check_positive_int, check_strings, check_tensor
 from logitless.data import pad_token_id
 from logitless.hf import final_hidden_states, lm_head_of, model_body
 
@@ -237,8 +237,7 @@ class MultichoiceJudge:
                  batch_size: int = 8):
         lm_head_of(model)  # raises unless the model has an output embedding the judge can read
         model_body(model)  # and a body that gives the final hidden states
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size: expected a positive int, got {batch_size!r}")
+        check_positive_int("batch_size", batch_size)
         if not isinstance(strip_answer, bool):
             raise TypeError(f"strip_answer: expected a bool, got {type(strip_answer).__name__}")
         self.model, self.tokenizer = model, tokenizer

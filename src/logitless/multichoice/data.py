@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from logitless._checks import check_positive_int
 from logitless.data import read_jsonl
 
 INSTRUCTION = "Think briefly, then finish with a line of the form ANSWER: <letter>."
@@ -54,39 +55,60 @@ def _sum_question(rng: random.Random, count: int) -> tuple[str, list[str], int]:
     return f"What is {a} + {b}?", [str(n) for n in options], options.index(a + b)
 
 
-def synthetic_multichoice(count: int = 64, seed: int = 0, choices: str = "ABCD") -> list[dict]:
-    """``count`` questions with a known answer: "Which number is the largest?" or "What is a + b?".
+def _sorted_largest_question(rng: random.Random, count: int) -> tuple[str, list[str], int]:
+    numbers = sorted(rng.sample(range(1, 100), count))
+    return "Which number is the largest?", [str(n) for n in numbers], count - 1
+
+
+def _sorted_smallest_question(rng: random.Random, count: int) -> tuple[str, list[str], int]:
+    numbers = sorted(rng.sample(range(1, 100), count))
+    return "Which number is the smallest?", [str(n) for n in numbers], 0
+
+
+# "largest" lists the options in random order; "sorted_largest" / "sorted_smallest" in increasing order,
+# so the answer is always the last / the first option: a rule a tiny model can learn from a reward alone
+QUESTION_KINDS = {"largest": _largest_number_question, "sum": _sum_question,
+                  "sorted_largest": _sorted_largest_question, "sorted_smallest": _sorted_smallest_question}
+
+
+def synthetic_multichoice(count: int = 64, seed: int = 0, choices: str = "ABCD",
+                          kinds: tuple[str, ...] = ("largest", "sum")) -> list[dict]:
+    """``count`` questions with a known answer, each of a kind drawn from ``kinds`` (`QUESTION_KINDS`):
+    "Which number is the largest?" / "...smallest?" or "What is a + b?".
 
     Each has one option per letter of ``choices`` (2 to 10 letters), exactly one of them right.
     """
     _check_letters("choices", choices)
     if not 2 <= len(choices) <= 10:
         raise ValueError(f"choices: expected 2 to 10 letters, got {len(choices)}")
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"count: expected a positive int, got {count!r}")
+    check_positive_int("count", count)
+    if isinstance(kinds, str) or not kinds or not set(kinds) <= set(QUESTION_KINDS):
+        raise ValueError(f"kinds: expected a non-empty tuple of {sorted(QUESTION_KINDS)}, got {kinds!r}")
     rng = random.Random(seed)
     records = []
     for _ in range(count):
-        make = rng.choice((_largest_number_question, _sum_question))
+        make = QUESTION_KINDS[rng.choice(kinds)]
         question, options, correct = make(rng, len(choices))
         records.append({"question": question, "choices": options, "answer": choices[correct],
                         "prompt": format_prompt(question, options, choices)})
     return records
 
 
-def _record(raw, where: str, letters: str) -> dict:
-    """A loaded row -> a record; ``where`` ("line 3 of f.jsonl", "row 3") goes into every error."""
+def _record(raw, where: str, letters: str, name: str) -> dict:
+    """A loaded row -> a record; errors start with ``name`` and give ``where`` ("line 3 of f.jsonl", "row 3")."""
     if not isinstance(raw, dict):
-        raise ValueError(f"path_or_name: {where} is not an object with question/choices/answer")
+        raise ValueError(f"{name}: {where} is not an object with question/choices/answer")
     missing = [key for key in ("question", "choices", "answer") if key not in raw]
     if missing:
-        raise ValueError(f"path_or_name: {where} lacks key(s) {missing}")
+        raise ValueError(f"{name}: {where} lacks key(s) {missing}")
     question, options, answer = raw["question"], raw["choices"], raw["answer"]
     if not isinstance(question, str):
-        raise ValueError(f"path_or_name: {where} has a question that is not a string: {question!r}")
+        raise ValueError(f"{name}: {where} has a question that is not a string: {question!r}")
     if not isinstance(options, (list, tuple)) or not 2 <= len(options) <= len(letters):
-        raise ValueError(f"path_or_name: {where} needs 'choices' as a list of 2 to {len(letters)} options, "
-                         f"got {options!r}")
+        raise ValueError(f"{name}: {where} needs 'choices' as a list of 2 to {len(letters)} options, got {options!r}")
+    for option in options:  # numbers read naturally as options; null, lists or objects do not
+        if isinstance(option, bool) or not isinstance(option, (str, int, float)):
+            raise ValueError(f"{name}: {where} has an option that is not a string or a number: {option!r}")
     options = [str(option) for option in options]
     valid = letters[: len(options)]
     if isinstance(answer, int) and not isinstance(answer, bool) and 0 <= answer < len(options):
@@ -94,40 +116,48 @@ def _record(raw, where: str, letters: str) -> dict:
     elif isinstance(answer, str) and len(answer.strip()) == 1 and answer.strip() in valid:
         answer = answer.strip()
     else:
-        raise ValueError(f"path_or_name: {where} has answer {answer!r}; expected one of the letters {valid!r} "
+        raise ValueError(f"{name}: {where} has answer {answer!r}; expected one of the letters {valid!r} "
                          f"or an index in [0, {len(options)})")
     return {"question": question, "choices": options, "answer": answer,
             "prompt": format_prompt(question, options, letters)}
 
 
-def load_multichoice(path_or_name: str | Path, split: str = "train", choices: str = "ABCD") -> list[dict]:
+def load_multichoice(path_or_name: str | Path, split: str = "train", choices: str = "ABCD", *,
+                     name: str = "path_or_name") -> list[dict]:
     """Records from a jsonl file (one object per line), a dataset saved with ``save_to_disk``, or the hub.
 
-    Each row needs ``question`` (str), ``choices`` (a list of option texts) and ``answer`` (a letter of
-    ``choices``, or an int index, converted to its letter). A directory is read with
+    Each row needs ``question`` (str), ``choices`` (a list of option texts or numbers) and ``answer`` (a
+    letter of ``choices``, or an int index, converted to its letter). A directory is read with
     ``datasets.load_from_disk`` (its ``split`` when it holds a DatasetDict); a name that is not a
     path is a Hugging Face dataset id loaded with ``datasets.load_dataset(name, split=split)``.
+    Errors start with ``name`` (the caller's name for the argument, e.g. "data").
     """
     _check_letters("choices", choices)
     if not isinstance(path_or_name, (str, Path)) or not str(path_or_name):
-        raise TypeError(f"path_or_name: expected a file, directory or dataset name, got {path_or_name!r}")
+        raise TypeError(f"{name}: expected a file, directory or dataset name, got {path_or_name!r}")
     path = Path(path_or_name)
     if path.is_file():
-        records = [_record(raw, where, choices) for where, raw in read_jsonl(path, "path_or_name")]
+        records = [_record(raw, where, choices, name) for where, raw in read_jsonl(path, name)]
+    elif not path.is_dir() and (path.suffix in (".jsonl", ".json") or str(path_or_name).startswith((".", "/", "~"))):
+        raise ValueError(f"{name}: no such file {str(path_or_name)!r}")
     else:
         import datasets
 
-        if path.is_dir():
-            loaded = datasets.load_from_disk(str(path))
-            if isinstance(loaded, datasets.DatasetDict):
-                if split not in loaded:
-                    raise ValueError(f"split: {path} has splits {sorted(loaded)}, not {split!r}")
-                loaded = loaded[split]
-        else:
-            loaded = datasets.load_dataset(str(path_or_name), split=split)
-        records = [_record(row, f"row {i} of {path_or_name}", choices) for i, row in enumerate(loaded)]
+        try:
+            if path.is_dir():
+                loaded = datasets.load_from_disk(str(path))
+                if isinstance(loaded, datasets.DatasetDict):
+                    if split not in loaded:
+                        raise ValueError(f"split: {path} has splits {sorted(loaded)}, not {split!r}")
+                    loaded = loaded[split]
+            else:
+                loaded = datasets.load_dataset(str(path_or_name), split=split)
+        except OSError as err:  # a missing directory or hub dataset, no network
+            raise ValueError(f"{name}: cannot load {str(path_or_name)!r} as a saved dataset or a hub dataset "
+                             f"({' '.join(str(err).split())[:200]})") from None
+        records = [_record(row, f"row {i} of {path_or_name}", choices, name) for i, row in enumerate(loaded)]
     if not records:
-        raise ValueError(f"path_or_name: {path_or_name} holds no questions")
+        raise ValueError(f"{name}: {path_or_name} holds no questions")
     return records
 
 

@@ -1,0 +1,67 @@
+"""The ``logitless bench`` subcommands: lmhead, grpo, reward, jax, grade, grade-variance.
+
+`add_parser(subcommands)` adds ``bench`` and returns its own subcommands, so a benchmark module can
+register itself there with one line (``mymodule.add_parser(bench_targets)``). Every option is checked,
+and every output file proven writable, before a benchmark starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+
+from logitless._checks import check_generations
+from logitless.bench import grade, grade_variance, lmhead
+from logitless.bench import jax as bench_jax
+from logitless.bench.options import require_positive, require_writable, write_report
+
+
+def run_trainer_bench(args: argparse.Namespace) -> int:
+    """bench grpo / bench reward: their options are the fields of the module's config dataclass."""
+    module = importlib.import_module(f"logitless.bench.{args.target}")
+    names = tuple(field.name for field in dataclasses.fields(module.CONFIG))
+    require_positive(args, names)
+    try:
+        check_generations(args.num_generations, args.completions)
+    except ValueError as err:
+        raise SystemExit(f"--num-generations: {str(err).partition(': ')[2]} (--completions)") from None
+    require_writable(args)
+    report = module.run(module.CONFIG(**{name: getattr(args, name) for name in names}))
+    print(module.format_table(report))
+    write_report(report, args.json)
+    return 0
+
+
+def _add_trainer_bench(targets, name: str, description: str, completion_length: int, steps: int) -> argparse.ArgumentParser:
+    parser = targets.add_parser(name, help=description)
+    parser.add_argument("--completions", type=int, default=16, help="completions per step (default: %(default)s)")
+    parser.add_argument("--completion-length", dest="completion_length", type=int, default=completion_length,
+                        help="tokens per completion at most (default: %(default)s)")
+    parser.add_argument("--num-generations", dest="num_generations", type=int, default=4,
+                        help="completions per prompt, at least 2, dividing --completions (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=steps, help="GRPO steps (default: %(default)s)")
+    parser.add_argument("--json", help="write the report here (default: not written)")
+    parser.set_defaults(handler=run_trainer_bench)
+    return parser
+
+
+def add_parser(subcommands):
+    """``bench`` and its benchmarks; returns the subcommands object of ``bench`` for more benchmarks."""
+    bench = subcommands.add_parser("bench", help="microbenchmarks against the peers, side by side")
+    targets = bench.add_subparsers(dest="target", required=True, metavar="BENCHMARK")
+    lmhead.add_parser(targets)
+    grpo = _add_trainer_bench(targets, "grpo", "a few GRPO steps: stock TRL GRPOTrainer vs GRPOTrainerWithLogits",
+                              completion_length=128, steps=3)
+    grpo.add_argument("--hidden-size", dest="hidden_size", type=int, default=64,
+                      help="hidden size of the tiny Qwen2 (default: %(default)s)")
+    reward = _add_trainer_bench(targets, "reward",
+                                "multiple-choice judge reward: completion_logits vs recomputing them",
+                                completion_length=32, steps=2)
+    reward.add_argument("--warm-start-steps", dest="warm_start_steps", type=int, default=40,
+                        help="warm-up SFT steps that teach the tiny policy to answer 'ANSWER: <ordinal> X' "
+                             "(default: %(default)s)")
+    bench_jax.add_parser(targets)
+    grade.add_parser(targets)
+    grade_variance.add_parser(targets)
+    return targets

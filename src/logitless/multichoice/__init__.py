@@ -1,0 +1,2 @@
+"""Multiple-choice questions end to end: the questions (`data`), reading the answer's probability from
+the policy's logits, the judge, and the judge reward for TRL (`reward`)."""

@@ -1,0 +1,214 @@
+"""``make demo``: the embedded tiny Qwen2 (real 151,936-token Qwen vocabulary) learns from a reward on CPU,
+logit-free, in a few minutes, and a summary table says what the fused path saved.
+
+1. Warm-up SFT (`warm_start`) of "tiny-qwen2-untied": the model learns the answer format
+   " ANSWER: <ordinal> <letter>" on sums it cannot solve, so it does not know which option to pick yet.
+2. GRPO with `GRPOTrainerWithLogits` and the judge reward ``P(correct | model) * (1 - P(correct |
+   judge))`` on "Which number is the largest?" with the options in increasing order: the answer is
+   always the last one, a rule the policy can only learn from the reward. P(correct | model) is read
+   from the policy's own logits (no extra forward); the judge is a frozen copy of the warm-up model.
+3. Accuracy on held-out questions (sampled) before and after GRPO; the peak memory of one GRPO step
+   with stock TRL (logits) and with GRPOTrainerWithLogits, each in a fresh process
+   (`logitless bench grpo`); the error of fused and of materialized log-probs against float64.
+4. The summary table, printed and written to OUTPUT_DIR/summary.md; plots sft/loss.png, grpo/reward.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from logitless._checks import check_positive_ints
+from logitless.data import tokenize_prompt_and_output
+from logitless.hf import final_hidden_states, lm_head_of
+from logitless.logprobs import get_response_log_probs
+from logitless.models import load_model_and_tokenizer
+from logitless.multichoice.data import synthetic_multichoice
+from logitless.multichoice.reward import find_answer_position
+from logitless.recipes.grpo import MultichoiceGRPOConfig, train_grpo_multichoice
+from logitless.recipes.options import option_error
+from logitless.recipes.warm_start import multichoice_sft_pairs, warm_start_policy
+from logitless.rundir import RunDirectory
+
+TASK = ("sorted_largest",)  # "Which number is the largest?", options in increasing order
+OUTPUTS = ("sft", "grpo", "warm_start.jsonl", "questions.jsonl", "summary.md")
+
+
+@dataclass
+class DemoConfig:
+    output_dir: str = "runs/demo"
+    steps: int = 60  # warm-up SFT steps, then a tenth of them at a tenth of the learning rate
+    grpo_steps: int = 8
+    completions_per_step: int = 32  # 8 questions x 4: fewer, or a larger learning rate, and some warm starts collapse
+    num_generations: int = 4
+    grpo_learning_rate: float = 1e-3
+    eval_questions: int = 32
+    memory_completions: int = 16  # the GRPO step whose peak memory is measured: completions x tokens
+    memory_completion_length: int = 16  # 0: not measured
+
+    def __post_init__(self):
+        check_positive_ints(self, ("steps", "grpo_steps", "completions_per_step", "num_generations",
+                                   "eval_questions"))
+
+
+def quarter_means(values: list[float]) -> tuple[float, float]:
+    """Means of the first and of the last quarter of ``values`` (at least one value each)."""
+    quarter = max(len(values) // 4, 1)
+    return sum(values[:quarter]) / quarter, sum(values[-quarter:]) / quarter
+
+
+def sampled_accuracy(model_dir: str | Path, questions: list[dict], samples: int = 4) -> float:
+    """Fraction of ``samples`` completions per question (temperature 1, seeded) that name the right letter
+    after "ANSWER:": an estimate of P(correct | model) on questions GRPO never saw."""
+    model, tokenizer = load_model_and_tokenizer(str(model_dir))
+    tokenizer.padding_side = "left"
+    prompts = [q["prompt"] for q in questions for _ in range(samples)]
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        generated = model.generate(**encoded, max_new_tokens=8, do_sample=True, temperature=1.0, top_k=0,
+                                   pad_token_id=tokenizer.pad_token_id)
+    right = 0
+    for index, row in enumerate(generated[:, encoded["input_ids"].shape[1]:].tolist()):
+        ids = row[: row.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in row else row
+        position = find_answer_position(ids, tokenizer)
+        right += position is not None and tokenizer.decode(ids[position]).strip() == questions[index // samples]["answer"]
+    return right / len(prompts)
+
+
+def log_prob_errors(model_dir: str | Path) -> dict[str, float]:
+    """Max |error| of the response tokens' log-probs on the warm-up model, fused and materialized, against
+    a float64 computation from the same hidden states (fp32 log_softmax over 151,936 logits rounds)."""
+    model, tokenizer = load_model_and_tokenizer(str(model_dir))
+    pairs = multichoice_sft_pairs(synthetic_multichoice(count=8, seed=7))
+    tensors = tokenize_prompt_and_output([p["prompt"] for p in pairs], [p["response"] for p in pairs], tokenizer)
+    rows = tensors["response_mask"].bool()  # (B, T)
+    with torch.no_grad():
+        scored = {impl: get_response_log_probs(model, tensors["input_ids"], tensors["labels"], impl=impl)["log_probs"]
+                  for impl in ("fused", "materialized")}
+        hidden = final_hidden_states(model, tensors["input_ids"])[rows].double()  # (N, H), response rows only
+        exact = torch.log_softmax(hidden @ lm_head_of(model).weight.double().T, dim=-1)  # (N, V) float64
+        exact = exact.gather(-1, tensors["labels"][rows][:, None])[:, 0]
+    return {impl: (log_probs[rows].double() - exact).abs().max().item() for impl, log_probs in scored.items()}
+
+
+def train_demo(config: DemoConfig, directory: Path, *, progress: bool = True) -> dict:
+    """Steps 1 and 2 and the accuracies of step 3, in ``directory``; returns the numbers of the summary."""
+    print(f"logitless demo 1/3: {config.steps} + {config.steps // 10} warm-up SFT steps of tiny-qwen2-untied "
+          "(vocabulary 151,936): the answer format ' ANSWER: <ordinal> <letter>', on sums it cannot solve")
+    sft = warm_start_policy(directory / "sft", steps=config.steps, progress=progress,
+                            data_file=directory / "warm_start.jsonl")
+    print(f"SFT loss {sft['loss'][0]:.3f} -> {sft['loss'][-1]:.3f} nats/token in {sft['seconds']:.0f}s; "
+          f"plot: {directory / 'sft' / 'loss.png'}")
+
+    questions = directory / "questions.jsonl"
+    records = synthetic_multichoice(count=256, seed=1, kinds=TASK)
+    questions.write_text("\n".join(json.dumps({k: r[k] for k in ("question", "choices", "answer")})
+                                   for r in records) + "\n")
+    held_out = synthetic_multichoice(count=config.eval_questions, seed=2, kinds=TASK)
+    policy_dir = directory / "sft" / "checkpoint"
+    print(f"logitless demo 2/3: {config.grpo_steps} GRPO steps of {config.completions_per_step} completions with "
+          "GRPOTrainerWithLogits on 'Which number is the largest?' (options in increasing order); reward "
+          "P(correct|model) x (1 - P(correct|judge)), P(correct|model) read from the policy's own logits")
+    grpo = train_grpo_multichoice(MultichoiceGRPOConfig(
+        model=str(policy_dir), data=str(questions), output_dir=str(directory / "grpo"), steps=config.grpo_steps,
+        save_every=config.grpo_steps, completions_per_step=config.completions_per_step,
+        num_generations=config.num_generations, max_completion_length=8, learning_rate=config.grpo_learning_rate),
+        progress=progress)
+    print(f"plot: {directory / 'grpo' / 'reward.png'}")
+    return {"sft_loss": (sft["loss"][0], sft["loss"][-1]), "reward": quarter_means(grpo["reward"]),
+            "p_correct_model": quarter_means(grpo["p_correct_model"]),
+            "p_correct_judge": quarter_means(grpo["p_correct_judge"]), "steps_trained": len(grpo["reward"]),
+            "accuracy": (sampled_accuracy(policy_dir, held_out),
+                         sampled_accuracy(directory / "grpo" / f"checkpoint-{config.grpo_steps}", held_out)),
+            "completions_scored": config.completions_per_step * len(grpo["reward"]),
+            "history": grpo}
+
+
+def measure_step_memory(config: DemoConfig) -> dict | None:
+    """Peak memory of one GRPO step, stock TRL vs GRPOTrainerWithLogits, in fresh processes (bench grpo)."""
+    if not config.memory_completion_length:
+        return None
+    from logitless.bench import grpo as bench_grpo
+
+    report = bench_grpo.run(bench_grpo.GRPOBenchConfig(
+        completions=config.memory_completions, completion_length=config.memory_completion_length,
+        num_generations=config.num_generations, steps=1), progress=False, concurrently=True)
+    return {name: result["peak_mb"] for name, result in report["results"].items()}
+
+
+def summary_table(config: DemoConfig, results: dict, memory: dict | None) -> str:
+    """The demo's outcome as a markdown table."""
+    quarter = max(results["steps_trained"] // 4, 1)
+    accuracy = results["accuracy"]
+    rows = ["| | before GRPO | after GRPO |", "|---|---|---|",
+            f"| judge reward (mean of the first / last {quarter} GRPO steps) | {results['reward'][0]:.3f} | "
+            f"{results['reward'][1]:.3f} |",
+            f"| P(correct \\| model), same steps | {results['p_correct_model'][0]:.3f} | "
+            f"{results['p_correct_model'][1]:.3f} |",
+            f"| P(correct \\| judge), same steps | {results['p_correct_judge'][0]:.3f} | "
+            f"{results['p_correct_judge'][1]:.3f} |",
+            f"| accuracy on {config.eval_questions} held-out questions (4 samples each) | {accuracy[0]:.0%} | "
+            f"{accuracy[1]:.0%} |",
+            "", "| what the fused path saved | stock TRL (logits) | logitless |", "|---|---|---|"]
+    if memory is not None:
+        ratio = memory["logitless"] / memory["trl"] if memory["trl"] >= 1 else float("nan")
+        rows.append(f"| peak memory of one GRPO step ({config.memory_completions} completions x "
+                    f"{config.memory_completion_length} tokens), fresh process | {memory['trl']:.0f} MB | "
+                    f"{memory['logitless']:.0f} MB ({ratio:.2f}x) |")
+    rows.append(f"| policy forwards made by the reward to read P(correct \\| model) | "
+                f"{results['completions_scored']} (one per completion) | 0 (reads completion_logits) |")
+    return "\n".join(rows)
+
+
+def run(config: DemoConfig) -> int:
+    run_dir = RunDirectory.claim(config.output_dir, "demo", outputs=OUTPUTS)
+    run_dir.start({"steps": config.steps, "grpo_steps": config.grpo_steps}, resume=False,
+                  result_options=())  # the demo starts over: its own earlier outputs are replaced
+    directory = run_dir.path
+    results = train_demo(config, directory)
+    print("logitless demo 3/3: held-out accuracy, peak memory of a GRPO step with and without logits (fresh "
+          "processes), fused vs materialized")
+    memory = measure_step_memory(config)
+    errors = log_prob_errors(directory / "sft" / "checkpoint")
+    table = summary_table(config, results, memory)
+    (directory / "summary.md").write_text(table + "\n")
+    print(f"\n{table}\n\nlog-probs of the warm-up model's response tokens against float64: fused max error "
+          f"{errors['fused']:.1e}, materialized (fp32 logits, log_softmax) {errors['materialized']:.1e}\n"
+          f"summary: {directory / 'summary.md'}")
+    first, last = results["sft_loss"]
+    if not last < first or errors["fused"] > 1e-4 or results["steps_trained"] != config.grpo_steps:
+        print("demo FAILED: the SFT loss did not fall, GRPO did not run every step, or the fused path is off")
+        return 1
+    return 0
+
+
+# -- the `logitless demo` command ------------------------------------------------------------------
+
+def add_parser(subcommands) -> argparse.ArgumentParser:
+    defaults = DemoConfig()
+    parser = subcommands.add_parser("demo", help="warm-up SFT then GRPO of the embedded tiny Qwen2 (real Qwen "
+                                                 "vocabulary) on CPU, with a summary table")
+    parser.add_argument("--output-dir", dest="output_dir", default=defaults.output_dir,
+                        help="the demo's directory, replaced by the next demo run; a directory the demo did not "
+                             "create is refused (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=defaults.steps,
+                        help="warm-up SFT steps, followed by a tenth as many at a tenth of the learning rate "
+                             "(default: %(default)s)")
+    parser.add_argument("--grpo-steps", dest="grpo_steps", type=int, default=defaults.grpo_steps,
+                        help="GRPO steps (default: %(default)s)")
+    parser.set_defaults(handler=run_command)
+    return parser
+
+
+def run_command(args: argparse.Namespace) -> int:
+    try:  # every check before any work, naming the option
+        config = DemoConfig(output_dir=args.output_dir, steps=args.steps, grpo_steps=args.grpo_steps)
+        RunDirectory.claim(config.output_dir, "demo", outputs=OUTPUTS)
+    except (TypeError, ValueError) as err:
+        raise option_error(err, ("output_dir", "steps", "grpo_steps")) from None
+    return run(config)

@@ -1,0 +1,210 @@
+"""`logitless grpo`: GRPO on multiple-choice questions with the judge reward, logit-free, crash-safe.
+
+The policy trains with `GRPOTrainerWithLogits`; the reward is ``P(correct | model) * (1 -
+P(correct | judge))``, the first factor read from the ``completion_logits`` the trainer passes, the
+judge a frozen causal LM (by default a copy of the initial policy).
+
+Before any model is loaded (`prepare_grpo`): the options and the questions are checked and the
+output directory is claimed (`logitless.rundir`). Checkpoints (``checkpoint-STEP``, each complete or
+absent) are written every ``save_every`` steps; a rerun resumes from the newest complete one and
+refuses options that would change the result unless ``allow_changed`` names them. The learning rate
+is constant, so a rerun with more ``steps`` continues the same curve. A NaN or infinite gradient
+stops the run before that step is applied or saved (``on_nonfinite="skip"`` skips the step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import ProgressCallback, TrainerCallback
+
+from logitless._checks import check_choice, check_finite_numbers, check_generations, check_positive_ints
+from logitless.checkpoint import last_complete_checkpoint
+from logitless.nonfinite import NonFiniteGuard
+from logitless.plots import plot_curves
+from logitless.recipes.common import (NONFINITE_ADVICE, RUN_CONTROL_HELP, RecipeConfig, check_model_name,
+                                      load_model, run_recipe, skipped_note)
+from logitless.recipes.options import add_config_parser
+from logitless.rundir import RunDirectory, file_identity, write_json_atomically
+
+# TRL's loss types that need no other option (luspo needs sequence-level importance sampling); the
+# first four run the fused loss, the others TRL's own loss
+LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "vespo")
+SYNTHETIC_QUESTIONS = 256  # the default question set, the same whatever the number of steps
+
+
+class _QuietProgress(ProgressCallback):
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        pass
+
+
+@dataclass
+class MultichoiceGRPOConfig(RecipeConfig):
+    judge: str | None = None  # a causal LM to judge chains of thought; None: a frozen copy of the initial policy
+    data: str | None = None  # jsonl / saved or hub dataset with question, choices, answer; None: synthetic
+    output_dir: str = "runs/grpo"
+    steps: int = 4
+    completions_per_step: int = 8
+    num_generations: int = 4
+    max_completion_length: int = 24
+    learning_rate: float = 5e-5
+    loss_type: str = "dapo"
+    temperature: float = 1.0
+    save_every: int = 2
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_positive_ints(self, ("steps", "completions_per_step", "num_generations", "max_completion_length",
+                                   "save_every"))
+        check_generations(self.num_generations, self.completions_per_step)
+        check_finite_numbers(self, ("learning_rate", "temperature"))
+        check_choice("loss_type", self.loss_type, LOSS_TYPES)
+        if self.judge is not None:
+            check_model_name("judge", self.judge)
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.completions_per_step // self.num_generations
+
+
+
+HELP = {
+    "model": "policy: hub id, local model directory, or 'tiny-qwen2' (the embedded 2-layer Qwen2 with the real "
+             "Qwen vocabulary)",
+    "judge": "judge model reading the chain of thought (default: a frozen copy of the initial policy)",
+    "data": "questions: a jsonl file, a saved dataset directory or a hub dataset with question, choices, answer "
+            f"(default: {SYNTHETIC_QUESTIONS} synthetic questions)",
+    "output_dir": "run directory: checkpoint-STEP directories, history.json, reward.png; a rerun resumes from it",
+    "steps": "GRPO steps in all (a resume continues up to this number)",
+    "completions_per_step": "completions generated and trained on per step",
+    "num_generations": "completions per question (a GRPO group; at least 2, dividing --completions-per-step)",
+    "max_completion_length": "tokens per completion at most",
+    "learning_rate": "AdamW learning rate, constant",
+    "loss_type": f"TRL's loss: one of {', '.join(LOSS_TYPES)}",
+    "temperature": "sampling temperature (the loss and the reward read logits at the same temperature)",
+    "save_every": "write a checkpoint-STEP every this many steps",
+    "seed": "seed of the model's initialization, the question order and sampling",
+    **RUN_CONTROL_HELP,
+}
+RESULT_OPTIONS = ("judge", "data", "completions_per_step", "num_generations", "max_completion_length",
+                  "learning_rate", "loss_type", "temperature", "seed")
+FIXED_OPTIONS = ("model",)  # a resume continues the checkpoint's weights; the default judge is a copy of the model
+OUTPUTS = ("checkpoint-*", ".logitless-staging", "history.json", "reward.png", "README.md")
+
+
+@dataclass
+class GRPOPlan:
+    """What `prepare_grpo` checked and claimed, before any model is loaded."""
+
+    config: MultichoiceGRPOConfig
+    records: list[dict]
+    run: RunDirectory
+    checkpoint: Path | None  # to resume from
+    changes: dict[str, list]  # options a resume was allowed to change: name -> [before, now]
+
+
+def load_questions(config: MultichoiceGRPOConfig) -> list[dict]:
+    """The questions, at least one step's worth; errors name ``data``."""
+    from logitless.multichoice.data import load_multichoice, synthetic_multichoice
+
+    if config.data is None:
+        return synthetic_multichoice(count=SYNTHETIC_QUESTIONS, seed=config.seed + 1)
+    records = load_multichoice(config.data, name="data")
+    if len(records) < config.prompts_per_step:
+        raise ValueError(f"data: {config.data} holds {len(records)} question(s); one step needs "
+                         f"completions_per_step / num_generations = {config.prompts_per_step}")
+    return records
+
+
+def prepare_grpo(config: MultichoiceGRPOConfig) -> GRPOPlan:
+    """Every check that needs no model: options, questions, output directory, resume options. Raises
+    ValueError naming the option at fault; writes only ``logitless-run.json`` (and removes this run's
+    earlier outputs when it starts over)."""
+    records = load_questions(config)
+    run = RunDirectory.claim(config.output_dir, "grpo", outputs=OUTPUTS, overwrite=config.overwrite)
+    checkpoint, skipped = last_complete_checkpoint(run.path) if config.resume else (None, [])
+    for note in skipped:
+        print(f"logitless grpo: {note}")
+    options = {**dataclasses.asdict(config), "data": file_identity(config.data)}
+    changes = run.start(options, resume=checkpoint is not None, result_options=RESULT_OPTIONS,
+                        fixed_options=FIXED_OPTIONS, allow_changed=config.allow_changed,
+                        step=None if checkpoint is None else int(checkpoint.name.split("-")[-1]))
+    return GRPOPlan(config, records, run, checkpoint, changes)
+
+
+class _NewLearningRate(TrainerCallback):
+    """A resume that was allowed to change the learning rate: the restored optimizer and (constant)
+    schedule take the new one."""
+
+    def __init__(self, learning_rate: float):
+        self.learning_rate = learning_rate
+
+    def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+        for group in optimizer.param_groups:
+            group["lr"] = self.learning_rate
+        lr_scheduler.base_lrs = [self.learning_rate] * len(optimizer.param_groups)
+        lr_scheduler._last_lr = list(lr_scheduler.base_lrs)  # what the Trainer logs as this step's rate
+
+
+def train_grpo_multichoice(config: MultichoiceGRPOConfig | GRPOPlan, *, progress: bool = True) -> dict:
+    """Train; returns the per-step history of reward, both reward factors, loss, entropy and learning rate."""
+    from transformers.utils import logging as hf_logging
+    from trl import GRPOConfig
+
+    from logitless.multichoice.data import to_trl_dataset
+    from logitless.multichoice.reward import MultichoiceJudge, multichoice_judge_reward
+    from logitless.trl import GRPOTrainerWithLogits
+
+    plan = config if isinstance(config, GRPOPlan) else prepare_grpo(config)
+    config, output_dir = plan.config, plan.run.path
+    hf_logging.disable_progress_bar()  # no bars for each checkpoint write and model load
+    policy, tokenizer = load_model("model", config.model, config.seed)
+    judge_model, _ = load_model("judge", config.judge, config.seed) if config.judge else load_model(
+        "model", config.model, config.seed)
+    judge_model.requires_grad_(False)
+    reward = multichoice_judge_reward(MultichoiceJudge(judge_model, tokenizer), tokenizer)
+    args = GRPOConfig(output_dir=str(output_dir), use_cpu=True, bf16=False, activation_checkpointing=False,
+                      per_device_train_batch_size=config.completions_per_step, num_generations=config.num_generations,
+                      max_completion_length=config.max_completion_length, max_steps=config.steps,
+                      learning_rate=config.learning_rate, lr_scheduler_type="constant", loss_type=config.loss_type,
+                      temperature=config.temperature, logging_steps=1, report_to="none", save_strategy="steps",
+                      save_steps=config.save_every, seed=config.seed, disable_dropout=True, disable_tqdm=not progress)
+    guard = NonFiniteGuard(config.on_nonfinite, NONFINITE_ADVICE)
+    trainer = GRPOTrainerWithLogits(model=policy, reward_funcs=reward, args=args,
+                                    train_dataset=to_trl_dataset(plan.records), processing_class=tokenizer,
+                                    callbacks=[guard])
+    if "learning_rate" in plan.changes:
+        trainer.add_callback(_NewLearningRate(config.learning_rate))
+    if progress:  # the bar, without a printed dict of every metric at each step (history.json has them)
+        trainer.remove_callback(ProgressCallback)
+        trainer.add_callback(_QuietProgress)
+    trainer.train(resume_from_checkpoint=None if plan.checkpoint is None else str(plan.checkpoint))
+
+    logged = [entry for entry in trainer.state.log_history if "reward" in entry]
+    history = {name: [entry.get(key, float("nan")) for entry in logged]
+               for name, key in (("reward", "reward"), ("p_correct_model", "multichoice/p_correct_model"),
+                                 ("p_correct_judge", "multichoice/p_correct_judge"), ("loss", "loss"),
+                                 ("entropy", "entropy"), ("learning_rate", "learning_rate"))}
+    history["skipped"] = guard.skipped
+    write_json_atomically(output_dir / "history.json", history)
+    plot_curves({k: history[k] for k in ("reward", "p_correct_model", "p_correct_judge")}, output_dir / "reward.png",
+                title="GRPO, multiple-choice judge reward", ylabel="per-step mean")
+    return history
+
+
+# -- the `logitless grpo` command ------------------------------------------------------------------
+
+def add_parser(subcommands) -> argparse.ArgumentParser:
+    return add_config_parser(subcommands, "grpo", "GRPO on multiple-choice questions with the judge reward, "
+                             "logit-free, resumable from --output-dir", MultichoiceGRPOConfig, HELP, run_command,
+                             __doc__.split("\n\n")[0])
+
+
+def run_command(args: argparse.Namespace) -> int:
+    plan, history = run_recipe("grpo", args, MultichoiceGRPOConfig, prepare_grpo, train_grpo_multichoice)
+    print(f"reward {history['reward'][0]:.4f} -> {history['reward'][-1]:.4f} over {len(history['reward'])} steps"
+          f"{skipped_note(history)}; plot: {plan.run.path / 'reward.png'}")
+    return 0

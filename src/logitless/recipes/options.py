@@ -1,0 +1,108 @@
+"""Command-line options made from a recipe's config dataclass, and errors that name the option.
+
+A recipe lists the fields a user may set with a help text (``HELP``); `add_config_options` turns each
+into ``--field-name`` whose help ends with the dataclass default, plus ``--config FILE.yaml`` taking the
+same fields by name. `config_from_args` merges the two (the command line wins) and builds the config;
+every problem becomes a one-line ``SystemExit`` that starts with the option at fault (`option_error`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from pathlib import Path
+
+import yaml
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """YAML 1.1 reads ``1e-3`` (no dot) as a string; a learning rate written that way must be a float."""
+
+
+_ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)?\.?[0-9_]*[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+def option(name: str) -> str:
+    """A config field's command-line spelling: learning_rate -> --learning-rate."""
+    return "--" + name.replace("_", "-")
+
+
+def option_error(err: Exception, names) -> SystemExit:
+    """A one-line SystemExit for a ValueError/TypeError whose message starts with ``field: ``: the field is
+    spelled as its option when it is one of ``names``."""
+    name, separator, message = str(err).partition(": ")
+    if separator and name in set(names):
+        return SystemExit(f"{option(name)}: {message}")
+    return SystemExit(str(err))
+
+
+def load_config(path: str | None) -> dict:
+    """The mapping in a ``--config`` YAML file ({} without one); errors name ``--config``."""
+    if path is None:
+        return {}
+    file = Path(path)
+    if not file.is_file():
+        raise SystemExit(f"--config: no such file {path!r}")
+    try:
+        values = yaml.load(file.read_text(), Loader=_ConfigLoader) or {}
+    except yaml.YAMLError as err:
+        raise SystemExit(f"--config: {path} is not valid YAML: {' '.join(str(err).split())}") from None
+    if not isinstance(values, dict):
+        raise SystemExit(f"--config: {path} must hold a mapping of option: value")
+    return values
+
+
+def _default_text(value) -> str:
+    if isinstance(value, tuple):
+        return " ".join(map(str, value)) or "none"
+    return str(value)
+
+
+def add_config_options(parser: argparse.ArgumentParser, config_class, helps: dict[str, str]) -> None:
+    """``--config`` and one option per field named in ``helps`` (in that order). A help text
+    that does not state its default gets the dataclass's. Unset options stay None, so `config_from_args`
+    can tell them from values given on the command line."""
+    parser.add_argument("--config", metavar="FILE.yaml",
+                        help="YAML file of these options by field name, e.g. 'learning_rate: 1e-3'; options given "
+                             "on the command line win (default: none)")
+    fields = {field.name: field for field in dataclasses.fields(config_class)}
+    for name in helps:  # in the order of ``helps``
+        field = fields[name]
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        text = helps[field.name]
+        if "default" not in text:
+            text = f"{text} (default: {_default_text(default)})"
+        if field.type == "bool":
+            flag = option(field.name) if not default else "--no-" + field.name.replace("_", "-")
+            parser.add_argument(flag, dest=field.name, action="store_const", const=not default, default=None,
+                                help=text)
+        elif field.type.startswith("tuple"):
+            parser.add_argument(option(field.name), dest=field.name, nargs="+", metavar="OPTION", help=text)
+        else:
+            kind = {"int": int, "float": float}.get(field.type.split(" |")[0], str)
+            parser.add_argument(option(field.name), dest=field.name, type=kind, metavar=field.name.upper(), help=text)
+
+
+def add_config_parser(subcommands, name: str, summary: str, config_class, helps: dict[str, str], handler,
+                      description: str) -> argparse.ArgumentParser:
+    """The subcommand ``name`` whose options are `add_config_options`'s and whose handler is ``handler``."""
+    parser = subcommands.add_parser(name, help=summary, description=description)
+    add_config_options(parser, config_class, helps)
+    parser.set_defaults(handler=handler)
+    return parser
+
+
+def config_from_args(config_class, args: argparse.Namespace):
+    """``config_class`` from ``--config`` and the options given; a bad value exits naming its option."""
+    names = [field.name for field in dataclasses.fields(config_class)]
+    values = load_config(args.config)
+    given = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    if "allow_changed" in given:
+        given["allow_changed"] = tuple(given["allow_changed"])
+    try:
+        return config_class.from_dict({**values, **given})
+    except (TypeError, ValueError) as err:
+        raise option_error(err, ["config", *names]) from None  # config: its unknown keys

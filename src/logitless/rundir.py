@@ -1,0 +1,150 @@
+"""Run directories: a command writes only into a directory it claimed, and resumes only what it would redo.
+
+A run claims its output directory by writing ``logitless-run.json`` there: the command, the options
+the run was started with, and every option change a resume was allowed to make. Then:
+
+* a new or empty directory is claimed; a non-empty one without the file is refused (``overwrite``
+  lets a run write into it, replacing the files that carry its own output names, nothing else);
+* a directory claimed by another command is refused;
+* writability is checked by writing that file, before any model is loaded or any step is trained;
+* a resume compares the options that change the result with the recorded ones and refuses any
+  difference that the caller did not allow (`RunDirectory.start`); allowed changes are recorded.
+
+Errors are ValueErrors that start with the name of the option at fault (``output_dir: ...``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from logitless.checkpoint import remove_tree
+
+MARKER = "logitless-run.json"
+
+
+def write_json_atomically(path: str | Path, value) -> None:
+    """Write ``value`` as JSON to a temporary sibling, fsync, and rename it over ``path``."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp")
+    with temporary.open("w") as handle:
+        handle.write(json.dumps(value, indent=2) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+def check_writable_file(path: str | Path) -> Path:
+    """Raise OSError unless a file can be written at ``path`` (its directory is created; a probe file is
+    written there and removed; nothing else is touched). For outputs named before long work starts."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    probe = path.with_name(f".{path.name}.{os.getpid()}.probe")
+    probe.write_text("")
+    probe.unlink()
+    return path
+
+
+def file_identity(path: str | None) -> str | None:
+    """``path`` with a digest of its content when it is a file ("d.jsonl (sha256 3f2a...)"), so a resume
+    notices an edited data file as well as another one."""
+    if path is None or not Path(path).is_file():
+        return path
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return f"{path} (sha256 {digest[:16]})"
+
+
+def _describe(value) -> str:
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+class RunDirectory:
+    """A directory claimed by one ``logitless`` command; see the module docstring."""
+
+    def __init__(self, path: Path, command: str, outputs: Sequence[str], record: dict | None):
+        self.path, self.command, self.outputs = path, command, tuple(outputs)
+        self.previous = record  # the claim found there, None for a new claim
+
+    @classmethod
+    def claim(cls, path: str | Path, command: str, *, outputs: Sequence[str], overwrite: bool = False) -> RunDirectory:
+        """Claim ``path`` for ``command`` (creating it), or raise ValueError naming ``output_dir``.
+
+        ``outputs``: glob patterns of the names the run writes in the directory (its checkpoints,
+        history, plots): the only entries a fresh start, or ``overwrite``, ever replaces.
+        """
+        path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"output_dir: {path} is a file, not a directory")
+        record = None
+        if (path / MARKER).is_file():
+            try:
+                record = json.loads((path / MARKER).read_text())
+                claimed_by = record["command"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"output_dir: {path / MARKER} is unreadable; move it away or choose another "
+                                 "directory") from None
+            if claimed_by != command:
+                raise ValueError(f"output_dir: {path} holds a `logitless {claimed_by}` run; choose another directory")
+        elif path.is_dir() and any(path.iterdir()) and not overwrite:
+            raise ValueError(f"output_dir: {path} is not empty and no logitless run claimed it (no {MARKER}); "
+                             "choose a new or empty directory, or pass --overwrite to write this run's files into "
+                             "it (replacing files of the same names)")
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            write_json_atomically(path / MARKER, record or {"command": command, "options": None, "changes": []})
+        except OSError as err:
+            raise ValueError(f"output_dir: cannot write to {path}: {err.strerror or err}") from None
+        return cls(path, command, outputs, record)
+
+    def existing_outputs(self) -> list[Path]:
+        return sorted({entry for pattern in self.outputs for entry in self.path.glob(pattern)})
+
+    def start(self, options: dict, *, resume: bool, result_options: Iterable[str], fixed_options: Iterable[str] = (),
+              allow_changed: Iterable[str] = (), step: int | None = None) -> dict[str, list]:
+        """Record ``options`` for this run; returns the changes a resume was allowed to make.
+
+        ``resume``: the run continues from a checkpoint in the directory. It is refused when an option
+        in ``result_options`` differs from the recorded run's, unless named in ``allow_changed``; an
+        option in ``fixed_options`` may never change. Without ``resume`` the run starts over and the
+        directory's earlier outputs (``outputs`` of `claim`) are removed first, so no stale checkpoint
+        of another run can be resumed later.
+        """
+        result_options, fixed_options = tuple(result_options), tuple(fixed_options)
+        changeable = set(result_options) - set(fixed_options)
+        unknown = sorted(set(allow_changed) - changeable)
+        if unknown:
+            raise ValueError(f"allow_changed: {unknown} are not options a resume may change; those are "
+                             f"{sorted(changeable)}")
+        before = (self.previous or {}).get("options")
+        changes = {}
+        if resume and before is not None:
+            changes = {name: [before.get(name), options[name]] for name in result_options + fixed_options
+                       if before.get(name) != options[name]}
+            fixed = [name for name in changes if name in fixed_options]
+            if fixed:
+                name = fixed[0]
+                raise ValueError(f"{name}: the run in {self.path} started from {_describe(changes[name][0])}; its "
+                                 f"checkpoint continues that training, so it cannot resume from "
+                                 f"{_describe(changes[name][1])}. Start a new run in another output directory")
+            refused = [name for name in changes if name not in set(allow_changed)]
+            if refused:
+                listed = ", ".join(f"{name} {_describe(changes[name][0])} -> {_describe(changes[name][1])}"
+                                   for name in refused)
+                raise ValueError(f"{refused[0]}: resuming the run in {self.path} with changed options that change "
+                                 f"its result ({listed}); pass --allow-changed {' '.join(refused)} to resume with the "
+                                 "new values (recorded in the run directory), or use another output directory")
+        if not resume:
+            for entry in self.existing_outputs():
+                remove_tree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        record = {"command": self.command, "options": options, "changes": list((self.previous or {}).get("changes", []))}
+        if changes:
+            record["changes"].append({"time": time.strftime("%Y-%m-%d %H:%M:%S"), "step": step, "options": changes})
+        write_json_atomically(self.path / MARKER, record)
+        self.previous = record
+        return changes

@@ -1,0 +1,65 @@
+"""Run directories: claimed with a marker, other runs and user files refused, resume options compared."""
+
+import json
+
+import pytest
+
+from logitless.rundir import MARKER, RunDirectory, check_writable_file, file_identity
+
+OPTIONS = {"model": "m", "learning_rate": 0.1, "seed": 0, "steps": 4}
+
+
+def test_claims_and_refusals(tmp_path):
+    run = RunDirectory.claim(tmp_path / "new" / "run", "sft", outputs=("history.json",))
+    assert json.loads((run.path / MARKER).read_text())["command"] == "sft" and run.previous is None
+    assert RunDirectory.claim(run.path, "sft", outputs=()).previous["command"] == "sft"  # claimed again: its own
+    with pytest.raises(ValueError, match="output_dir: .* holds a `logitless sft` run"):
+        RunDirectory.claim(run.path, "grpo", outputs=())
+    (tmp_path / "empty").mkdir()
+    RunDirectory.claim(tmp_path / "empty", "grpo", outputs=())
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="output_dir: .* is a file"):
+        RunDirectory.claim(tmp_path / "file", "sft", outputs=())
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / MARKER).write_text("{")
+    with pytest.raises(ValueError, match="is unreadable"):
+        RunDirectory.claim(tmp_path / "broken", "sft", outputs=())
+
+
+def test_overwrite_replaces_only_the_runs_own_output_names(tmp_path):
+    (tmp_path / "notes.txt").write_text("keep")
+    (tmp_path / "history.json").write_text("old")
+    with pytest.raises(ValueError, match="--overwrite"):
+        RunDirectory.claim(tmp_path, "sft", outputs=("history.json",))
+    run = RunDirectory.claim(tmp_path, "sft", outputs=("history.json", "checkpoint-*"), overwrite=True)
+    run.start(OPTIONS, resume=False, result_options=("learning_rate",))
+    assert (tmp_path / "notes.txt").read_text() == "keep" and not (tmp_path / "history.json").exists()
+
+
+def test_resume_compares_the_options_that_change_the_result(tmp_path):
+    run = RunDirectory.claim(tmp_path, "sft", outputs=())
+    rules = dict(result_options=("learning_rate", "seed"), fixed_options=("model",))
+    assert run.start(OPTIONS, resume=True, **rules) == {}  # nothing recorded yet: a first start
+    assert run.start(dict(OPTIONS, steps=8), resume=True, **rules) == {}  # steps is not a result option
+    with pytest.raises(ValueError, match=r"^learning_rate: .*learning_rate 0.1 -> 0.2, seed 0 -> 1.*"
+                                         r"--allow-changed learning_rate seed"):
+        run.start(dict(OPTIONS, learning_rate=0.2, seed=1), resume=True, **rules)
+    with pytest.raises(ValueError, match="^model: .* cannot resume from 'other'"):
+        run.start(dict(OPTIONS, model="other"), resume=True, allow_changed=("learning_rate",), **rules)
+    with pytest.raises(ValueError, match=r"^allow_changed: \['model'\] are not options a resume may change"):
+        run.start(OPTIONS, resume=True, allow_changed=("model",), **rules)
+    changes = run.start(dict(OPTIONS, learning_rate=0.2), resume=True, allow_changed=("learning_rate",), step=3,
+                        **rules)
+    assert changes == {"learning_rate": [0.1, 0.2]}
+    record = json.loads((tmp_path / MARKER).read_text())
+    assert record["options"]["learning_rate"] == 0.2 and record["changes"][0]["step"] == 3
+
+
+def test_helpers(tmp_path):
+    (tmp_path / "d.jsonl").write_text("a")
+    assert file_identity(str(tmp_path / "d.jsonl")).endswith("(sha256 ca978112ca1bbdca)")
+    assert file_identity(None) is None and file_identity("org/hub-set") == "org/hub-set"
+    assert check_writable_file(tmp_path / "new" / "r.json") == tmp_path / "new" / "r.json"
+    assert list((tmp_path / "new").iterdir()) == []  # the probe is gone
+    with pytest.raises(IsADirectoryError):
+        check_writable_file(tmp_path)
