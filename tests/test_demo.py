@@ -29,7 +29,8 @@ def test_the_demo_recipe_learns_at_a_smaller_size(tmp_path):
         assert 0.0 <= reward <= p_model + 1e-6
     for plot in ("sft/loss.png", "grpo/reward.png"):
         assert (tmp_path / plot).stat().st_size > 10_000
-    table = summary_table(config, results, {"trl": 400.0, "logitless": 100.0})
+    table = summary_table(config, results, {"trl": 400.0, "logitless": 100.0}, grade_reward=(0.08, 0.21))
+    assert "| GRADE reward, capitalized words (mean of the first / last 3 GRADE steps) | 0.080 | 0.210 |" in table
     assert "| judge reward (mean of the first / last 2 GRPO steps) |" in table and "100 MB (0.25x)" in table
     assert "| policy forwards made by the reward to read P(correct \\| model) | 64 (one per completion) |" in table
     assert results["accuracy"][1] > results["accuracy"][0]

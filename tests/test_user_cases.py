@@ -211,7 +211,7 @@ def test_bad_options_and_data_stop_before_any_model_loads(tmp_path, no_model_loa
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["lmhead", "--device", "tpu"], "--device: expected cpu, cuda or cuda:N, got 'tpu'"),
+    (["lmhead", "--device", "tpu"], "--device: expected cpu or cuda\\[:N\\], got 'tpu'"),
     (["grpo", "--num-generations", "1"], "--num-generations: must be >= 2"),
     (["lmhead", "-V", "64", "--json", "{blocked}/r.json"], "--json: cannot write"),
     (["lmhead", "-V", "64", "--plot", "{directory}"], "--plot: cannot write"),

@@ -171,11 +171,12 @@ def answer_probability_by_recomputing(policy, tokenizer, prompt: str, completion
                                       *, temperature: float = 1.0) -> float:
     """P(correct_answer) by running ``policy`` again over prompt + completion: seed 000's older way.
 
-    One teacher-forced forward that returns ``.logits`` and so materializes the (T, V) logits, then
-    the same reading as `extract_answer_probability_from_logits` (``temperature`` divides the logits
-    as in sampling). It is the fallback when the trainer does not pass ``completion_logits`` (stock
-    TRL) and exists so a benchmark can show what reading the policy's own logits saves: the
-    duplicate forward and its (T, V) tensor. The prompt is tokenized with special tokens, as TRL does.
+    One more teacher-forced forward of the policy, whose completion rows go through the policy's head
+    (`lm_head_of`: the sampling temperature, logit scale and soft cap of the loss's own definition) as
+    materialized (C, V) logits, then the same reading as `extract_answer_probability_from_logits`. It
+    is the fallback when the trainer does not pass ``completion_logits`` (stock TRL) and exists so a
+    benchmark can show what reading the policy's own logits saves: the duplicate forward and its (C, V)
+    tensor. The prompt is tokenized with special tokens, as TRL does.
     """
     if not isinstance(prompt, str):
         raise TypeError(f"prompt: expected a plain-text prompt, got {type(prompt).__name__}")
@@ -190,10 +191,10 @@ def answer_probability_by_recomputing(policy, tokenizer, prompt: str, completion
     policy.eval()
     try:
         with torch.no_grad():
-            logits = policy(input_ids=input_ids, use_cache=False).logits[0]  # (P + C, V), materialized
+            hidden = final_hidden_states(policy, input_ids)[0, len(prompt_ids) - 1: -1]  # (C, H): row t predicts token t
+            completion_logits = lm_head_of(policy, temperature).logits(hidden)  # (C, V) fp32, materialized
     finally:
         policy.train(was_training)
-    completion_logits = logits[len(prompt_ids) - 1: -1].float() / temperature  # (C, V): row t predicts token t
     return extract_answer_probability_from_logits(completion_logits, ids, tokenizer, correct_answer, choices,
                                                   renormalize=renormalize, marker=marker)
 

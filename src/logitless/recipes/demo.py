@@ -7,10 +7,13 @@ logit-free, in a few minutes, and a summary table says what the fused path saved
    judge))`` on "Which number is the largest?" with the options in increasing order: the answer is
    always the last one, a rule the policy can only learn from the reward. P(correct | model) is read
    from the policy's own logits (no extra forward); the judge is a frozen copy of the warm-up model.
-3. Accuracy on held-out questions (sampled) before and after GRPO; the peak memory of one GRPO step
+3. A short GRADE run (`logitless grade`'s default): the untrained tiny Qwen2 learns to write capitalized
+   words by backpropagating that reward through its Gumbel-softmax rollouts, top-k soft tokens and the
+   exact KL from hidden states, no (B, T, V) tensor (grade/gumbel/reward.png).
+4. Accuracy on held-out questions (sampled) before and after GRPO; the peak memory of one GRPO step
    with stock TRL (logits) and with GRPOTrainerWithLogits, each in a fresh process
    (`logitless bench grpo`); the error of fused and of materialized log-probs against float64.
-4. The summary table, printed and written to OUTPUT_DIR/summary.md; plots sft/loss.png, grpo/reward.png.
+   The summary table, printed and written to OUTPUT_DIR/summary.md.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from logitless.recipes.warm_start import multichoice_sft_pairs, warm_start_polic
 from logitless.rundir import RunDirectory
 
 TASK = ("sorted_largest",)  # "Which number is the largest?", options in increasing order
-OUTPUTS = ("sft", "grpo", "warm_start.jsonl", "questions.jsonl", "summary.md")
+OUTPUTS = ("sft", "grpo", "grade", "warm_start.jsonl", "questions.jsonl", "summary.md")
 
 
 @dataclass
@@ -49,10 +52,13 @@ class DemoConfig:
     eval_questions: int = 32
     memory_completions: int = 16  # the GRPO step whose peak memory is measured: completions x tokens
     memory_completion_length: int = 16  # 0: not measured
+    grade_steps: int = 12  # of `logitless grade`'s default run; 0: no GRADE run
 
     def __post_init__(self):
         check_positive_ints(self, ("steps", "grpo_steps", "completions_per_step", "num_generations",
                                    "eval_questions"))
+        if isinstance(self.grade_steps, bool) or not isinstance(self.grade_steps, int) or self.grade_steps < 0:
+            raise ValueError(f"grade_steps: expected an int >= 0 (0: no GRADE run), got {self.grade_steps!r}")
 
 
 def quarter_means(values: list[float]) -> tuple[float, float]:
@@ -98,7 +104,7 @@ def log_prob_errors(model_dir: str | Path) -> dict[str, float]:
 
 def train_demo(config: DemoConfig, directory: Path, *, progress: bool = True) -> dict:
     """Steps 1 and 2 and the accuracies of step 3, in ``directory``; returns the numbers of the summary."""
-    print(f"logitless demo 1/3: {config.steps} + {config.steps // 10} warm-up SFT steps of tiny-qwen2-untied "
+    print(f"logitless demo 1/4: {config.steps} + {config.steps // 10} warm-up SFT steps of tiny-qwen2-untied "
           "(vocabulary 151,936): the answer format ' ANSWER: <ordinal> <letter>', on sums it cannot solve")
     sft = warm_start_policy(directory / "sft", steps=config.steps, progress=progress,
                             data_file=directory / "warm_start.jsonl")
@@ -111,7 +117,7 @@ def train_demo(config: DemoConfig, directory: Path, *, progress: bool = True) ->
                                    for r in records) + "\n")
     held_out = synthetic_multichoice(count=config.eval_questions, seed=2, kinds=TASK)
     policy_dir = directory / "sft" / "checkpoint"
-    print(f"logitless demo 2/3: {config.grpo_steps} GRPO steps of {config.completions_per_step} completions with "
+    print(f"logitless demo 2/4: {config.grpo_steps} GRPO steps of {config.completions_per_step} completions with "
           "GRPOTrainerWithLogits on 'Which number is the largest?' (options in increasing order); reward "
           "P(correct|model) x (1 - P(correct|judge)), P(correct|model) read from the policy's own logits")
     grpo = train_grpo_multichoice(MultichoiceGRPOConfig(
@@ -129,6 +135,20 @@ def train_demo(config: DemoConfig, directory: Path, *, progress: bool = True) ->
             "history": grpo}
 
 
+def train_grade_demo(config: DemoConfig, directory: Path, *, progress: bool = True) -> tuple[float, float] | None:
+    """Step 3: `logitless grade`'s default run, shortened; the reward's first- and last-quarter means."""
+    if not config.grade_steps:
+        return None
+    from logitless.recipes.grade import GradeRunConfig, run_grade
+
+    print(f"logitless demo 3/4: {config.grade_steps} GRADE steps (Gumbel-softmax, top-k soft tokens, exact KL from "
+          "hidden states) of an untrained tiny-qwen2; reward: the fraction of capitalized words it writes")
+    run = GradeRunConfig(output_dir=str(directory / "grade"), steps=config.grade_steps, save_every=config.grade_steps)
+    rewards = [row["reward"] for row in run_grade(run, progress=progress)["gumbel"]]
+    print(f"plot: {directory / 'grade' / 'gumbel' / 'reward.png'}")
+    return quarter_means(rewards)
+
+
 def measure_step_memory(config: DemoConfig) -> dict | None:
     """Peak memory of one GRPO step, stock TRL vs GRPOTrainerWithLogits, in fresh processes (bench grpo)."""
     if not config.memory_completion_length:
@@ -141,11 +161,12 @@ def measure_step_memory(config: DemoConfig) -> dict | None:
     return {name: result["peak_mb"] for name, result in report["results"].items()}
 
 
-def summary_table(config: DemoConfig, results: dict, memory: dict | None) -> str:
+def summary_table(config: DemoConfig, results: dict, memory: dict | None,
+                  grade_reward: tuple[float, float] | None = None) -> str:
     """The demo's outcome as a markdown table."""
     quarter = max(results["steps_trained"] // 4, 1)
     accuracy = results["accuracy"]
-    rows = ["| | before GRPO | after GRPO |", "|---|---|---|",
+    rows = ["| | start | end |", "|---|---|---|",
             f"| judge reward (mean of the first / last {quarter} GRPO steps) | {results['reward'][0]:.3f} | "
             f"{results['reward'][1]:.3f} |",
             f"| P(correct \\| model), same steps | {results['p_correct_model'][0]:.3f} | "
@@ -153,8 +174,12 @@ def summary_table(config: DemoConfig, results: dict, memory: dict | None) -> str
             f"| P(correct \\| judge), same steps | {results['p_correct_judge'][0]:.3f} | "
             f"{results['p_correct_judge'][1]:.3f} |",
             f"| accuracy on {config.eval_questions} held-out questions (4 samples each) | {accuracy[0]:.0%} | "
-            f"{accuracy[1]:.0%} |",
-            "", "| what the fused path saved | stock TRL (logits) | logitless |", "|---|---|---|"]
+            f"{accuracy[1]:.0%} |"]
+    if grade_reward is not None:
+        grade_quarter = max(config.grade_steps // 4, 1)
+        rows.append(f"| GRADE reward, capitalized words (mean of the first / last {grade_quarter} GRADE steps) | "
+                    f"{grade_reward[0]:.3f} | {grade_reward[1]:.3f} |")
+    rows += ["", "| what the fused path saved | stock TRL (logits) | logitless |", "|---|---|---|"]
     if memory is not None:
         ratio = memory["logitless"] / memory["trl"] if memory["trl"] >= 1 else float("nan")
         rows.append(f"| peak memory of one GRPO step ({config.memory_completions} completions x "
@@ -171,11 +196,12 @@ def run(config: DemoConfig) -> int:
                   result_options=())  # the demo starts over: its own earlier outputs are replaced
     directory = run_dir.path
     results = train_demo(config, directory)
-    print("logitless demo 3/3: held-out accuracy, peak memory of a GRPO step with and without logits (fresh "
+    grade_reward = train_grade_demo(config, directory)
+    print("logitless demo 4/4: held-out accuracy, peak memory of a GRPO step with and without logits (fresh "
           "processes), fused vs materialized")
     memory = measure_step_memory(config)
     errors = log_prob_errors(directory / "sft" / "checkpoint")
-    table = summary_table(config, results, memory)
+    table = summary_table(config, results, memory, grade_reward)
     (directory / "summary.md").write_text(table + "\n")
     print(f"\n{table}\n\nlog-probs of the warm-up model's response tokens against float64: fused max error "
           f"{errors['fused']:.1e}, materialized (fp32 logits, log_softmax) {errors['materialized']:.1e}\n"
@@ -201,14 +227,17 @@ def add_parser(subcommands) -> argparse.ArgumentParser:
                              "(default: %(default)s)")
     parser.add_argument("--grpo-steps", dest="grpo_steps", type=int, default=defaults.grpo_steps,
                         help="GRPO steps (default: %(default)s)")
+    parser.add_argument("--grade-steps", dest="grade_steps", type=int, default=defaults.grade_steps,
+                        help="steps of the short GRADE run; 0 leaves it out (default: %(default)s)")
     parser.set_defaults(handler=run_command)
     return parser
 
 
 def run_command(args: argparse.Namespace) -> int:
     try:  # every check before any work, naming the option
-        config = DemoConfig(output_dir=args.output_dir, steps=args.steps, grpo_steps=args.grpo_steps)
+        config = DemoConfig(output_dir=args.output_dir, steps=args.steps, grpo_steps=args.grpo_steps,
+                            grade_steps=args.grade_steps)
         RunDirectory.claim(config.output_dir, "demo", outputs=OUTPUTS)
     except (TypeError, ValueError) as err:
-        raise option_error(err, ("output_dir", "steps", "grpo_steps")) from None
+        raise option_error(err, ("output_dir", "steps", "grpo_steps", "grade_steps")) from None
     return run(config)

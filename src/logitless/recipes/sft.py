@@ -133,8 +133,7 @@ def _response_log_probs(model, input_ids, labels, response_mask) -> tuple[torch.
     """(log p(label), entropy), each (B, T), at the response positions (0 elsewhere), logit-free."""
     head = lm_head_of(model)
     hidden = final_hidden_states(model, input_ids)  # (B, T, H)
-    return fused_linear_logprobs(hidden, head.weight, labels, bias=head.bias, return_entropy=True, mask=response_mask,
-                                 **head.logit_options(1.0))
+    return fused_linear_logprobs(hidden, head.weight, labels, return_entropy=True, mask=response_mask, **head.options())
 
 
 def train_sft(config: SFTConfig | SFTPlan, *, progress: bool = True) -> dict:
