@@ -325,7 +325,7 @@ def plot(report: dict, path: str | Path) -> Path:
                           (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
         axis.set_ylim(top=max(values) * 1.18 or 1.0)  # room for the ratio labels (1.0: all zero)
         axis.set_title(label + ", x materialized_minimal")
-        axis.tick_params(axis="x", rotation=30)
+        axis.set_xticks(range(len(names)), names, rotation=30, ha="right")
     s = report["shape"]
     figure.suptitle(f"GRPO loss fwd+bwd, B={s['batch']} T={s['seq']} H={s['hidden']} V={s['vocab']} "
                     f"{s['dtype']} {s['device']}, {report['tokens']} valid tokens")
