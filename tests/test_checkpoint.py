@@ -102,7 +102,7 @@ def test_a_failed_trainer_save_leaves_no_checkpoint_and_the_next_one_succeeds(tm
     monkeypatch.setattr(type(trainer), "_save_rng_state", real_save_rng_state)
     trainer._save_checkpoint(trainer.model, None)
     assert checkpoint_problem(tmp_path / "checkpoint-1") is None
-    assert not any((tmp_path / CHECKPOINT_STAGING).iterdir())
+    assert not (tmp_path / CHECKPOINT_STAGING).exists()  # emptied and removed once the save is published
     (tmp_path / "checkpoint-2").mkdir()  # incomplete: resume_from_checkpoint=True takes checkpoint-1 and says so
     resumed = []
     monkeypatch.setattr(trl.GRPOTrainer, "train", lambda self, resume_from_checkpoint=None, *a, **k:

@@ -18,8 +18,9 @@ def _subcommands(parser: argparse.ArgumentParser, prefix=("logitless",)):
 
 def test_every_option_has_help_with_its_default():
     commands = {" ".join(path): parser for path, parser in _subcommands(build_parser())}
-    assert {"logitless demo", "logitless sft", "logitless grpo", "logitless bench lmhead", "logitless bench grpo",
-            "logitless bench reward"} <= set(commands)
+    assert {"logitless demo", "logitless sft", "logitless grpo", "logitless grade", "logitless bench lmhead",
+            "logitless bench grpo", "logitless bench reward", "logitless bench jax", "logitless bench grade",
+            "logitless bench grade-variance"} <= set(commands)
     undocumented = [f"{name} {action.option_strings[0]}" for name, parser in commands.items()
                     for action in parser._actions
                     if action.option_strings and not isinstance(action, argparse._HelpAction)

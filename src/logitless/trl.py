@@ -285,6 +285,8 @@ class GRPOTrainerWithLogits(GRPOTrainer):
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             publish_directory(staging / name, run_dir / name)
+            if not any(staging.iterdir()):
+                staging.rmdir()  # nothing left in flight: the run directory shows only what it holds
             rotate_checkpoints(str(run_dir), self.args.save_total_limit, self.state.best_model_checkpoint)
         self.accelerator.wait_for_everyone()
 
