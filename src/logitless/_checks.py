@@ -120,6 +120,17 @@ def check_generations(num_generations: int, completions: int) -> None:
                          f"got {num_generations}")
 
 
+def check_head_shapes(hidden, weight, targets, targets_name: str = "targets") -> None:
+    """hidden (..., H), weight (V, H) of hidden's dtype, targets (...): for torch tensors and JAX arrays alike."""
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight: hidden size {weight.shape[1]} does not match hidden's last dim {hidden.shape[-1]}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight: dtype {weight.dtype} differs from hidden's {hidden.dtype}")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"{targets_name}: shape {tuple(targets.shape)} does not match hidden's leading dims "
+                         f"{tuple(hidden.shape[:-1])}")
+
+
 def check_advantages_shape(shape, num_sequences: int, length: int) -> None:
     """GRPO advantages are one per sequence, (B,) or (B, 1), or one per token, (B, T)."""
     if tuple(shape) not in ((num_sequences,), (num_sequences, 1), (num_sequences, length)):

@@ -20,6 +20,22 @@ def _integer_locator():
     return MaxNLocator(integer=True)
 
 
+def save_figure(figure, path: str | Path) -> Path:
+    """Lay ``figure`` out, write it as a 120-dpi PNG at ``path`` and free it."""
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    _pyplot().close(figure)
+    return Path(path)
+
+
+def labelled_bars(axis, names: list[str], values: list[float], labels: list[str], colors: list[str]) -> None:
+    """One bar per name with its label above it, and headroom for the labels (1.0 when every value is 0)."""
+    bars = axis.bar(names, values, color=colors)
+    for bar, label in zip(bars, labels):
+        axis.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+    axis.set_ylim(top=max(values) * 1.18 or 1.0)
+
+
 def plot_curve(values: list[float], path: str | Path, *, title: str, ylabel: str, xlabel: str = "step") -> Path:
     plt = _pyplot()
     figure, axis = plt.subplots(figsize=(6, 3.5))
@@ -27,10 +43,7 @@ def plot_curve(values: list[float], path: str | Path, *, title: str, ylabel: str
     axis.set(title=title, xlabel=xlabel, ylabel=ylabel)
     axis.xaxis.set_major_locator(_integer_locator())
     axis.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return Path(path)
+    return save_figure(figure, path)
 
 
 def plot_curves(series: dict[str, list[float]], path: str | Path, *, title: str, ylabel: str,
@@ -44,7 +57,4 @@ def plot_curves(series: dict[str, list[float]], path: str | Path, *, title: str,
     axis.xaxis.set_major_locator(_integer_locator())
     axis.legend()
     axis.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return Path(path)
+    return save_figure(figure, path)

@@ -27,15 +27,20 @@ from logitless.checkpoint import remove_tree
 MARKER = "logitless-run.json"
 
 
-def write_json_atomically(path: str | Path, value) -> None:
-    """Write ``value`` as JSON to a temporary sibling, fsync, and rename it over ``path``."""
+def write_text_atomically(path: str | Path, text: str) -> None:
+    """Write ``text`` to a temporary sibling, fsync, and rename it over ``path``."""
     path = Path(path)
     temporary = path.with_name(f".{path.name}.tmp")
     with temporary.open("w") as handle:
-        handle.write(json.dumps(value, indent=2) + "\n")
+        handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(temporary, path)
+
+
+def write_json_atomically(path: str | Path, value) -> None:
+    """`write_text_atomically` of ``value`` as indented JSON."""
+    write_text_atomically(path, json.dumps(value, indent=2) + "\n")
 
 
 def check_writable_file(path: str | Path) -> Path:

@@ -198,29 +198,22 @@ def format_table(report: dict) -> str:
 
 
 def plot(report: dict, path: str | Path) -> Path:
-    from logitless.plots import _pyplot
+    from logitless.plots import _pyplot, labelled_bars, save_figure
 
-    plt = _pyplot()
     names = list(report["results"])
     panels = [("temp_size_in_bytes", "temp_ratio", 1e-6, "compiled temporaries (MB)", "{:.3f}x")]
     if not report["compile_only"]:
         panels.append(("time_s", "time_ratio", 1.0, "time per step (s, median)", "{:.2f}x"))
-    figure, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
+    figure, axes = _pyplot().subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
     for axis, (key, ratio_key, scale, label, ratio_format) in zip(axes[0], panels):
         values = [report["results"][n][key] * scale for n in names]
-        bars = axis.bar(names, values, color=["#999999" if n == "materialized" else "#4c72b0" for n in names])
-        for bar, name in zip(bars, names):
-            axis.annotate(ratio_format.format(report["results"][name][ratio_key]),
-                          (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
-        axis.set_ylim(top=max(values) * 1.18 or 1.0)
+        labelled_bars(axis, names, values, [ratio_format.format(report["results"][n][ratio_key]) for n in names],
+                      ["#999999" if n == "materialized" else "#4c72b0" for n in names])
         axis.set_title(label)
     s = report["shape"]
     figure.suptitle(f"JAX GRPO loss value_and_grad\nB={s['batch']} T={s['seq']} H={s['hidden']} V={s['vocab']} "
                     f"{s['dtype']} ({report['backend']})")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return Path(path)
+    return save_figure(figure, path)
 
 
 def add_parser(targets) -> None:

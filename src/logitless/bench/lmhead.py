@@ -308,31 +308,23 @@ def format_table(report: dict) -> str:
 
 
 def plot(report: dict, path: str | Path) -> Path:
-    from logitless.plots import _pyplot
+    from logitless.plots import _pyplot, labelled_bars, save_figure
 
-    plt = _pyplot()
     names = list(report["results"])
-    figure, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    figure, axes = _pyplot().subplots(1, 2, figsize=(11, 3.8))
     for axis, key, ratio_key, label in ((axes[0], "time_s", "time_ratio_minimal", "time per step (s, median)"),
                                         (axes[1], "peak_mb", "peak_ratio_minimal", "peak memory beyond inputs (MB)")):
         values = [report["results"][n][key] for n in names]
         colors = ["#999999" if n.startswith("materialized") or n == "gemm" else "#4c72b0" for n in names]
         colors = ["#dd8452" if n == "logitless" else c for n, c in zip(names, colors)]
-        bars = axis.bar(names, values, color=colors)
-        for bar, name in zip(bars, names):
-            value = report["results"][name][ratio_key]
-            axis.annotate("n/a" if value is None else f"{value:.2f}x",
-                          (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
-        axis.set_ylim(top=max(values) * 1.18 or 1.0)  # room for the ratio labels (1.0: all zero)
+        ratios = [report["results"][n][ratio_key] for n in names]
+        labelled_bars(axis, names, values, ["n/a" if r is None else f"{r:.2f}x" for r in ratios], colors)
         axis.set_title(label + ", x materialized_minimal")
         axis.set_xticks(range(len(names)), names, rotation=30, ha="right")
     s = report["shape"]
     figure.suptitle(f"GRPO loss fwd+bwd, B={s['batch']} T={s['seq']} H={s['hidden']} V={s['vocab']} "
                     f"{s['dtype']} {s['device']}, {report['tokens']} valid tokens")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return Path(path)
+    return save_figure(figure, path)
 
 
 def add_parser(targets) -> None:

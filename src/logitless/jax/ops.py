@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logitless._checks import check_advantages_shape, check_choice, check_grpo_options, check_positive
+from logitless._checks import (check_advantages_shape, check_choice, check_grpo_options, check_head_shapes,
+                               check_positive)
 from logitless.jax.checks import check_array, check_finite, check_mask, check_same_shape, check_token_ids, concrete
 from logitless.jax.grpo import grpo_loss_from_stats, token_weights
 from logitless.jax.reference import materialized_token_stats
@@ -41,13 +42,7 @@ def _linear_inputs(hidden, weight, targets, bias, temperature, softcap, mask, bl
     hidden = check_array("hidden", hidden, ndim=(2, 3), floating=True)
     weight = check_array("weight", weight, ndim=2, floating=True)
     targets = check_array(targets_name, targets, ndim=hidden.ndim - 1, integer=True)
-    if weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight: hidden size {weight.shape[1]} does not match hidden's last dim {hidden.shape[-1]}")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight: dtype {weight.dtype} differs from hidden's {hidden.dtype}")
-    if targets.shape != hidden.shape[:-1]:
-        raise ValueError(f"{targets_name}: shape {tuple(targets.shape)} does not match hidden's leading dims "
-                         f"{tuple(hidden.shape[:-1])}")
+    check_head_shapes(hidden, weight, targets, targets_name)
     if bias is not None:
         bias = check_array("bias", bias, ndim=1, floating=True)
         if bias.shape[0] != weight.shape[0]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from logitless._checks import check_choice, check_mask, check_tensor, check_token_ids
+from logitless._checks import check_choice, check_head_shapes, check_mask, check_tensor, check_token_ids
 from logitless.ops.backend import chunk_kernels
 from logitless.ops.grpo import check_grpo_inputs, grpo_metrics, grpo_token_loss
 from logitless.ops.head import LinearHead, stat_dtype
@@ -133,13 +133,7 @@ def _linear_inputs(hidden, weight, targets, bias, temperature, softcap, logit_sc
     check_tensor("hidden", hidden, ndim=(2, 3), floating=True)
     check_tensor("weight", weight, ndim=2, floating=True)
     check_tensor(targets_name, targets, ndim=hidden.dim() - 1, integer=True)
-    if weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight: hidden size {weight.shape[1]} does not match hidden's last dim {hidden.shape[-1]}")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight: dtype {weight.dtype} differs from hidden's {hidden.dtype}")
-    if targets.shape != hidden.shape[:-1]:
-        raise ValueError(f"{targets_name}: shape {tuple(targets.shape)} does not match hidden's leading dims "
-                         f"{tuple(hidden.shape[:-1])}")
+    check_head_shapes(hidden, weight, targets, targets_name)
     head = LinearHead(weight, bias, temperature, softcap, logit_scale)
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     kept = None

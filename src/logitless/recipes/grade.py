@@ -29,6 +29,7 @@ from logitless._checks import check_choice, check_positive_ints, check_strings
 from logitless.grade.config import GradeConfig
 from logitless.recipes.common import RUN_CONTROL_HELP, check_model_name, load_model
 from logitless.recipes.options import load_config, option_error
+from logitless.rundir import RunDirectory, file_identity, write_text_atomically
 
 # method -> (trainer class name in logitless.grade, GradeConfig.method)
 METHODS = {"gumbel": ("GumbelTrainerMemoryEfficient", "gumbel"), "ste": ("GumbelTrainerMemoryEfficient", "ste"),
@@ -90,8 +91,6 @@ class GradeRunConfig:
 
     def recorded_options(self) -> dict:
         """Every option by its flat name, as the run directory records and compares them."""
-        from logitless.rundir import file_identity
-
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "grade"}
         values.update((f.name, getattr(self.grade, f.name)) for f in dataclasses.fields(GradeConfig) if f.name != "method")
         values["data"] = file_identity(self.data)
@@ -109,7 +108,6 @@ FIXED_OPTIONS = ("model",)  # a resume continues the checkpoint's weights: a new
 def claim_run_directory(run: GradeRunConfig, methods: list[str]):
     """Claim OUTPUT_DIR and record this run's options (refusing changed ones on a resume): before any model loads."""
     from logitless.checkpoint import checkpoint_problem
-    from logitless.rundir import RunDirectory
 
     directory = RunDirectory.claim(run.output_dir, "grade", outputs=(*METHODS, "reward_by_method.png"),
                                    overwrite=run.overwrite)
@@ -164,12 +162,6 @@ def build_reward(run: GradeRunConfig, tokenizer, initial_policy):
     return grade.MultichoiceJudgeReward(MultichoiceJudge(model, tokenizer))
 
 
-def _write_text_atomically(path: Path, text: str) -> None:
-    staging = path.with_name(path.name + ".tmp")
-    staging.write_text(text)
-    staging.replace(path)
-
-
 def run_method(run: GradeRunConfig, method: str, records: list[dict], *, progress: bool = True) -> list[dict]:
     """Train one method for ``run.steps`` optimizer steps (resuming from its checkpoint if it has a complete
     one); returns the metric rows. ``run.output_dir`` must be claimed (`claim_run_directory`)."""
@@ -207,7 +199,7 @@ def run_method(run: GradeRunConfig, method: str, records: list[dict], *, progres
             load_adapter(trainer.model, checkpoint_dir)
     directory.mkdir(parents=True, exist_ok=True)
     metrics_path = directory / "metrics.jsonl"  # rows past the checkpoint (from a crashed run) are dropped
-    _write_text_atomically(metrics_path, "".join(json.dumps(row) + "\n" for row in history))
+    write_text_atomically(metrics_path, "".join(json.dumps(row) + "\n" for row in history))
     per_step = run.grade.batch_size * run.grade.gradient_accumulation_steps
     bar = tqdm(range(trainer.step, run.steps), initial=trainer.step, total=run.steps, desc=f"grade {method}",
                unit="step", disable=not progress)
