@@ -37,7 +37,12 @@ def lm_head_of(model, temperature: float = 1.0) -> LinearHead:
 
 
 def model_body(model):
-    """The transformer under a causal LM's head (``model.model`` for Qwen2, ``model.transformer`` for GPT-2)."""
+    """The transformer under a causal LM's head (``model.model`` for Qwen2, ``model.transformer`` for GPT-2).
+
+    For a PEFT model, the body of its base model, with the adapters' layers in it (as TRL reads it).
+    """
+    if hasattr(model, "get_base_model"):  # peft.PeftModel
+        model = model.get_base_model()
     body = getattr(model, model.base_model_prefix, None)
     if body is None or body is model:
         raise TypeError(f"model: cannot find the body of {type(model).__name__} (base_model_prefix "

@@ -30,8 +30,8 @@ from logitless.recipes.common import (NONFINITE_ADVICE, RUN_CONTROL_HELP, Recipe
 from logitless.recipes.options import add_config_parser
 from logitless.rundir import RunDirectory, file_identity, write_json_atomically
 
-# TRL's loss types that need no other option (luspo needs sequence-level importance sampling); the
-# first four run the fused loss, the others TRL's own loss
+# TRL's loss types that need no other option (luspo needs sequence-level importance sampling); each one
+# runs TRL's loss code on the fused head's log-probs
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "vespo")
 SYNTHETIC_QUESTIONS = 256  # the default question set, the same whatever the number of steps
 

@@ -1,0 +1,163 @@
+"""The one seam between TRL and logitless: TRL's ``model(..., fused_lm_head=True)`` answered by our fused ops.
+
+TRL 1.16 scores every policy, old and reference log-prob through ``model(..., labels=labels,
+fused_lm_head=True)``, which returns a `FusedCausalLMOutput` of per-token log-probs and entropies;
+its ``_compute_loss`` (every loss type, normalization, mask, entropy bonus and metric) is ordinary
+PyTorch on those ``(B, T)`` tensors. `add_logitless_lm_head` installs that forward with logitless's
+fused log-probs and differentiable entropy: the body's final hidden states and the head (temperature,
+logit scale, soft cap, bias, via `LinearHead`) go to `linear_token_stats`, so no ``(B, T, V)`` logits
+or logits gradient exist, and the ``lm_head`` module itself is never called.
+
+Sharded heads: an FSDP2 head whose weight is still a DTensor is gathered once per call with an
+averaged gradient placement (so each rank's gradient shard is the mean over ranks, as FSDP2 reduces
+every other gradient); a DeepSpeed ZeRO-3 head is gathered by TRL's own context, in forward and again
+in backward, where the weight is read a second time.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+from torch.distributed.tensor import DTensor, Partial
+from transformers.integrations import is_deepspeed_zero3_enabled
+from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
+
+from logitless.hf import lm_head_of, model_body
+from logitless.ops.fused import linear_token_stats
+from logitless.ops.head import LinearHead
+
+_INSTALLED = "_logitless_lm_head"  # set on a model whose forward `add_logitless_lm_head` replaced
+COMPUTED_OUTPUTS = ("log_probs", "entropy")  # the per-token fields of FusedCausalLMOutput this head computes
+
+# on_hidden(hidden (B, T', H) no grad, label_mask (B, T')): sees the hidden states each scoring call reads
+HiddenObserver = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def add_logitless_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
+                          outputs: tuple[str, ...] = ("log_probs",), *, on_hidden: HiddenObserver | None = None) -> None:
+    """Make ``model(..., labels=labels, fused_lm_head=True)`` return TRL's `FusedCausalLMOutput` from logitless's
+    fused ops; without ``fused_lm_head`` the forward (and so generation) is the model's own.
+
+    The signature is TRL's ``add_fused_lm_head``'s, so the trainer can install it where TRL would install its own.
+    ``on_hidden``, when given, is called with each scoring call's hidden states (detached) and label mask.
+    """
+    unsupported = sorted(set(outputs) - set(COMPUTED_OUTPUTS))
+    if unsupported:
+        raise NotImplementedError(f"outputs: logitless's fused LM head computes {COMPUTED_OUTPUTS}, not {unsupported}")
+    need_entropy = "entropy" in outputs
+    original_forward = model.forward
+
+    @functools.wraps(type(model).forward)  # generate validates its keyword arguments against this signature
+    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
+        if not fused_lm_head:
+            passed = dict(labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch)
+            return original_forward(*args, **kwargs, **{k: v for k, v in passed.items() if v is not None})
+        text_config = self.config.get_text_config()
+        kwargs["use_cache"] = False
+        if getattr(text_config, "output_router_logits", False):  # MoE: as the model's own forward asks for them
+            kwargs.setdefault("output_router_logits", True)
+        body_outputs = model_body(self)(*args, **kwargs)
+        if shift_labels is None:  # position t scores token t + 1
+            hidden, labels = body_outputs.last_hidden_state[:, :-1], labels[:, 1:]
+        else:
+            hidden, labels = body_outputs.last_hidden_state, shift_labels
+        head = scoring_head(self, temperature, cast_lm_head_to_fp32)
+        hidden = hidden.to(head.weight.device, torch.float32 if cast_lm_head_to_fp32 else head.weight.dtype)
+        labels = labels.to(head.weight.device)
+        label_mask = labels != -100
+        if on_hidden is not None:
+            on_hidden(hidden.detach(), label_mask)
+        precision = torch.autocast(hidden.device.type, enabled=False) if cast_lm_head_to_fp32 else nullcontext()
+        with precision:
+            log_probs, entropy = token_log_probs(head, hidden, labels, label_mask, need_entropy)
+        loss = -log_probs.sum() / (label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
+        aux_loss = None
+        if kwargs.get("output_router_logits"):
+            aux_loss = router_aux_loss(text_config, body_outputs.router_logits, kwargs.get("attention_mask"))
+            loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
+        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=label_mask,
+                                   aux_loss=aux_loss)
+
+    model.forward = types.MethodType(forward, model)
+    setattr(model, _INSTALLED, True)
+
+
+def has_logitless_lm_head(model) -> bool:
+    """Whether `add_logitless_lm_head` answers ``model``'s ``fused_lm_head=True`` calls."""
+    return getattr(model, _INSTALLED, False)
+
+
+def scoring_head(model, temperature: float, in_fp32: bool = False) -> LinearHead:
+    """The head the fused ops score with: the active copy of a PEFT ``modules_to_save`` head (the original one
+    while adapters are disabled), an FSDP2 DTensor weight gathered with an averaged gradient, fp32 on request."""
+    head = lm_head_of(model, temperature)
+    weight, bias = head.weight, head.bias
+    if isinstance(weight, DTensor):
+        weight = weight.full_tensor(grad_placements=[Partial("avg")] * weight.device_mesh.ndim)
+        bias = None if bias is None else bias.full_tensor(grad_placements=[Partial("avg")] * bias.device_mesh.ndim)
+    if in_fp32:
+        weight, bias = weight.float(), None if bias is None else bias.float()
+    if weight is head.weight and bias is head.bias:
+        return head
+    return LinearHead(weight, bias, head.temperature, head.softcap, head.scale)
+
+
+def detached_head(model, temperature: float, in_fp32: bool = False) -> LinearHead:
+    """`scoring_head` without autograd, readable after this call returns (for a batch of reward functions): a
+    sharded head is gathered once, a ZeRO-3 one copied out of TRL's gather context."""
+    with torch.no_grad():
+        head = scoring_head(model, temperature, in_fp32)
+        weight, bias = head.weight, head.bias
+        if is_deepspeed_zero3_enabled():
+            with maybe_gather_lm_head_ctx(weight, bias):
+                weight, bias = weight.clone(), None if bias is None else bias.clone()
+        return LinearHead(weight.detach(), None if bias is None else bias.detach(), head.temperature, head.softcap,
+                          head.scale)
+
+
+def token_log_probs(head: LinearHead, hidden: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor,
+                    need_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """hidden (B, T, H), labels and label_mask (B, T) -> log-probs and entropy (B, T) (entropy None unless asked),
+    0 where the label is masked; only the unmasked positions reach the matmuls. Both are differentiable.
+
+    A head TRL's ZeRO-3 context must gather is gathered here and again in backward, which reads it once more.
+    """
+    flat_mask = label_mask.reshape(-1)
+    kept_hidden = hidden.reshape(-1, hidden.shape[-1])[flat_mask]  # (K, H): only the scored positions
+    kept_labels = labels.reshape(-1)[flat_mask]
+    with maybe_gather_lm_head_ctx(head.weight, head.bias):
+        log_probs, entropy, _ = linear_token_stats(head, kept_hidden, kept_labels, need_entropy=need_entropy)
+    if log_probs.grad_fn is not None:
+        _gather_head_in_backward(log_probs.grad_fn, head)
+    # masked_scatter keeps an all-masked batch connected to the model: a zero loss whose backward runs
+    scatter = functools.partial(torch.zeros(label_mask.shape, dtype=log_probs.dtype, device=log_probs.device)
+                                .masked_scatter, label_mask)
+    return scatter(log_probs), scatter(entropy) if need_entropy else None
+
+
+def _gather_head_in_backward(node: torch.autograd.graph.Node, head: LinearHead) -> None:
+    """Enter TRL's ZeRO-3 gather context for the duration of ``node``'s backward (a null context otherwise)."""
+    entered = []
+
+    def enter(_grad_outputs):
+        context = maybe_gather_lm_head_ctx(head.weight, head.bias)
+        context.__enter__()
+        entered.append(context)
+
+    def leave(_grad_inputs, _grad_outputs):
+        entered.pop().__exit__(None, None, None)
+
+    node.register_prehook(enter)
+    node.register_hook(leave)
+
+
+def router_aux_loss(text_config, router_logits, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """The MoE load-balancing loss a Mixtral-family model adds to its own loss (unweighted)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    num_experts = getattr(text_config, "num_experts", None) or getattr(text_config, "num_local_experts", None)
+    return load_balancing_loss_func(router_logits, num_experts, text_config.num_experts_per_tok, attention_mask)

@@ -1,0 +1,89 @@
+"""Run by tests/test_trl_fsdp.py under torchrun (2 CPU processes, gloo): logitless's fused LM head, installed as
+GRPOTrainerWithLogits installs it, on a model sharded with FSDP2, against the same model in one process.
+
+Each rank scores its own batch; the single-process reference scores both batches and averages the two losses, as
+FSDP2 averages gradients. Rank 0 saves the largest gradient difference of every parameter and the largest
+difference between `completion_logits` rows and the reference model's own forward."""
+
+import copy
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from logitless.models import tiny_qwen2
+from logitless.trl.lm_head import add_logitless_lm_head, detached_head
+from logitless.trl.rewards import completion_views
+
+TEMPERATURE = 0.7
+
+
+def step_loss(model, input_ids, labels, advantages):
+    """A GRPO-like loss that differentiates both fused outputs: -A * log p - 0.1 * entropy, mean over tokens."""
+    output = model(input_ids=input_ids, labels=labels, fused_lm_head=True)
+    mask = output.label_mask
+    return -((advantages[:, None] * output.log_probs + 0.1 * output.entropy) * mask).sum() / mask.sum()
+
+
+def compare(tied: bool, shard_head: bool, rank: int, world: int) -> dict:
+    base = tiny_qwen2(seed=0, tie_word_embeddings=tied)
+    add_logitless_lm_head(base, TEMPERATURE, outputs=("log_probs", "entropy"))
+    generator = torch.Generator().manual_seed(1234)
+    input_ids = torch.randint(0, 151646, (world, 2, 9), generator=generator)
+    labels = input_ids.clone()
+    labels[:, :, :4] = -100  # the prompt: not scored
+    advantages = torch.randn(world, 2, generator=generator)
+
+    reference = copy.deepcopy(base)
+    sum(step_loss(reference, input_ids[r], labels[r], advantages[r]) for r in range(world)).div(world).backward()
+    expected = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+
+    model = copy.deepcopy(base)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    if shard_head:  # the head in a unit of its own: its weight is a DTensor when the fused head reads it
+        fully_shard(model.lm_head)
+    fully_shard(model)
+    step_loss(model, input_ids[rank], labels[rank], advantages[rank]).backward()
+    differences = {}
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        differences[name] = ((grad - expected[name]).abs().max() / expected[name].abs().max()).item()
+
+    # completion_logits under FSDP2: the scored hidden states, the head gathered once, against a plain forward
+    kept = []
+    viewer = copy.deepcopy(base)
+    add_logitless_lm_head(viewer, TEMPERATURE, outputs=("log_probs",), on_hidden=lambda h, m: kept.append(h))
+    for layer in viewer.model.layers:
+        fully_shard(layer)
+    if shard_head:
+        fully_shard(viewer.lm_head)
+    fully_shard(viewer)
+    with torch.no_grad():
+        viewer(input_ids=input_ids[rank], labels=labels[rank], fused_lm_head=True)
+        completions = [ids[4:].tolist() for ids in input_ids[rank]]  # hidden position t scores token t + 1
+        views, _ = completion_views(kept[0][:, 3:], completions, detached_head(viewer, TEMPERATURE))
+        own = torch.stack([reference(input_ids=ids[None], fused_lm_head=False).logits[0, 3:-1] for ids in
+                           input_ids[rank]]) / TEMPERATURE
+    row_error = max((views[i][:] - own[i]).abs().max().item() for i in range(len(views)))
+    return {"gradient_errors": differences, "row_error": row_error,
+            "head_was_dtensor": shard_head and isinstance(viewer.lm_head.weight, DTensor)}
+
+
+def main(output_path: str) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {f"tied={tied},shard_head={shard}": compare(tied, shard, rank, world)
+               for tied, shard in ((False, True), (True, False))}
+    if rank == 0:
+        torch.save(results, output_path)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # gloo can abort at interpreter exit after a clean run
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

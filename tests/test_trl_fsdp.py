@@ -1,0 +1,33 @@
+"""logitless's fused LM head under FSDP2 (fully_shard), 2 CPU processes with gloo, against one process.
+
+accelerate runs FSDP only on accelerators (on CPU it quietly trains with DDP instead), so this runs the head as
+GRPOTrainerWithLogits installs it on a model sharded with torch's own fully_shard, as accelerate's FSDP2 would."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from test_trl_distributed import _free_port  # noqa: E402
+
+
+def test_fsdp2_gradients_and_completion_rows_equal_one_process(tmp_path):
+    output = tmp_path / "fsdp.pt"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+                           str(Path(__file__).with_name("fsdp_lm_head.py")), str(output)],
+                          capture_output=True, text=True, timeout=600, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = torch.load(output)
+    assert results["tied=False,shard_head=True"]["head_was_dtensor"]  # the sharded-head case did shard the head
+    for layout, result in results.items():
+        worst = max(result["gradient_errors"].items(), key=lambda item: item[1])
+        assert worst[1] < 1e-5, (layout, worst)
+        assert "lm_head.weight" in result["gradient_errors"] or "model.embed_tokens.weight" in result["gradient_errors"]
+        assert result["row_error"] < 1e-4, layout
+
