@@ -42,14 +42,17 @@ def test_bench_bad_options(argv, match):
 def test_bench_grpo_small(tmp_path, capsys):
     out_json = tmp_path / "g.json"
     assert main(["bench", "grpo", "--completions", "4", "--completion-length", "6", "--num-generations", "2",
-                 "--steps", "1", "--json", str(out_json)]) == 0
+                 "--steps", "1", "--setups", "default", "lora", "--json", str(out_json)]) == 0
     report = json.loads(out_json.read_text())
-    assert set(report["results"]) == {"trl", "logitless"}
-    for result in report["results"].values():
-        assert result["time_s"] > 0 and result["peak_mb"] > 0 and len(result["losses"]) == 1
-    # both trainers saw the same completions and computed the same loss
-    assert report["results"]["logitless"]["losses"] == pytest.approx(report["results"]["trl"]["losses"], abs=1e-6)
-    assert report["results"]["logitless"]["mean_completion_length"] == report["results"]["trl"]["mean_completion_length"]
+    assert set(report["results"]) == {"default", "lora"}
+    for results in report["results"].values():
+        assert set(results) == {"trl", "logitless"}
+        for result in results.values():
+            assert result["time_s"] > result["loss_backward_s"] > 0 and result["peak_mb"] > 0
+            assert len(result["losses"]) == 1
+        # both trainers saw the same completions and computed the same loss
+        assert results["logitless"]["losses"] == pytest.approx(results["trl"]["losses"], abs=1e-6)
+        assert results["logitless"]["mean_completion_length"] == results["trl"]["mean_completion_length"]
     with pytest.raises(SystemExit, match="--num-generations"):
         main(["bench", "grpo", "--completions", "5", "--num-generations", "2"])
 

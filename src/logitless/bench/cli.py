@@ -13,6 +13,7 @@ import importlib
 
 from logitless._checks import check_generations
 from logitless.bench import grade, grade_variance, lmhead
+from logitless.bench import grpo as bench_grpo
 from logitless.bench import jax as bench_jax
 from logitless.bench.options import require_positive, require_writable, write_report
 
@@ -20,8 +21,8 @@ from logitless.bench.options import require_positive, require_writable, write_re
 def run_trainer_bench(args: argparse.Namespace) -> int:
     """bench grpo / bench reward: their options are the fields of the module's config dataclass."""
     module = importlib.import_module(f"logitless.bench.{args.target}")
-    names = tuple(field.name for field in dataclasses.fields(module.CONFIG))
-    require_positive(args, names)
+    names = tuple(field.name for field in dataclasses.fields(module.CONFIG) if hasattr(args, field.name))
+    require_positive(args, [name for name in names if isinstance(getattr(args, name), int)])
     try:
         check_generations(args.num_generations, args.completions)
     except ValueError as err:
@@ -55,6 +56,9 @@ def add_parser(subcommands):
                               completion_length=128, steps=3)
     grpo.add_argument("--hidden-size", dest="hidden_size", type=int, default=64,
                       help="hidden size of the tiny Qwen2 (default: %(default)s)")
+    grpo.add_argument("--setups", nargs="+", choices=tuple(bench_grpo.SETUPS), default=tuple(bench_grpo.SETUPS),
+                      help="which setups to run: default (GRPOConfig's defaults), lora (LoRA r=8), cispo (loss_type "
+                           "cispo with beta 0.04) (default: %(default)s)")
     reward = _add_trainer_bench(targets, "reward",
                                 "multiple-choice judge reward: completion_logits vs recomputing them",
                                 completion_length=32, steps=2)

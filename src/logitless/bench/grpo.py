@@ -1,8 +1,11 @@
-"""`logitless bench grpo`: a few GRPO steps of stock TRL GRPOTrainer and of GRPOTrainerWithLogits.
+"""`logitless bench grpo`: a few GRPO steps of stock TRL GRPOTrainer and of GRPOTrainerWithLogits, per setup.
 
 Same tiny Qwen2 (real 151,936-token Qwen vocabulary), same prompts, same config, each trainer in a
-fresh process: wall time of ``trainer.train()`` and its peak resident memory beyond what the process
-held once the trainer was built (`bench.memory.PeakMemory`).
+fresh process: wall time of ``trainer.train()``, the part of it spent in the loss and its backward
+(the rest is generation and rewards, the same work for both), and the peak resident memory beyond
+what the process held once the trainer was built (`bench.memory.PeakMemory`). Setups: ``default``
+(GRPOConfig's defaults: loss_type dapo, no KL), ``lora`` (LoRA r=8 on the attention projections) and
+``cispo`` (a non-default loss type with a KL term, so a reference pass too).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from logitless.bench.ratios import add_ratios, format_ratio
 from logitless.bench.worker import run_worker_process, worker_main
 
 TRAINERS = ("trl", "logitless")
+SETUPS = {"default": {}, "lora": {}, "cispo": {"loss_type": "cispo", "beta": 0.04}}  # GRPOConfig options
 
 
 @dataclass
@@ -26,6 +30,7 @@ class GRPOBenchConfig:
     num_generations: int = 4
     steps: int = 3
     hidden_size: int = 64
+    setups: tuple[str, ...] = tuple(SETUPS)
 
 
 def _prompts(count: int) -> list[str]:
@@ -35,7 +40,18 @@ def _prompts(count: int) -> list[str]:
 CONFIG = GRPOBenchConfig  # what `logitless bench grpo` builds from its options
 
 
-def run_worker(trainer_name: str, model_dir: str, config: GRPOBenchConfig) -> dict:
+def _timed(function, seconds: list[float]):
+    """``function`` that adds its wall time to ``seconds[0]``."""
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            seconds[0] += time.perf_counter() - started
+    return timed
+
+
+def run_worker(worker: str, model_dir: str, config: GRPOBenchConfig) -> dict:
     import torch
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -44,17 +60,28 @@ def run_worker(trainer_name: str, model_dir: str, config: GRPOBenchConfig) -> di
     from logitless.models import load_model_and_tokenizer
     from logitless.trl import GRPOTrainerWithLogits
 
+    trainer_name, setup = worker.split(":")
     _, tokenizer = load_model_and_tokenizer(model_dir)
     cls = GRPOTrainer if trainer_name == "trl" else GRPOTrainerWithLogits
+    extra = {}
+    if setup == "lora":
+        from peft import LoraConfig
+
+        extra["peft_config"] = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     with tempfile.TemporaryDirectory() as output_dir:
         args = GRPOConfig(output_dir=output_dir, use_cpu=True, bf16=False, activation_checkpointing=False,
                           per_device_train_batch_size=config.completions, num_generations=config.num_generations,
                           max_completion_length=config.completion_length, max_steps=config.steps, logging_steps=1,
                           report_to="none", save_strategy="no", seed=0, disable_dropout=True, learning_rate=1e-4,
-                          disable_tqdm=True)
+                          disable_tqdm=True, **SETUPS[setup])
         prompts = _prompts(config.completions // config.num_generations * config.steps)
+        torch.manual_seed(0)  # the same LoRA initialization for both trainers
         trainer = cls(model=model_dir, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
-                      args=args, train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer)
+                      args=args, train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
+                      **extra)
+        loss_seconds = [0.0]
+        trainer.compute_loss = _timed(trainer.compute_loss, loss_seconds)
+        trainer.accelerator.backward = _timed(trainer.accelerator.backward, loss_seconds)
         torch.manual_seed(0)
         with PeakMemory(torch.device("cpu")) as peak:
             started = time.perf_counter()
@@ -63,18 +90,23 @@ def run_worker(trainer_name: str, model_dir: str, config: GRPOBenchConfig) -> di
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         lengths = [entry["completions/mean_length"] for entry in trainer.state.log_history
                    if "completions/mean_length" in entry]
-    return {"time_s": seconds, "peak_mb": peak.megabytes, "losses": losses, "mean_completion_length": lengths}
+    return {"time_s": seconds, "loss_backward_s": loss_seconds[0], "peak_mb": peak.megabytes, "losses": losses,
+            "mean_completion_length": lengths}
 
 
 def run(config: GRPOBenchConfig, progress: bool = True, *, concurrently: bool = False) -> dict:
-    """Both trainers, each in a fresh process; ``concurrently`` runs the two processes at once, which keeps
-    each one's peak memory but makes their times compete (for a caller that reads only the memory)."""
+    """Both trainers for each setup, each in a fresh process; ``concurrently`` runs a setup's two processes at once,
+    which keeps each one's peak memory but makes their times compete (for a caller that reads only the memory)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tqdm.auto import tqdm
 
     from logitless.models import qwen_tokenizer, save_model_and_tokenizer, tiny_qwen2
 
+    unknown = sorted(set(config.setups) - set(SETUPS))
+    if unknown:
+        raise ValueError(f"setups: unknown {unknown}; choose from {list(SETUPS)}")
+    results = {}
     with tempfile.TemporaryDirectory() as scratch:
         save_model_and_tokenizer(tiny_qwen2(seed=0, hidden_size=config.hidden_size), qwen_tokenizer(), scratch)
 
@@ -82,10 +114,15 @@ def run(config: GRPOBenchConfig, progress: bool = True, *, concurrently: bool = 
             return run_worker_process("logitless.bench.grpo", ["--worker", name, "--model-dir", scratch,
                                                                "--config", json.dumps(asdict(config))])
 
+        bar = tqdm(total=len(config.setups) * len(TRAINERS), desc="bench grpo", disable=not progress)
         with ThreadPoolExecutor(max_workers=len(TRAINERS) if concurrently else 1) as pool:
-            results = dict(zip(TRAINERS, tqdm(pool.map(worker, TRAINERS), total=len(TRAINERS), desc="bench grpo",
-                                              disable=not progress)))
-    add_ratios(results, "trl")
+            for setup in config.setups:
+                names = [f"{trainer}:{setup}" for trainer in TRAINERS]
+                results[setup] = dict(zip(TRAINERS, pool.map(worker, names)))
+                add_ratios(results[setup], "trl")
+                add_ratios(results[setup], "trl", time_key="loss_backward_s", ratio_key="loss_backward_ratio")
+                bar.update(len(TRAINERS))
+        bar.close()
     return {"config": asdict(config), "vocab_size": 151936, "results": results}
 
 
@@ -93,12 +130,17 @@ def format_table(report: dict) -> str:
     c = report["config"]
     lines = [f"{c['steps']} GRPO steps, {c['completions']} completions x {c['completion_length']} tokens per step, "
              f"tiny Qwen2 (hidden {c['hidden_size']}, vocabulary {report['vocab_size']}), CPU",
-             f"{'trainer':<12}{'wall s':>9}{'x TRL':>7}{'peak MB':>10}{'x TRL':>7}  losses"]
-    for name, r in report["results"].items():
-        lines.append(f"{name:<12}{r['time_s']:>9.1f}{format_ratio(r['time_ratio'], 7)}{r['peak_mb']:>10.0f}{format_ratio(r['peak_ratio'], 7)}"
-                     f"  {', '.join(f'{x:.4f}' for x in r['losses'])}")
+             f"{'setup':<9}{'trainer':<11}{'wall s':>8}{'x TRL':>7}{'loss+bwd s':>12}{'x TRL':>7}{'peak MB':>9}"
+             f"{'x TRL':>7}  losses"]
+    for setup, results in report["results"].items():
+        for name, r in results.items():
+            lines.append(f"{setup:<9}{name:<11}{r['time_s']:>8.1f}{format_ratio(r['time_ratio'], 7)}"
+                         f"{r['loss_backward_s']:>12.1f}{format_ratio(r['loss_backward_ratio'], 7)}"
+                         f"{r['peak_mb']:>9.0f}{format_ratio(r['peak_ratio'], 7)}"
+                         f"  {', '.join(f'{x:.4f}' for x in r['losses'])}")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    sys.exit(worker_main(run_worker, GRPOBenchConfig, TRAINERS, "--model-dir"))
+    sys.exit(worker_main(run_worker, GRPOBenchConfig,
+                         tuple(f"{t}:{s}" for s in SETUPS for t in TRAINERS), "--model-dir"))

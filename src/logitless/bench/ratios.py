@@ -15,11 +15,11 @@ def ratio(value: float, reference: float, *, floor: float = 0.0) -> float | None
     return None if reference <= floor else value / reference
 
 
-def add_ratios(results: dict, reference: str, time_key: str = "time_s") -> None:
-    """Add ``time_ratio`` and ``peak_ratio`` to every result, relative to ``results[reference]``."""
+def add_ratios(results: dict, reference: str, time_key: str = "time_s", ratio_key: str = "time_ratio") -> None:
+    """Add ``ratio_key`` (of ``time_key``) and ``peak_ratio`` to every result, relative to ``results[reference]``."""
     base = results[reference]
     for result in results.values():
-        result["time_ratio"] = ratio(result[time_key], base[time_key])
+        result[ratio_key] = ratio(result[time_key], base[time_key])
         result["peak_ratio"] = ratio(result["peak_mb"], base["peak_mb"], floor=MEASURABLE_MB)
 
 

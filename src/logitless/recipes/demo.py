@@ -157,8 +157,8 @@ def measure_step_memory(config: DemoConfig) -> dict | None:
 
     report = bench_grpo.run(bench_grpo.GRPOBenchConfig(
         completions=config.memory_completions, completion_length=config.memory_completion_length,
-        num_generations=config.num_generations, steps=1), progress=False, concurrently=True)
-    return {name: result["peak_mb"] for name, result in report["results"].items()}
+        num_generations=config.num_generations, steps=1, setups=("default",)), progress=False, concurrently=True)
+    return {name: result["peak_mb"] for name, result in report["results"]["default"].items()}
 
 
 def summary_table(config: DemoConfig, results: dict, memory: dict | None,
