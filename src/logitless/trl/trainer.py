@@ -11,7 +11,8 @@ Adopt it by changing one import; every GRPOConfig option keeps its meaning.
 2. Reward functions that declare ``completion_logits`` / ``completion_logprobs`` receive them
    (`logitless.trl.rewards`), with every way TRL generates.
 3. Checkpoints appear complete or not at all, and resume from the newest complete one
-   (`logitless.trl.checkpoints`).
+   (`logitless.trl.checkpoints`) to the weights the uninterrupted run would have reached
+   (`logitless.trl.resume`).
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from trl import GRPOTrainer
 
 from logitless.trl.checkpoints import AtomicCheckpoints
 from logitless.trl.lm_head import add_logitless_lm_head, has_logitless_lm_head
+from logitless.trl.resume import ExactResume
 from logitless.trl.rewards import LogitAwareRewards
 
 
-class GRPOTrainerWithLogits(AtomicCheckpoints, LogitAwareRewards, GRPOTrainer):
+class GRPOTrainerWithLogits(AtomicCheckpoints, ExactResume, LogitAwareRewards, GRPOTrainer):
     """Drop-in for `trl.GRPOTrainer`; see the module docstring."""
 
     def __init__(self, *args, **kwargs):
