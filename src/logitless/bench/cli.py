@@ -21,7 +21,7 @@ from logitless.bench.options import require_positive, require_writable, write_re
 def run_trainer_bench(args: argparse.Namespace) -> int:
     """bench grpo / bench reward: their options are the fields of the module's config dataclass."""
     module = importlib.import_module(f"logitless.bench.{args.target}")
-    names = tuple(field.name for field in dataclasses.fields(module.CONFIG) if hasattr(args, field.name))
+    names = tuple(field.name for field in dataclasses.fields(module.CONFIG))
     require_positive(args, [name for name in names if isinstance(getattr(args, name), int)])
     try:
         check_generations(args.num_generations, args.completions)
