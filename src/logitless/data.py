@@ -1,9 +1,9 @@
 """Turning (prompt, output) text pairs into training tensors, and loading such pairs.
 
-The padding rule (DESIGN.md section 1): concatenate ``prompt_ids + output_ids``, right-pad every
+The padding rule: concatenate ``prompt_ids + output_ids``, right-pad every
 row to the batch's longest length L with the pad id (the EOS id when the tokenizer has no pad
-token), then ``input_ids = padded[:, :-1]`` and ``labels = padded[:, 1:]``. This is seed 004's
-example exactly, without its hidden assumption that the last token's id is 0.
+token), then ``input_ids = padded[:, :-1]`` and ``labels = padded[:, 1:]``. Padding ``input_ids``
+with zeros and then one EOS agrees with this only when the last real token's id happens to be 0.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The default path never builds the (B, T, V) logits: it runs the model's body to get the final
 hidden states and hands them with the output embedding to `fused_linear_logprobs`.
-``impl="materialized"`` is seed 001's forward -> log_softmax -> gather, kept as the oracle.
+``impl="materialized"`` is the plain forward -> log_softmax -> gather, kept as the oracle.
 """
 
 from __future__ import annotations

@@ -18,11 +18,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from logitless.bench.options import require_positive, require_writable, write_report
+from logitless.bench.options import choices_metavar, require_positive, require_writable, write_report
 from logitless.bench.ratios import add_ratios, format_ratio
 from logitless.bench.worker import run_worker_process, worker_main
 
 VARIANTS = ("legacy", "efficient")
+METHODS = ("gumbel", "ste")  # GradeConfig.method
 PROMPTS = ["Once upon a time", "The weather today is", "My favourite food is", "Yesterday I went to",
            "The best way to learn is", "In the morning", "A good friend", "The city at night"]
 
@@ -94,25 +95,34 @@ def format_table(report: dict) -> str:
 def add_parser(targets) -> None:
     """Register ``logitless bench grade``."""
     defaults = GradeBenchConfig()
-    parser = targets.add_parser("grade", help="GRADE: legacy GumbelTrainer vs GumbelTrainerMemoryEfficient, "
-                                              "peak memory and step time in fresh processes")
-    parser.add_argument("--steps", type=int, default=defaults.steps, help=f"measured steps (default {defaults.steps})")
+    parser = targets.add_parser(
+        "grade", help="GRADE: legacy GumbelTrainer vs GumbelTrainerMemoryEfficient, peak memory and step time in "
+                      "fresh processes",
+        description="GRADE training steps of the legacy GumbelTrainer and of GumbelTrainerMemoryEfficient on the "
+                    "embedded tiny Qwen2 (real 151,936-token vocabulary): the same prompts, reward (the "
+                    "capitalized-word fraction), seed and config, each in a fresh process. After one unmeasured "
+                    "warm-up step, reports the peak memory growth, the median step time and the mean reward and "
+                    "KL of the measured steps.")
+    parser.add_argument("--steps", type=int, default=defaults.steps,
+                        help="measured optimizer steps, after one warm-up step (default: %(default)s)")
     parser.add_argument("--batch-size", dest="batch_size", type=int, default=defaults.batch_size,
-                        help=f"rollouts per step (default {defaults.batch_size})")
+                        help="rollouts per step (default: %(default)s)")
     parser.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=defaults.max_new_tokens,
-                        help=f"tokens per rollout (default {defaults.max_new_tokens})")
+                        help="tokens per rollout (default: %(default)s)")
     parser.add_argument("--gumbel-topk", dest="gumbel_topk", type=int, default=defaults.gumbel_topk,
-                        help=f"tokens kept per step by the efficient trainer (default {defaults.gumbel_topk})")
-    parser.add_argument("--method", default=defaults.method, help=f"gumbel | ste (default {defaults.method})")
+                        help="tokens kept per step by the efficient trainer (default: %(default)s)")
+    parser.add_argument("--method", default=defaults.method, metavar=choices_metavar(METHODS),
+                        help="gumbel: soft tokens forward and backward; ste: hard forward, soft backward "
+                             "(default: %(default)s)")
     parser.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_false",
                         help="the efficient trainer keeps each decode step's activations (default: recomputes them)")
-    parser.add_argument("--json", help="write the report here (default: print only)")
+    parser.add_argument("--json", help="write the report here (default: not written)")
     parser.set_defaults(handler=_main)
 
 
 def _main(args) -> int:
     require_positive(args, ("steps", "batch_size", "max_new_tokens", "gumbel_topk"))
-    if args.method not in ("gumbel", "ste"):
+    if args.method not in METHODS:
         raise SystemExit(f"--method: expected gumbel or ste, got {args.method!r}")
     require_writable(args, ("json",))
     report = run(GradeBenchConfig(args.steps, args.batch_size, args.max_new_tokens, args.gumbel_topk, args.method,

@@ -8,7 +8,7 @@ the machine's load hits both alike; medians reported) and the loss and gradients
 
 On a GPU or TPU each implementation also runs once in a fresh process to read the device's
 ``peak_bytes_in_use``: a high-water mark of the whole process, which is why it is reported beside
-the compiled program's temporaries and not instead of them (docs/jax.md, seed 003).
+the compiled program's temporaries and not instead of them (docs/jax.md explains why).
 
 The loss: `logitless.jax.fused_grpo_loss` with loss_type "grpo", beta 0.04, old and reference
 log-probs, one completion a quarter masked; ``impl="materialized"`` is the baseline (full logits,
@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from logitless.bench.options import require_positive, require_writable, write_report
+from logitless.bench.options import choices_metavar, require_positive, require_writable, write_report
 
 IMPLEMENTATIONS = ("materialized", "fused")
 DTYPES = ("float32", "bfloat16")
@@ -219,22 +219,30 @@ def plot(report: dict, path: str | Path) -> Path:
 def add_parser(targets) -> None:
     """Register ``logitless bench jax`` on the ``bench`` subcommand's subparsers."""
     defaults = Shape()
-    parser = targets.add_parser("jax", help="JAX GRPO loss: plain-JAX baseline vs fused, compiled memory and time")
+    parser = targets.add_parser(
+        "jax", help="JAX GRPO loss: plain-JAX baseline vs fused, compiled memory and time",
+        description="The GRPO loss (loss_type grpo, beta 0.04, old and reference log-probs) through the LM head "
+                    "in JAX, value and gradients of hidden and weight under jax.jit: the plain-JAX baseline "
+                    "(full logits) against the fused loss. Reports each compiled program's memory "
+                    "(compiled.memory_analysis()) and, unless --compile-only, the step time (median of "
+                    "--repeats) and the loss and gradient differences. Needs JAX (pip install 'logitless[jax]').")
     for flag, short, name, meaning in (("--batch", "-B", "batch", "completions per step"),
                                        ("--seq", "-T", "seq", "completion length"),
                                        ("--hidden", "-H", "hidden", "hidden size"),
                                        ("--vocab", "-V", "vocab", "vocabulary size")):
-        default = getattr(defaults, name)
-        parser.add_argument(flag, short, dest=name, type=int, default=default, help=f"{meaning} (default {default})")
-    parser.add_argument("--dtype", default=defaults.dtype, help=f"{' | '.join(DTYPES)} (default {defaults.dtype})")
+        parser.add_argument(flag, short, dest=name, type=int, default=getattr(defaults, name),
+                            help=f"{meaning} (default: %(default)s)")
+    parser.add_argument("--dtype", default=defaults.dtype, metavar=choices_metavar(DTYPES),
+                        help="dtype of the hidden states and the weight (default: %(default)s)")
     parser.add_argument("--vocab-block", dest="vocab_block", type=int, default=None,
-                        help="vocabulary columns per block of the fused loss (default: BlockSizes' default)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps per implementation, median (default 3)")
+                        help="vocabulary columns per block of the fused loss (default: BlockSizes' default, 2048)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed steps per implementation, median reported (default: %(default)s)")
     parser.add_argument("--compile-only", dest="compile_only", action="store_true",
-                        help="lower and compile only, allocating no inputs: the seed's shape reads on any machine "
-                             "(default off)")
-    parser.add_argument("--json", help="write the report here (default: none)")
-    parser.add_argument("--plot", help="write a PNG bar chart here (default: none)")
+                        help="lower and compile only, allocating no inputs, so that B=1 T=8192 H=4096 V=151936 "
+                             "compiles on any machine (default: off)")
+    parser.add_argument("--json", help="write the report here (default: not written)")
+    parser.add_argument("--plot", help="write a PNG bar chart here (default: not drawn)")
     parser.set_defaults(handler=run_cli)
 
 

@@ -36,3 +36,9 @@ def write_report(report: dict, json_path: str | None) -> None:
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=2))
         print(f"wrote {json_path}")
+
+
+def choices_metavar(choices) -> str:
+    """``{a,b,c}``: how argparse shows ``choices=`` in usage. The options that take it keep checking their
+    value in the command itself, so that a wrong one ends with the command's one line naming the option."""
+    return "{" + ",".join(choices) + "}"

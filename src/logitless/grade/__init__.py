@@ -1,7 +1,7 @@
 """GRADE: training a policy by backpropagating a differentiable reward through Gumbel-softmax rollouts.
 
-`GumbelTrainerMemoryEfficient` is the one to use; `GumbelTrainer` is seed 002's original, kept as the
-reference it is tested against; `GRPOBaseline` trains the same policy on the same reward with GRPO.
+`GumbelTrainerMemoryEfficient` is the one to use; `GumbelTrainer` is the legacy design (dense (B, V) soft
+tokens), kept as the reference it is tested against; `GRPOBaseline` trains the same policy on the same reward with GRPO.
 """
 
 from logitless.grade.config import GradeConfig

@@ -1,4 +1,4 @@
-"""Seed 000's multiple-choice judge as a differentiable GRADE reward.
+"""The multiple-choice judge as a differentiable GRADE reward.
 
 `MultichoiceJudge` reads ``question + "\\nReasoning: " + chain of thought + "\\n" + marker`` and its
 next-token distribution over the answer letters gives P(correct | chain of thought). Here the chain
@@ -7,7 +7,7 @@ soft tokens), so the probability is differentiable with respect to the completio
 text, so the judge's ``strip_answer`` cannot apply: the judge reads the completion as it is.
 
 ``objective="judge"`` trains the policy to write reasoning from which the judge finds the answer,
-R = P(correct | judge). ``objective="hide"`` is the judge's factor of seed 000's reward,
+R = P(correct | judge). ``objective="hide"`` is the judge's factor of the multiple-choice GRPO reward,
 R = 1 - P(correct | judge): reasoning that does not give the answer away.
 """
 

@@ -1,4 +1,4 @@
-"""The legacy differentiable rollout, as seed 002's original GumbelTrainer did it (with its KL put in the loss).
+"""The legacy differentiable rollout of `GumbelTrainer`, the original GRADE design (its KL put in the loss).
 
 Dense everything: each step's full logits (B, V) keep a graph and are stored for the whole rollout; the
 soft token is the dense Gumbel-softmax (B, V) over the vocabulary, embedded as ``y @ E``; the policy

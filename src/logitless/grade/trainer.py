@@ -122,7 +122,7 @@ class _GradeTrainer(_Trainer):
 
 
 class GumbelTrainer(_GradeTrainer):
-    """Legacy GRADE (seed 002's original): dense (B, V) soft tokens, the policy re-reading its whole prefix
+    """Legacy GRADE (the original design): dense (B, V) soft tokens, the policy re-reading its whole prefix
     each step, the reference's logits stored for the whole rollout, the KL from stored logits (in the loss).
     ``gumbel_topk`` is not used: every token is kept."""
 

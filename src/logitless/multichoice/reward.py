@@ -1,6 +1,6 @@
 """Multiple-choice rewards: the probability of the correct answer letter, under the policy and under a judge.
 
-Seed 000's reward is ``R = P(correct | model) * (1 - P(correct | judge))``: the policy should be right
+The multiple-choice reward is ``R = P(correct | model) * (1 - P(correct | judge))``: the policy should be right
 while a judge reading its chain of thought (with the final answer stripped out) cannot tell the answer.
 
 - P(correct | model) is read from ONE row of the policy's own completion logits, the row the answer
@@ -8,7 +8,7 @@ while a judge reading its chain of thought (with the final answer stripped out) 
   `logitless.ops.lazy.CompletionLogits`, so no ``(C, V)`` tensor is ever built.
 - P(correct | judge) comes from `MultichoiceJudge`: one teacher-forced forward over
   question + reasoning + marker, keeping only the last position's logits at the letters' token ids.
-- `answer_probability_by_recomputing` is seed 000's older way (a second full forward with
+- `answer_probability_by_recomputing` is the older way (a second full forward with
   materialized logits), kept as the fallback for stock TRL and as a benchmark baseline.
 
 A letter's probability is the sum over its token ids: the bare letter ("A") and the space-prefixed
@@ -141,7 +141,7 @@ def _answer_probability_from_row(row: torch.Tensor, token_ids: dict[str, list[in
 def extract_answer_probability_from_logits(completion_logits, completion_ids, tokenizer, correct_answer: str,
                                            choices: str = "ABCD", *, renormalize: bool = True,
                                            marker: str = "ANSWER:") -> float:
-    """P(correct_answer) at the answer position of one completion, read from its own logits (seed 000).
+    """P(correct_answer) at the answer position of one completion, read from its own logits.
 
     ``completion_logits``: a (C, V) tensor or a `CompletionLogits`, anything whose ``[t]`` is the (V,)
     logits row completion token t was sampled from (temperature already applied). Only the row at
@@ -169,7 +169,7 @@ def extract_answer_probability_from_logits(completion_logits, completion_ids, to
 def answer_probability_by_recomputing(policy, tokenizer, prompt: str, completion_ids, correct_answer: str,
                                       choices: str = "ABCD", marker: str = "ANSWER:", renormalize: bool = True,
                                       *, temperature: float = 1.0) -> float:
-    """P(correct_answer) by running ``policy`` again over prompt + completion: seed 000's older way.
+    """P(correct_answer) by running ``policy`` again over prompt + completion: the older way.
 
     One more teacher-forced forward of the policy, whose completion rows go through the policy's head
     (`lm_head_of`: the sampling temperature, logit scale and soft cap of the loss's own definition) as

@@ -1,7 +1,7 @@
 """CompletionLogits: one completion's logits rows, computed from hidden states when indexed.
 
-Seed 000 handed reward functions a ``[completion_len, V]`` logits tensor per completion (hundreds of
-MB each at a 151k vocabulary). This view keeps only the completion's hidden states ``(C, H)`` and a
+Handing reward functions a ``[completion_len, V]`` logits tensor per completion costs hundreds of
+MB each at a 151k vocabulary. This view keeps only the completion's hidden states ``(C, H)`` and a
 reference to the LM head; ``view[t]`` computes row t, ``view[a:b]`` rows a..b-1, on demand.
 """
 

@@ -2,7 +2,7 @@
 
 Small and obviously right on purpose. Every fused op is tested against these, and
 `get_response_log_probs(..., impl="materialized")` is built on them. All statistics are
-computed in fp32 whatever the input dtype (DESIGN.md section 4), and -inf logits are exact:
+computed in fp32 whatever the input dtype, and -inf logits are exact:
 their probability is 0 and ``0 * log 0 = 0`` in the entropy and in its gradient.
 """
 
