@@ -17,3 +17,26 @@ def tiny_model():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def warm_policy(tmp_path_factory):
+    """(policy directory, questions.jsonl): the embedded untied tiny Qwen2 after 30 `logitless sft` steps on 16
+    multiple-choice prompts answered " ANSWER: <ordinal> <letter>", and 4 other questions. GRPO on it gets
+    rewards that differ within a group, so its weights move at every step."""
+    import json
+
+    from logitless.checkpoint import last_complete_checkpoint
+    from logitless.cli import main
+    from logitless.multichoice.data import synthetic_multichoice
+    from logitless.recipes.warm_start import multichoice_sft_pairs
+
+    root = tmp_path_factory.mktemp("warm")
+    pairs = multichoice_sft_pairs(synthetic_multichoice(count=16, seed=0), end=qwen_tokenizer().eos_token)
+    (root / "warm.jsonl").write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    questions = [{key: record[key] for key in ("question", "choices", "answer")}
+                 for record in synthetic_multichoice(count=4, seed=5)]
+    (root / "questions.jsonl").write_text("".join(json.dumps(question) + "\n" for question in questions))
+    assert main(["sft", "--model", "tiny-qwen2-untied", "--data", str(root / "warm.jsonl"), "--steps", "30",
+                 "--save-every", "30", "--output-dir", str(root / "sft")]) == 0
+    return last_complete_checkpoint(root / "sft")[0], root / "questions.jsonl"

@@ -3,7 +3,7 @@
 Reusable for any trainer whose command resumes from its output directory: give the command line
 (without its output directory), the output-directory option, and how to read the final weights.
 
-    report = check_sigkill_anywhere([sys.executable, "-m", "logitless.cli", "sft", "--steps", "4"], "--output-dir",
+    report = check_sigkill_anywhere([sys.executable, "-m", "logitless", "sft", "--steps", "4"], "--output-dir",
                                     sft_weights, tmp_path, kill_points=3)
 
 The uninterrupted run is timed first; the moment its output directory is claimed (``logitless-run.json``
@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from logitless.checkpoint import CHECKPOINT_STAGING
+
 MARKER = "logitless-run.json"
 
 
@@ -46,14 +48,8 @@ def _finish(process: subprocess.Popen, what: str) -> None:
 
 
 def _saving(output_dir: Path) -> bool:
-    """Whether a checkpoint was being written: a staging directory with content, or an unlinked version."""
-    staging = output_dir / ".logitless-staging"
-    if staging.is_dir() and any(staging.iterdir()):
-        return True
-    link = output_dir / "checkpoint"
-    current = os.readlink(link) if link.is_symlink() else None
-    return any(entry.name.startswith(".checkpoint.") and entry.name != current and not entry.name.endswith(".link")
-               for entry in output_dir.iterdir())
+    """Whether a checkpoint was being written: a staging directory with content (in a method's directory too)."""
+    return any(any(staging.iterdir()) for staging in output_dir.rglob(CHECKPOINT_STAGING) if staging.is_dir())
 
 
 def check_sigkill_anywhere(command: list[str], output_option: str, final_weights: Callable[[Path], dict],

@@ -5,8 +5,9 @@ import json
 import pytest
 import torch
 
-from logitless.checkpoint import (RECORD_FILE, checkpoint_problem, has_checkpoint, last_complete_checkpoint,
-                                  load_checkpoint_state, publish_directory, save_checkpoint)
+from logitless.checkpoint import (RECORD_FILE, checkpoint_problem, checkpoint_step, complete_checkpoints,
+                                  has_checkpoint, last_complete_checkpoint, load_checkpoint_state, publish_directory,
+                                  save_checkpoint)
 from logitless.models import tiny_qwen2
 
 
@@ -54,24 +55,26 @@ def test_the_newest_complete_checkpoint_and_what_was_skipped(tmp_path):
     assert last_complete_checkpoint(tmp_path)[0] == tmp_path / "checkpoint-10"
 
 
-def test_save_checkpoint_swaps_a_link_and_keeps_one_version(tmp_path, tokenizer):
+def test_save_checkpoint_publishes_checkpoint_step_and_keeps_the_newest(tmp_path, tokenizer):
     model = tiny_qwen2(vocab_size=151646, hidden_size=8, intermediate_size=16, num_hidden_layers=1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
     model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
     optimizer.step()
-    directory = tmp_path / "run" / "checkpoint"
+    run = tmp_path / "run"
     for step in (1, 2):
-        save_checkpoint(directory, model, tokenizer, optimizer, {"step": step})
-    assert directory.is_symlink() and has_checkpoint(directory)
-    assert sorted(p.name for p in directory.parent.iterdir()) == [".checkpoint.2", "checkpoint"]
+        save_checkpoint(run, step, model, tokenizer, optimizer, {"step": step})
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint-1", "checkpoint-2"]  # no staging left behind
+    save_checkpoint(run, 3, model, tokenizer, optimizer, {"step": 3}, keep=2)
+    assert [p.name for p in complete_checkpoints(run)] == ["checkpoint-2", "checkpoint-3"]
+    assert has_checkpoint(run / "checkpoint-3") and checkpoint_step(last_complete_checkpoint(run)[0]) == 3
     restored = torch.optim.AdamW(model.parameters(), lr=0.1)
-    assert load_checkpoint_state(directory, restored) == {"step": 2}
+    assert load_checkpoint_state(run / "checkpoint-3", restored) == {"step": 3}
     assert restored.param_groups[0]["lr"] == 0.5
     for parameter in model.parameters():
         assert torch.equal(optimizer.state[parameter]["exp_avg"], restored.state[parameter]["exp_avg"])
-    (tmp_path / "user").mkdir()
-    with pytest.raises(FileExistsError, match="save_checkpoint did not write"):
-        save_checkpoint(tmp_path / "user", model, tokenizer, optimizer, {"step": 1})
+    with pytest.raises(FileExistsError, match="already holds a complete checkpoint"):  # never replaced
+        save_checkpoint(run, 3, model, tokenizer, optimizer, {"step": 99})
+    assert load_checkpoint_state(run / "checkpoint-3", restored) == {"step": 3}
 
 
 def test_a_failed_trainer_save_leaves_no_checkpoint_and_the_next_one_succeeds(tmp_path, tokenizer, monkeypatch, caplog):

@@ -1,6 +1,7 @@
 """`logitless grade` end to end: the reward rises (fixed seed), a killed run resumes to the same weights,
 options and errors on the command line."""
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from logitless.checkpoint import last_complete_checkpoint
 from logitless.cli import build_parser, main
 from logitless.grade import METRIC_NAMES
 from logitless.recipes.grade import GradeRunConfig, run_grade
@@ -20,7 +22,7 @@ TINY = dict(max_new_tokens=2, batch_size=2, gumbel_topk=16, save_every=2)
 
 
 def _weights(directory):
-    return load_file(str(Path(directory) / "checkpoint" / "model.safetensors"))
+    return load_file(str(last_complete_checkpoint(directory)[0] / "model.safetensors"))
 
 
 def test_reward_rises_over_a_short_cpu_run(tmp_path):
@@ -41,13 +43,12 @@ def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path):
 
     process = subprocess.Popen([sys.executable, "-m", "logitless.cli", "grade", "--output-dir", str(killed), *options],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    state_file = killed / "ste" / "checkpoint" / "trainer_state.json"
     deadline = time.monotonic() + 300
-    while not state_file.is_file() and process.poll() is None and time.monotonic() < deadline:
+    while last_complete_checkpoint(killed / "ste")[0] is None and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    state = json.loads(state_file.read_text())["trainer"]
+    state = json.loads((last_complete_checkpoint(killed / "ste")[0] / "trainer_state.json").read_text())["trainer"]
     assert 2 <= state["step"] < 5, "the run was not killed in the middle"
     assert main(["grade", "--output-dir", str(killed), *options]) == 0  # resumes
     assert main(["grade", "--output-dir", str(tmp_path / "whole"), *options]) == 0
@@ -79,7 +80,6 @@ def test_help_states_every_default():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--method", "sgd"], "--method: expected one of"),
     (["--gumbel-topk", "0"], "--gumbel-topk: expected a positive int"),
     (["--tau-start", "0"], "--tau-start: expected a finite number > 0"),
     (["--learning-rate", "inf"], "--learning-rate: expected a finite number > 0, got inf"),
@@ -87,7 +87,6 @@ def test_help_states_every_default():
     (["--reward", "classifier"], "--reward-model: a sequence classifier"),
     (["--config", "missing.yaml"], "--config: no such file"),
     (["--model", "./no-such-model"], "--model: no such model directory"),
-    (["--on-nonfinite", "ignore"], "--on-nonfinite: expected one of"),
     (["--allow-changed", "method"], "--allow-changed: .* are not options a resume may change"),
 ])
 def test_command_line_errors_name_the_option(argv, message, tmp_path):
@@ -105,6 +104,18 @@ def test_lora_run_resumes_from_its_adapter_checkpoint(tmp_path):
                       progress=False)["gumbel"]
     assert [row["step"] for row in resumed] == [1, 2]
     assert [row["loss"] for row in resumed] == [row["loss"] for row in whole]
-    split = load_file(str(tmp_path / "split" / "gumbel" / "checkpoint" / "adapter_model.safetensors"))
-    unsplit = load_file(str(tmp_path / "whole" / "gumbel" / "checkpoint" / "adapter_model.safetensors"))
+    split = load_file(str(tmp_path / "split" / "gumbel" / "checkpoint-2" / "adapter_model.safetensors"))
+    unsplit = load_file(str(tmp_path / "whole" / "gumbel" / "checkpoint-2" / "adapter_model.safetensors"))
     assert split.keys() == unsplit.keys() and all(torch.equal(split[k], unsplit[k]) for k in split)
+
+
+def test_the_default_config_file_spells_out_the_commands_defaults():
+    """configs/grade.yaml says it is the default run: each of its values is the one `logitless grade` uses."""
+    import yaml
+
+    values = yaml.safe_load((Path(__file__).parents[1] / "configs" / "grade.yaml").read_text())
+    defaults = GradeRunConfig()
+    flat = {**dataclasses.asdict(defaults.grade), **{k: v for k, v in dataclasses.asdict(defaults).items()
+                                                      if k != "grade"}}
+    assert len(values) >= 15 and {name: flat[name] for name in values} == values
+    assert GradeRunConfig.from_dict(values) == defaults

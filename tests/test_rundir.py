@@ -26,14 +26,18 @@ def test_claims_and_refusals(tmp_path):
         RunDirectory.claim(tmp_path / "broken", "sft", outputs=())
 
 
-def test_overwrite_replaces_only_the_runs_own_output_names(tmp_path):
+def test_overwrite_writes_beside_foreign_files_and_never_replaces_one(tmp_path):
     (tmp_path / "notes.txt").write_text("keep")
-    (tmp_path / "history.json").write_text("old")
+    (tmp_path / "history.json").write_text("the user's")
     with pytest.raises(ValueError, match="--overwrite"):
         RunDirectory.claim(tmp_path, "sft", outputs=("history.json",))
+    with pytest.raises(ValueError, match=r"^output_dir: .* holds history.json, where this run would write"):
+        RunDirectory.claim(tmp_path, "sft", outputs=("history.json", "checkpoint-*"), overwrite=True)
+    assert (tmp_path / "history.json").read_text() == "the user's" and not (tmp_path / MARKER).exists()
+    (tmp_path / "history.json").unlink()
     run = RunDirectory.claim(tmp_path, "sft", outputs=("history.json", "checkpoint-*"), overwrite=True)
     run.start(OPTIONS, resume=False, result_options=("learning_rate",))
-    assert (tmp_path / "notes.txt").read_text() == "keep" and not (tmp_path / "history.json").exists()
+    assert (tmp_path / "notes.txt").read_text() == "keep" and (tmp_path / MARKER).is_file()
 
 
 def test_resume_compares_the_options_that_change_the_result(tmp_path):
@@ -42,7 +46,7 @@ def test_resume_compares_the_options_that_change_the_result(tmp_path):
     assert run.start(OPTIONS, resume=True, **rules) == {}  # nothing recorded yet: a first start
     assert run.start(dict(OPTIONS, steps=8), resume=True, **rules) == {}  # steps is not a result option
     with pytest.raises(ValueError, match=r"^learning_rate: .*learning_rate 0.1 -> 0.2, seed 0 -> 1.*"
-                                         r"--allow-changed learning_rate seed"):
+                                         r"--allow-changed learning-rate seed"):
         run.start(dict(OPTIONS, learning_rate=0.2, seed=1), resume=True, **rules)
     with pytest.raises(ValueError, match="^model: .* cannot resume from 'other'"):
         run.start(dict(OPTIONS, model="other"), resume=True, allow_changed=("learning_rate",), **rules)

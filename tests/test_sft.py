@@ -26,7 +26,7 @@ def test_cli_sft_with_yaml_config(tmp_path, capsys):
     config.write_text(f"steps: 2\nbatch_size: 4\nlearning_rate: 1e-3\ndata: {data}\n")  # 1e-3: a float, not a str
     assert main(["sft", "--config", str(config), "--output-dir", str(tmp_path / "out")]) == 0
     assert "over 2 steps" in capsys.readouterr().out
-    saved = json.loads((tmp_path / "out" / "checkpoint" / "trainer_state.json").read_text())
+    saved = json.loads((tmp_path / "out" / "checkpoint-2" / "trainer_state.json").read_text())
     assert saved["optimizer_param_groups"][0]["lr"] == 1e-3 and saved["trainer"]["step"] == 2
     assert (tmp_path / "out" / "loss.png").stat().st_size > 1000
     assert json.loads((tmp_path / "out" / "history.json").read_text())["step"] == 2

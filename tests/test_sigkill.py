@@ -3,35 +3,41 @@ of an uninterrupted run (tests/sigkill.py; LOGITLESS_KILL_POINTS=N runs N kills 
 
 import sys
 
+from safetensors.torch import load_file
 from sigkill import check_sigkill_anywhere, kill_points, safetensors_weights
 
 from logitless.checkpoint import last_complete_checkpoint
 
-CLI = [sys.executable, "-m", "logitless.cli"]
+CLI = [sys.executable, "-m", "logitless"]
+
+
+def _last_weights(run):
+    return safetensors_weights(last_complete_checkpoint(run)[0])
 
 
 def test_sft_survives_sigkill_anywhere(tmp_path):
     command = CLI + ["sft", "--steps", "4", "--batch-size", "2", "--save-every", "1"]
-    report = check_sigkill_anywhere(command, "--output-dir", lambda run: safetensors_weights(run / "checkpoint"),
-                                    tmp_path, kill_points=kill_points(3))
+    report = check_sigkill_anywhere(command, "--output-dir", _last_weights, tmp_path, kill_points=kill_points(3))
     print(report)
     assert report["kills"] == kill_points(3)
 
 
-def test_grpo_survives_sigkill_anywhere(tmp_path):
-    command = CLI + ["grpo", "--steps", "2", "--completions-per-step", "4", "--num-generations", "2",
-                     "--max-completion-length", "4", "--save-every", "1"]
-    report = check_sigkill_anywhere(command, "--output-dir",
-                                    lambda run: safetensors_weights(last_complete_checkpoint(run)[0]),
-                                    tmp_path, kill_points=kill_points(3))
+def test_grpo_survives_sigkill_anywhere_on_a_policy_that_learns(tmp_path, warm_policy):
+    policy, questions = warm_policy
+    command = CLI + ["grpo", "--model", str(policy), "--data", str(questions), "--steps", "3",
+                     "--completions-per-step", "4", "--num-generations", "2", "--max-completion-length", "8",
+                     "--learning-rate", "1e-3", "--save-every", "1"]
+    report = check_sigkill_anywhere(command, "--output-dir", _last_weights, tmp_path, kill_points=kill_points(3))
     print(report)
     assert report["kills"] == kill_points(3)
+    start, end = load_file(str(policy / "model.safetensors")), _last_weights(tmp_path / "uninterrupted")
+    assert max((end[name] - start[name]).abs().max().item() for name in start) > 1e-4  # the weights moved
 
 
 def test_grade_survives_sigkill_anywhere(tmp_path):
     command = CLI + ["grade", "--method", "ste", "--steps", "3", "--max-new-tokens", "2", "--batch-size", "2",
                      "--gumbel-topk", "16", "--reward", "words", "--save-every", "1"]
-    report = check_sigkill_anywhere(command, "--output-dir", lambda run: safetensors_weights(run / "ste" / "checkpoint"),
+    report = check_sigkill_anywhere(command, "--output-dir", lambda run: _last_weights(run / "ste"),
                                     tmp_path, kill_points=kill_points(3))
     print(report)
     assert report["kills"] == kill_points(3)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from logitless.checkpoint import complete_checkpoints, last_complete_checkpoint
 from logitless.cli import main
 from logitless.models import save_model_and_tokenizer, tiny_qwen2
 
@@ -62,18 +63,19 @@ def test_a_run_never_writes_into_a_directory_it_did_not_claim(tmp_path, command,
 
 def test_a_crash_anywhere_in_an_sft_save_leaves_a_checkpoint(tmp_path, monkeypatch, tokenizer):
     """A crash between the two renames of the SFT checkpoint left none: the rerun started at step 0 and deleted
-    both copies. Now every file-system step of a save is interrupted in turn: the old or the new one is there."""
-    from logitless.checkpoint import has_checkpoint, load_checkpoint_state, save_checkpoint
+    both copies. Now every file-system step of a save (keeping one checkpoint) is interrupted in turn: the old
+    or the new one is there, and the next save succeeds."""
+    from logitless.checkpoint import last_complete_checkpoint, load_checkpoint_state, save_checkpoint
 
     model = tiny_qwen2(vocab_size=151646, hidden_size=8, intermediate_size=16, num_hidden_layers=1)
     optimizer = torch.optim.AdamW(model.parameters())
-    directory = tmp_path / "checkpoint"
-    save_checkpoint(directory, model, tokenizer, optimizer, {"step": 1})
 
     class Crash(Exception):
         pass
 
     for crash_at in range(100):
+        directory = tmp_path / f"run{crash_at}"
+        save_checkpoint(directory, 1, model, tokenizer, optimizer, {"step": 1})
         mutations = [0]
         for name in ("rename", "replace", "symlink", "unlink", "rmdir"):
             real = getattr(os, name)
@@ -86,18 +88,20 @@ def test_a_crash_anywhere_in_an_sft_save_leaves_a_checkpoint(tmp_path, monkeypat
 
             monkeypatch.setattr(os, name, interrupted)
         try:
-            save_checkpoint(directory, model, tokenizer, optimizer, {"step": 2})
+            save_checkpoint(directory, 2, model, tokenizer, optimizer, {"step": 2}, keep=1)
             finished = True
         except Crash:
             finished = False
         monkeypatch.undo()
-        assert has_checkpoint(directory), f"no checkpoint after a crash at file-system step {crash_at}"
-        step = load_checkpoint_state(directory, torch.optim.AdamW(model.parameters()))["step"]
+        checkpoint, _ = last_complete_checkpoint(directory)
+        assert checkpoint is not None, f"no checkpoint after a crash at file-system step {crash_at}"
+        step = load_checkpoint_state(checkpoint, torch.optim.AdamW(model.parameters()))["step"]
         assert step in (1, 2)
         if finished:
             assert step == 2
             break
-        save_checkpoint(directory, model, tokenizer, optimizer, {"step": 1})  # back to the state before
+        save_checkpoint(directory, 3, model, tokenizer, optimizer, {"step": 3}, keep=1)  # the rerun's next save
+        assert load_checkpoint_state(last_complete_checkpoint(directory)[0], optimizer)["step"] == 3
     assert finished and crash_at >= 2
 
 
@@ -113,14 +117,16 @@ def test_an_unwritable_output_dir_fails_before_training(tmp_path, no_model_loads
 # -- silent wrong training ---------------------------------------------------------------------------
 
 def _checkpoint_learning_rate(out: Path) -> float:
-    return json.loads((out / "checkpoint" / "trainer_state.json").read_text())["optimizer_param_groups"][0]["lr"]
+    checkpoint, _ = last_complete_checkpoint(out)
+    return json.loads((checkpoint / "trainer_state.json").read_text())["optimizer_param_groups"][0]["lr"]
 
 
 def test_sft_resume_refuses_changed_options_unless_allowed(tmp_path, tokenizer):
     """Resuming with a new learning rate ignored it; a new --model was ignored."""
     out = tmp_path / "run"
     assert run(*SFT, out=out, steps=1) == 0
-    with pytest.raises(SystemExit, match=r"--learning-rate: .*learning_rate 0.003 -> 0.01.*--allow-changed"):
+    with pytest.raises(SystemExit,
+                       match=r"--learning-rate: .*--learning-rate 0.003 -> 0.01.*--allow-changed learning-rate "):
         run(*SFT, "--learning-rate", "0.01", out=out, steps=2)
     other = save_model_and_tokenizer(tiny_qwen2(seed=1), tokenizer, tmp_path / "other")
     with pytest.raises(SystemExit, match="--model: .*cannot resume"):
@@ -162,9 +168,9 @@ def test_a_nonfinite_loss_stops_sft_before_anything_is_saved(tmp_path, capsys):
     out = tmp_path / "huge"
     with pytest.raises(SystemExit, match=r"logitless sft: step 2: the loss is nan; stopped before the optimizer step"):
         run(*SFT, "--learning-rate", "1e30", out=out, steps=3)
-    weights = load_file(str(out / "checkpoint" / "model.safetensors"))  # step 1's: huge but finite
+    assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-1"]
+    weights = load_file(str(out / "checkpoint-1" / "model.safetensors"))  # step 1's: huge but finite
     assert all(bool(torch.isfinite(w).all()) for w in weights.values())
-    assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["trainer"]["step"] == 1
     # or skip such steps: the run finishes, says so, and its weights stay finite
     assert run(*SFT, "--learning-rate", "1e30", "--on-nonfinite", "skip", out=tmp_path / "skip", steps=3) == 0
     assert "2 steps skipped (not finite)" in capsys.readouterr().out
@@ -183,7 +189,6 @@ QUESTION = {"question": "Which is largest?", "choices": ["1", "2", "3", "4"], "a
 
 @pytest.mark.parametrize("argv, message", [
     (["grpo", "--data", "{one}"], r"--data: .* holds 1 question\(s\); one step needs .* = 2"),
-    (["grpo", "--loss-type", "foo"], "--loss-type: expected one of"),
     (["grpo", "--data", "{missing}"], "--data: no such file"),
     (["grpo", "--data", "{null_question}"], "--data: line 1 of .* question that is not a string: None"),
     (["grpo", "--data", "{null_option}"], "--data: line 1 of .* option that is not a string or a number: None"),

@@ -5,17 +5,18 @@ size (``logitless-checkpoint.json``) is written last and every file and director
 ONE rename makes it visible. A crash (SIGKILL, power loss) at any moment leaves the previous
 checkpoint or the new one, never a mix and never neither.
 
-Two layouts use this:
+Every command names its checkpoints ``checkpoint-STEP`` inside its run directory, written under
+``.logitless-staging/`` and published with one rename:
 
-* our own, `save_checkpoint` (``logitless sft``): ``DIR`` is a symbolic link to a hidden version
-  ``.DIR.N`` beside it. A save writes ``.DIR.N+1``, seals it, swaps the link with one rename, then
-  removes the older versions. It holds the model and tokenizer (``save_pretrained``), the optimizer's
-  tensors (``optimizer.safetensors``) and everything else as JSON (``trainer_state.json``); nothing
-  is pickled.
-* Hugging Face Trainer's ``checkpoint-STEP`` directories: `GRPOTrainerWithLogits` writes each one in
-  a staging directory and publishes it with `publish_directory`; `last_complete_checkpoint` picks
-  the newest complete one to resume from and names the ones it skipped (one that a stock Trainer
-  wrote, without the record, counts as complete when its last file, trainer_state.json, parses).
+* our own, `save_checkpoint` (``logitless sft``, ``logitless grade``): the model and tokenizer
+  (``save_pretrained``), the optimizer's tensors (``optimizer.safetensors``) and everything else as
+  JSON (``trainer_state.json``); nothing is pickled.
+* Hugging Face Trainer's: `GRPOTrainerWithLogits` writes each one in the staging directory and
+  publishes it with `publish_directory`.
+
+`last_complete_checkpoint` picks the newest complete one to resume from and names the ones it skipped
+(one that a stock Trainer wrote, without the record, counts as complete when its last file,
+trainer_state.json, parses).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from logitless.models import save_model_and_tokenizer
 RECORD_FILE = "logitless-checkpoint.json"
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
-_HF_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+CHECKPOINT_PREFIX = "checkpoint"  # checkpoint-STEP, as Hugging Face's Trainer names them
+CHECKPOINT_STAGING = ".logitless-staging"  # in the run directory: checkpoints being written
+_STEP_CHECKPOINT = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
 
 
 def _fsync(path: Path) -> None:
@@ -102,14 +105,28 @@ def publish_directory(staging: str | Path, final: str | Path) -> Path:
     return final
 
 
+def _step_directories(run_dir: Path) -> list[Path]:
+    """The ``checkpoint-STEP`` directories in ``run_dir``, oldest step first."""
+    found = [(int(match.group(1)), entry) for entry in (run_dir.iterdir() if run_dir.is_dir() else ())
+             if (match := _STEP_CHECKPOINT.match(entry.name)) and entry.is_dir()]
+    return [path for _, path in sorted(found)]
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """STEP of a ``checkpoint-STEP`` directory."""
+    return int(_STEP_CHECKPOINT.match(Path(path).name).group(1))
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The complete ``checkpoint-STEP`` directories in ``run_dir``, oldest step first."""
+    return [path for path in _step_directories(Path(run_dir)) if _trainer_checkpoint_problem(path) is None]
+
+
 def last_complete_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str]]:
     """The newest complete ``checkpoint-STEP`` directory in ``run_dir`` (None if none), and one
     "skipping ..." sentence for each newer directory that is not complete."""
-    run_dir = Path(run_dir)
-    steps = sorted(((int(match.group(1)), entry) for entry in (run_dir.iterdir() if run_dir.is_dir() else ())
-                    if (match := _HF_CHECKPOINT.match(entry.name)) and entry.is_dir()), reverse=True)
     skipped = []
-    for _, path in steps:
+    for path in reversed(_step_directories(Path(run_dir))):
         problem = _trainer_checkpoint_problem(path)
         if problem is None:
             return path, skipped
@@ -129,46 +146,39 @@ def _trainer_checkpoint_problem(path: Path) -> str | None:
     return None
 
 
-# -- our own format: DIR -> .DIR.N ---------------------------------------------------------------
+# -- our own format: checkpoint-STEP with JSON state and safetensors --------------------------------
 
-def _versions(directory: Path) -> dict[int, Path]:
-    """The hidden versions ``.DIR.N`` that `save_checkpoint` wrote beside ``directory``."""
-    pattern = re.compile(rf"^\.{re.escape(directory.name)}\.(\d+)$")
-    if not directory.parent.is_dir():
-        return {}
-    return {int(match.group(1)): entry for entry in directory.parent.iterdir() if (match := pattern.match(entry.name))}
+def checkpoint_name(step: int) -> str:
+    return f"{CHECKPOINT_PREFIX}-{step}"
 
 
-def save_checkpoint(directory: str | Path, model, tokenizer, optimizer: torch.optim.Optimizer, state: dict) -> Path:
-    """Write model, tokenizer, optimizer and ``state`` (JSON-able) as the checkpoint at ``directory``.
+def save_checkpoint(run_dir: str | Path, step: int, model, tokenizer, optimizer: torch.optim.Optimizer, state: dict,
+                    *, keep: int | None = None) -> Path:
+    """Write model, tokenizer, optimizer and ``state`` (JSON-able) as ``RUN_DIR/checkpoint-STEP``; returns it.
 
-    ``directory`` becomes a link to the new version; the previous checkpoint stays readable until the
-    one rename that swaps the link, and is removed after it.
+    The directory is written under ``RUN_DIR/.logitless-staging`` and published with one rename
+    (`publish_directory`), so it is complete or absent. ``keep``: then only the newest ``keep`` complete
+    checkpoints stay (None: every one).
     """
-    directory = Path(directory)
-    if directory.exists() and not directory.is_symlink():
-        raise FileExistsError(f"directory: {directory} is a directory that save_checkpoint did not write "
-                              "(it keeps a link there); move it away")
-    older = _versions(directory)
-    version = directory.with_name(f".{directory.name}.{max(older, default=0) + 1}")
-    save_model_and_tokenizer(model, tokenizer, version)
+    run_dir = Path(run_dir)
+    staging = run_dir / CHECKPOINT_STAGING / checkpoint_name(step)
+    if staging.exists():
+        shutil.rmtree(staging)  # a save of this step that a crash interrupted
+    save_model_and_tokenizer(model, tokenizer, staging)
     optimizer_state = optimizer.state_dict()
     tensors = {f"{param_id}.{key}": value.detach().clone().contiguous()
                for param_id, param_state in optimizer_state["state"].items()
                for key, value in param_state.items() if isinstance(value, torch.Tensor)}
-    save_file(tensors, str(version / OPTIMIZER_FILE))
+    save_file(tensors, str(staging / OPTIMIZER_FILE))
     meta = {"trainer": state, "optimizer_param_groups": optimizer_state["param_groups"]}
-    (version / STATE_FILE).write_text(json.dumps(meta, indent=2))
-    seal(version)
-    link = directory.with_name(f".{directory.name}.link")
-    if link.is_symlink() or link.exists():
-        link.unlink()
-    os.symlink(version.name, link)  # relative: the run directory can be moved or copied
-    os.replace(link, directory)  # the one step that publishes the new checkpoint
-    _fsync(directory.parent)
-    for path in older.values():
-        remove_tree(path)
-    return directory
+    (staging / STATE_FILE).write_text(json.dumps(meta, indent=2))
+    final = publish_directory(staging, run_dir / checkpoint_name(step))
+    if not any(staging.parent.iterdir()):
+        staging.parent.rmdir()  # nothing left in flight: the run directory shows only what it holds
+    if keep is not None:
+        for older in complete_checkpoints(run_dir)[:-keep]:
+            remove_tree(older)
+    return final
 
 
 def has_checkpoint(directory: str | Path) -> bool:
@@ -183,7 +193,7 @@ def read_checkpoint_state(directory: str | Path) -> dict:
 
 def load_checkpoint_state(directory: str | Path, optimizer: torch.optim.Optimizer) -> dict:
     """Restore the optimizer in place and return the trainer state saved with it."""
-    directory = Path(directory).resolve()  # one version throughout, even if a save swaps the link meanwhile
+    directory = Path(directory)
     meta = json.loads((directory / STATE_FILE).read_text())
     per_param: dict[int, dict] = {}
     for name, tensor in load_file(str(directory / OPTIMIZER_FILE)).items():

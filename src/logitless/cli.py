@@ -10,8 +10,9 @@ import argparse
 import sys
 import warnings
 
+from logitless import __version__
 from logitless.bench import cli as bench_cli
-from logitless.recipes import demo, grade, grpo, sft
+from logitless.recipes import demo, grade, grpo, interrupts, sft
 
 
 class _Parser(argparse.ArgumentParser):
@@ -23,6 +24,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="logitless", description="LLM post-training without [B, T, V] logits")
+    parser.add_argument("--version", action="version", version=f"logitless {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo.add_parser(commands)
     sft.add_parser(commands)
@@ -33,12 +35,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; Ctrl-C and SIGTERM end it with one line and exit status 130 / 143."""
     args = build_parser().parse_args(argv)
+    interrupts.install_sigterm_handler()
     # TRL 1.16 reads model.is_gradient_checkpointing at every generation, which transformers 5 deprecates:
     # a warning per step that the user can do nothing about
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        return args.handler(args)
+        try:
+            return args.handler(args)
+        except (KeyboardInterrupt, interrupts.Terminated) as interrupt:
+            interrupts.close_progress_bars()
+            print(interrupts.summary(args.command), file=sys.stderr)
+            return interrupts.EXIT_STATUS[type(interrupt)]
 
 
 if __name__ == "__main__":

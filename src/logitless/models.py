@@ -69,13 +69,31 @@ def load_model_and_tokenizer(name_or_path: str = EMBEDDED_DEFAULT, *, dtype: tor
         raise TypeError(f"name_or_path: expected a model name or directory, got {name_or_path!r}")
     if str(name_or_path) in EMBEDDED_MODELS:
         return tiny_qwen2(seed=seed, **EMBEDDED_MODELS[str(name_or_path)]).to(dtype), qwen_tokenizer()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(name_or_path)
+    return AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=dtype), tokenizer
+
+
+def load_tokenizer(name_or_path: str | Path):
+    """The tokenizer of `load_model_and_tokenizer` alone (no weights read); pad defaults to EOS."""
+    if str(name_or_path) in EMBEDDED_MODELS:
+        return qwen_tokenizer()
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
-    model = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=dtype)
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+    return tokenizer
+
+
+def model_vocab_size(name_or_path: str | Path) -> int:
+    """Rows of the model's output layer, from its config alone (no weights read)."""
+    if str(name_or_path) in EMBEDDED_MODELS:
+        return tiny_qwen2_config(**EMBEDDED_MODELS[str(name_or_path)]).vocab_size
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(name_or_path)).get_text_config().vocab_size
 
 
 def save_model_and_tokenizer(model, tokenizer, directory: str | Path) -> Path:

@@ -4,7 +4,8 @@ A run claims its output directory by writing ``logitless-run.json`` there: the c
 the run was started with, and every option change a resume was allowed to make. Then:
 
 * a new or empty directory is claimed; a non-empty one without the file is refused (``overwrite``
-  lets a run write into it, replacing the files that carry its own output names, nothing else);
+  lets a run write into it beside the files there, unless one carries a name the run writes: nothing
+  the run did not write is ever replaced);
 * a directory claimed by another command is refused;
 * writability is checked by writing that file, before any model is loaded or any step is trained;
 * a resume compares the options that change the result with the recorded ones and refuses any
@@ -81,7 +82,8 @@ class RunDirectory:
         """Claim ``path`` for ``command`` (creating it), or raise ValueError naming ``output_dir``.
 
         ``outputs``: glob patterns of the names the run writes in the directory (its checkpoints,
-        history, plots): the only entries a fresh start, or ``overwrite``, ever replaces.
+        history, plots): the only entries a fresh start replaces; with ``overwrite``, a directory that
+        holds one of them (written by someone else) is refused.
         """
         path = Path(path)
         if path.exists() and not path.is_dir():
@@ -96,10 +98,16 @@ class RunDirectory:
                                  "directory") from None
             if claimed_by != command:
                 raise ValueError(f"output_dir: {path} holds a `logitless {claimed_by}` run; choose another directory")
-        elif path.is_dir() and any(path.iterdir()) and not overwrite:
-            raise ValueError(f"output_dir: {path} is not empty and no logitless run claimed it (no {MARKER}); "
-                             "choose a new or empty directory, or pass --overwrite to write this run's files into "
-                             "it (replacing files of the same names)")
+        elif path.is_dir() and any(path.iterdir()):
+            if not overwrite:
+                raise ValueError(f"output_dir: {path} is not empty and no logitless run claimed it (no {MARKER}); "
+                                 "choose a new or empty directory, or pass --overwrite to write this run's files "
+                                 "beside the ones there")
+            in_the_way = sorted({entry.name for pattern in outputs for entry in path.glob(pattern)})
+            if in_the_way:
+                raise ValueError(f"output_dir: {path} holds {', '.join(in_the_way)}, where this run would write its "
+                                 "own outputs, and no logitless run wrote them; --overwrite never replaces what the "
+                                 "run did not write: move them away or choose another directory")
         try:
             path.mkdir(parents=True, exist_ok=True)
             write_json_atomically(path / MARKER, record or {"command": command, "options": None, "changes": []})
@@ -141,9 +149,10 @@ class RunDirectory:
             if refused:
                 listed = ", ".join(f"{name} {_describe(changes[name][0])} -> {_describe(changes[name][1])}"
                                    for name in refused)
+                flags = " ".join(name.replace("_", "-") for name in refused)
                 raise ValueError(f"{refused[0]}: resuming the run in {self.path} with changed options that change "
-                                 f"its result ({listed}); pass --allow-changed {' '.join(refused)} to resume with the "
-                                 "new values (recorded in the run directory), or use another output directory")
+                                 f"its result ({listed}); pass --allow-changed {flags} to resume with the new values "
+                                 "(recorded in the run directory), or use another output directory")
         if not resume:
             for entry in self.existing_outputs():
                 remove_tree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()

@@ -5,7 +5,7 @@ The same GRPO steps (GRPOTrainerWithLogits, a warm-started tiny Qwen2 policy tha
 
 * logits    the reward declares ``completion_logits`` and reads P(correct | model) from the rows the
             trainer hands it (hidden states kept from generation);
-* fallback  the reward does not declare it, so P(correct | model) is recomputed as seed 000 did: one
+* fallback  the reward does not declare it, so P(correct | model) is recomputed the older way: one
             more teacher-forced policy forward per completion, with (T, V) logits.
 
 Reported per implementation: seconds spent inside the reward function, policy forward passes made
@@ -16,7 +16,6 @@ growth while it ran.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 import time
@@ -99,10 +98,10 @@ def run(config: RewardBenchConfig, progress: bool = True) -> dict:
 
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
-        warm_start_policy(scratch, steps=config.warm_start_steps, progress=False)
+        _, policy_dir = warm_start_policy(scratch, steps=config.warm_start_steps, progress=False)
         for variant in tqdm(VARIANTS, desc="bench reward", disable=not progress):
             results[variant] = run_worker_process(
-                "logitless.bench.reward", ["--worker", variant, "--policy-dir", os.path.join(scratch, "checkpoint"),
+                "logitless.bench.reward", ["--worker", variant, "--policy-dir", str(policy_dir),
                                            "--config", json.dumps(asdict(config))])
     add_ratios(results, "fallback", time_key="reward_time_s")
     return {"config": asdict(config), "results": results}

@@ -53,6 +53,12 @@ class GradeConfig:
         if not isinstance(self.activation_checkpointing, bool):
             raise TypeError(f"activation_checkpointing: expected a bool, got {self.activation_checkpointing!r}")
 
+    def check_grpo_group(self) -> None:
+        """What the GRPO baseline needs: groups of ``grpo_group_size`` >= 2 completions filling each microbatch."""
+        if self.grpo_group_size < 2 or self.batch_size % self.grpo_group_size:
+            raise ValueError(f"grpo_group_size: must be >= 2 and divide batch_size {self.batch_size}, "
+                             f"got {self.grpo_group_size}")
+
     @classmethod
     def from_dict(cls, values: dict) -> GradeConfig:
         return dataclass_from_dict(cls, values)

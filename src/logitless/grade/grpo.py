@@ -30,9 +30,7 @@ class GRPOBaseline(_Trainer):
 
     def __init__(self, policy, reward, config, **kwargs):
         super().__init__(policy, reward, config, **kwargs)
-        if config.grpo_group_size < 2 or config.batch_size % config.grpo_group_size:
-            raise ValueError(f"grpo_group_size: must be >= 2 and divide batch_size {config.batch_size}, "
-                             f"got {config.grpo_group_size}")
+        config.check_grpo_group()
 
     def microbatch(self, prompt: PromptBatch, noise, generator) -> dict:
         config = self.config

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,7 @@ from logitless.ops.kl import heads_kl
 @dataclass
 class CausalLMParts:
     model: torch.nn.Module
-    body: torch.nn.Module  # (inputs_embeds, attention_mask, position_ids, past_key_values) -> last_hidden_state
+    body: torch.nn.Module  # (inputs_embeds, attention_mask, position_ids, a KV cache) -> last_hidden_state
     head: LinearHead
     embedding: TokenEmbedding
 
@@ -32,6 +33,12 @@ class CausalLMParts:
             raise ValueError(f"{name}: its LM head has {head.weight.shape[0]} rows but its input embedding "
                              f"{embedding.vocab_size}; soft tokens need one vocabulary")
         return cls(model, body, head, embedding)
+
+    def run_body(self, cache, **inputs):
+        """The body with a KV cache, under the keyword this transformers version names it (``cache`` since 5.x
+        deprecated ``past_key_values``)."""
+        keyword = "cache" if "cache" in inspect.signature(self.body.forward).parameters else "past_key_values"
+        return self.body(**inputs, **{keyword: cache}, use_cache=True)
 
     @property
     def vocab_size(self) -> int:

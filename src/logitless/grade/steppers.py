@@ -52,8 +52,8 @@ class CachedStepper:
 
     def start(self) -> torch.Tensor:
         cache = DynamicCache(config=self.parts.config)
-        out = self.parts.body(inputs_embeds=self.prompt_embeds, attention_mask=self.mask,
-                              position_ids=position_ids_for(self.mask), past_key_values=cache, use_cache=True)
+        out = self.parts.run_body(cache, inputs_embeds=self.prompt_embeds, attention_mask=self.mask,
+                                  position_ids=position_ids_for(self.mask))
         self.pieces = [[layer.keys, layer.values] for layer in cache.layers]
         return out.last_hidden_state[:, -1]
 
@@ -85,7 +85,7 @@ class _DecodeStep:
             layer_pieces = flat_pieces[start: start + count]
             cache.update(torch.cat(layer_pieces[0::2], dim=-2), torch.cat(layer_pieces[1::2], dim=-2), layer)
             start += count
-        out = self.parts.body(inputs_embeds=token_embeds.unsqueeze(1), attention_mask=self.mask,
-                              position_ids=self.position, past_key_values=cache, use_cache=True)
+        out = self.parts.run_body(cache, inputs_embeds=token_embeds.unsqueeze(1), attention_mask=self.mask,
+                                  position_ids=self.position)
         new = [piece[:, :, -1:].clone() for layer in cache.layers for piece in (layer.keys, layer.values)]
         return (out.last_hidden_state[:, -1], *new)

@@ -106,8 +106,8 @@ def train_demo(config: DemoConfig, directory: Path, *, progress: bool = True) ->
     """Steps 1 and 2 and the accuracies of step 3, in ``directory``; returns the numbers of the summary."""
     print(f"logitless demo 1/4: {config.steps} + {config.steps // 10} warm-up SFT steps of tiny-qwen2-untied "
           "(vocabulary 151,936): the answer format ' ANSWER: <ordinal> <letter>', on sums it cannot solve")
-    sft = warm_start_policy(directory / "sft", steps=config.steps, progress=progress,
-                            data_file=directory / "warm_start.jsonl")
+    sft, policy_dir = warm_start_policy(directory / "sft", steps=config.steps, progress=progress,
+                                        data_file=directory / "warm_start.jsonl")
     print(f"SFT loss {sft['loss'][0]:.3f} -> {sft['loss'][-1]:.3f} nats/token in {sft['seconds']:.0f}s; "
           f"plot: {directory / 'sft' / 'loss.png'}")
 
@@ -116,7 +116,6 @@ def train_demo(config: DemoConfig, directory: Path, *, progress: bool = True) ->
     questions.write_text("\n".join(json.dumps({k: r[k] for k in ("question", "choices", "answer")})
                                    for r in records) + "\n")
     held_out = synthetic_multichoice(count=config.eval_questions, seed=2, kinds=TASK)
-    policy_dir = directory / "sft" / "checkpoint"
     print(f"logitless demo 2/4: {config.grpo_steps} GRPO steps of {config.completions_per_step} completions with "
           "GRPOTrainerWithLogits on 'Which number is the largest?' (options in increasing order); reward "
           "P(correct|model) x (1 - P(correct|judge)), P(correct|model) read from the policy's own logits")
@@ -132,7 +131,7 @@ def train_demo(config: DemoConfig, directory: Path, *, progress: bool = True) ->
             "accuracy": (sampled_accuracy(policy_dir, held_out),
                          sampled_accuracy(directory / "grpo" / f"checkpoint-{config.grpo_steps}", held_out)),
             "completions_scored": config.completions_per_step * len(grpo["reward"]),
-            "history": grpo}
+            "history": grpo, "policy_dir": policy_dir}
 
 
 def train_grade_demo(config: DemoConfig, directory: Path, *, progress: bool = True) -> tuple[float, float] | None:
@@ -200,7 +199,7 @@ def run(config: DemoConfig) -> int:
     print("logitless demo 4/4: held-out accuracy, peak memory of a GRPO step with and without logits (fresh "
           "processes), fused vs materialized")
     memory = measure_step_memory(config)
-    errors = log_prob_errors(directory / "sft" / "checkpoint")
+    errors = log_prob_errors(results["policy_dir"])
     table = summary_table(config, results, memory, grade_reward)
     (directory / "summary.md").write_text(table + "\n")
     print(f"\n{table}\n\nlog-probs of the warm-up model's response tokens against float64: fused max error "
@@ -217,8 +216,16 @@ def run(config: DemoConfig) -> int:
 
 def add_parser(subcommands) -> argparse.ArgumentParser:
     defaults = DemoConfig()
-    parser = subcommands.add_parser("demo", help="warm-up SFT then GRPO of the embedded tiny Qwen2 (real Qwen "
-                                                 "vocabulary) on CPU, with a summary table")
+    parser = subcommands.add_parser(
+        "demo", help="warm-up SFT then GRPO of the embedded tiny Qwen2 (real Qwen vocabulary) on CPU, with a "
+                     "summary table",
+        description="The embedded tiny Qwen2 (real 151,936-token Qwen vocabulary) learns from a reward on CPU, "
+                    "logit-free, in a few minutes: a warm-up SFT teaches it the answer format; GRPO with the "
+                    "multiple-choice judge reward then teaches it which option to pick; a short GRADE run "
+                    "(logitless grade's default) follows. It ends with a summary table (accuracy before and after "
+                    "GRPO, the peak memory of one GRPO step with stock TRL and with GRPOTrainerWithLogits, the "
+                    "error of fused and of materialized log-probs), printed and written to "
+                    "OUTPUT_DIR/summary.md. Needs nothing downloaded.")
     parser.add_argument("--output-dir", dest="output_dir", default=defaults.output_dir,
                         help="the demo's directory, replaced by the next demo run; a directory the demo did not "
                              "create is refused (default: %(default)s)")

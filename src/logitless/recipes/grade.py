@@ -1,9 +1,10 @@
 """`logitless grade`: GRADE (or the GRPO baseline) on prompts with a differentiable reward.
 
 Each method writes into OUTPUT_DIR/METHOD/: ``metrics.jsonl`` (one row per optimizer step, the names of
-`logitless.grade.METRIC_NAMES`), ``reward.png`` and ``kl.png``, and ``checkpoint/`` (written every
-``save_every`` steps and at the end; complete or absent whatever the moment of a crash). OUTPUT_DIR is
-claimed as a run directory (`logitless.rundir`) before any model loads. A rerun with the same output dir
+`logitless.grade.METRIC_NAMES`), ``reward.png`` and ``kl.png`` (at every checkpoint), and
+``checkpoint-STEP/`` (written every ``save_every`` steps and at the end; complete or absent whatever the
+moment of a crash). Every option of every method is checked, and OUTPUT_DIR is claimed as a run
+directory (`logitless.rundir`), before any model loads. A rerun with the same output dir
 resumes each method from its checkpoint and ends with the weights an uninterrupted run would have; a
 resume with options that change the result is refused unless ``allow_changed`` names them, or
 ``--no-resume`` starts over. A NaN or infinite loss or gradient stops the run before that step is
@@ -25,10 +26,13 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from logitless._checks import check_choice, check_positive_ints, check_strings
+from logitless._checks import check_choice, check_positive_int, check_positive_ints, check_strings
 from logitless.grade.config import GradeConfig
-from logitless.recipes.common import RUN_CONTROL_HELP, check_model_name, load_model
-from logitless.recipes.options import load_config, option_error
+from logitless.nonfinite import POLICIES
+from logitless.recipes import interrupts
+from logitless.recipes.common import (RUN_CONTROL_HELP, announce_start, check_model_name, check_model_source,
+                                      field_names, load_model, resume_checkpoint)
+from logitless.recipes.options import load_config, option, option_error
 from logitless.rundir import RunDirectory, file_identity, write_text_atomically
 
 # method -> (trainer class name in logitless.grade, GradeConfig.method)
@@ -61,6 +65,7 @@ class GradeRunConfig:
     resume: bool = True
     overwrite: bool = False  # write into a non-empty directory no logitless run claimed
     allow_changed: tuple[str, ...] = ()  # options a resume may change (recorded in the run directory)
+    save_total_limit: int | None = None  # checkpoints kept per method (None: every one)
     grade: GradeConfig = field(default_factory=lambda: GradeConfig(**RUN_DEFAULTS))
 
     def __post_init__(self):
@@ -71,9 +76,9 @@ class GradeRunConfig:
         check_model_name("model", self.model)
         if self.reward_model is not None:
             check_model_name("reward_model", self.reward_model)
-        if isinstance(self.allow_changed, str) or not all(isinstance(n, str) for n in self.allow_changed):
-            raise TypeError(f"allow_changed: expected a list of option names, got {self.allow_changed!r}")
-        self.allow_changed = tuple(self.allow_changed)
+        self.allow_changed = field_names("allow_changed", self.allow_changed)
+        if self.save_total_limit is not None:
+            check_positive_int("save_total_limit", self.save_total_limit)
         if self.reward == "classifier" and not self.reward_model:
             raise ValueError("reward_model: a sequence classifier (hub id or directory) is required for reward "
                              "'classifier'")
@@ -87,7 +92,35 @@ class GradeRunConfig:
         if unknown:
             raise ValueError(f"config: unknown key(s) {unknown}; known: {sorted(own | grade_fields)}")
         grade = GradeConfig(**{**RUN_DEFAULTS, **{k: v for k, v in values.items() if k in grade_fields}})
-        return cls(**{k: v for k, v in values.items() if k in own}, grade=grade)
+        run = cls(**{k: v for k, v in values.items() if k in own}, grade=grade)
+        run.refuse_unused(values)
+        return run
+
+    @property
+    def methods(self) -> list[str]:
+        return list(METHODS) if self.method == "all" else [self.method]
+
+    def refuse_unused(self, given) -> None:
+        """A ValueError naming the first option in ``given`` that this run would not use (it would do nothing)."""
+        methods, lora = set(self.methods), self.grade.lora_rank > 0
+        words, token = ("used with --reward words only", "pass --reward words"), ("used with --reward token only",
+                                                                                 "pass --reward token")
+        unused = {  # option -> (why it does nothing here, what would make it count), for this run only
+            "reward_words": self.reward != "words" and words,
+            "reward_token": self.reward != "token" and token,
+            "reward_suffix": self.reward != "token" and token,
+            "reward_model": self.reward not in ("token", "judge", "classifier") and (
+                "used with --reward token, judge or classifier only", "pass one of those rewards"),
+            "grpo_group_size": "grpo" not in methods and ("used by --method grpo only", "pass --method grpo or all"),
+            "gumbel_topk": not {"gumbel", "ste"} & methods and (
+                "used by the memory-efficient methods gumbel and ste only", "pass --method gumbel, ste or all"),
+            "lora_alpha": not lora and ("used with --lora-rank above 0 only", "pass --lora-rank"),
+            "lora_target_modules": not lora and ("used with --lora-rank above 0 only", "pass --lora-rank"),
+        }
+        for name in given:
+            if unused.get(name):
+                why, hint = unused[name]
+                raise ValueError(f"{name}: has no effect on this run ({why}); leave it out, or {hint}")
 
     def recorded_options(self) -> dict:
         """Every option by its flat name, as the run directory records and compares them."""
@@ -105,17 +138,35 @@ STEERING_OPTIONS = ("method", "output_dir", "steps", "save_every", "resume", "ov
 FIXED_OPTIONS = ("model",)  # a resume continues the checkpoint's weights: a new model cannot take effect
 
 
-def claim_run_directory(run: GradeRunConfig, methods: list[str]):
-    """Claim OUTPUT_DIR and record this run's options (refusing changed ones on a resume): before any model loads."""
-    from logitless.checkpoint import checkpoint_problem
-
+def claim_run_directory(run: GradeRunConfig, methods: list[str]) -> dict[str, Path | None]:
+    """Claim OUTPUT_DIR, find each method's checkpoint to resume from (None: it starts at step 0) and record
+    this run's options (refusing changed ones on a resume): before any model loads."""
     directory = RunDirectory.claim(run.output_dir, "grade", outputs=(*METHODS, "reward_by_method.png"),
                                    overwrite=run.overwrite)
-    resuming = run.resume and any(checkpoint_problem(directory.path / m / "checkpoint") is None for m in methods)
+    checkpoints = {method: resume_checkpoint("grade", directory.path / method, run) for method in methods}
     options = run.recorded_options()
-    directory.start(options, resume=resuming, result_options=[n for n in options if n not in STEERING_OPTIONS],
+    directory.start(options, resume=any(checkpoints.values()),
+                    result_options=[n for n in options if n not in STEERING_OPTIONS],
                     fixed_options=FIXED_OPTIONS, allow_changed=run.allow_changed)
-    return directory
+    return checkpoints
+
+
+def check_methods(run: GradeRunConfig, methods: list[str]) -> None:
+    """The checks of every method's options that need the model's tokenizer or config, not its weights."""
+    from logitless.grade.rewards import single_token_ids
+    from logitless.models import load_tokenizer, model_vocab_size
+    from logitless.ops.gumbel import check_topk
+
+    if "grpo" in methods:
+        run.grade.check_grpo_group()
+    if {"gumbel", "ste"} & set(methods):
+        check_topk(run.grade.gumbel_topk, model_vocab_size(run.model), "gumbel_topk")
+    if run.reward in ("words", "token"):
+        tokenizer = load_tokenizer(run.model)
+        if run.reward == "words":
+            single_token_ids(tokenizer, run.reward_words, "reward_words")
+        else:
+            single_token_ids(tokenizer, [run.reward_token], "reward_token")
 
 
 def step_prompts(records: list[dict], count: int, seed: int, step: int) -> list[dict]:
@@ -162,45 +213,42 @@ def build_reward(run: GradeRunConfig, tokenizer, initial_policy):
     return grade.MultichoiceJudgeReward(MultichoiceJudge(model, tokenizer))
 
 
-def run_method(run: GradeRunConfig, method: str, records: list[dict], *, progress: bool = True) -> list[dict]:
-    """Train one method for ``run.steps`` optimizer steps (resuming from its checkpoint if it has a complete
-    one); returns the metric rows. ``run.output_dir`` must be claimed (`claim_run_directory`)."""
+def run_method(run: GradeRunConfig, method: str, records: list[dict], checkpoint: Path | None = None, *,
+               progress: bool = True) -> list[dict]:
+    """Train one method for ``run.steps`` optimizer steps, from ``checkpoint`` (of `claim_run_directory`) if
+    not None; returns the metric rows. ``run.output_dir`` must be claimed."""
     from tqdm.auto import tqdm
     from transformers.utils import logging as hf_logging
 
     from logitless import grade
-    from logitless.checkpoint import checkpoint_problem, load_checkpoint_state, save_checkpoint
+    from logitless.checkpoint import load_checkpoint_state, save_checkpoint
     from logitless.grade.lora import load_adapter
-    from logitless.plots import plot_curve
 
     hf_logging.disable_progress_bar()
     directory = Path(run.output_dir) / method
-    checkpoint_dir = directory / "checkpoint"
-    problem = checkpoint_problem(checkpoint_dir)
-    resuming = run.resume and problem is None
-    if run.resume and problem is not None and (checkpoint_dir.exists() or checkpoint_dir.is_symlink()):
-        print(f"logitless grade: skipping incomplete checkpoint {checkpoint_dir}: {problem}; {method} starts at step 0")
     seed = run.grade.seed
     reference, tokenizer = load_model("model", run.model, seed)
     lora = run.grade.lora_rank > 0  # a LoRA checkpoint holds the adapters only: loaded after wrapping
-    policy = (load_model("model", str(checkpoint_dir), seed)[0] if resuming and not lora
+    policy = (load_model("model", str(checkpoint), seed)[0] if checkpoint is not None and not lora
               else copy.deepcopy(reference))
     trainer_name, grade_method = METHODS[method]
     trainer = getattr(grade, trainer_name)(policy, build_reward(run, tokenizer, reference),
                                            dataclasses.replace(run.grade, method=grade_method), tokenizer=tokenizer,
                                            reference=reference)
     history: list[dict] = []
-    if resuming:
-        state = load_checkpoint_state(checkpoint_dir, trainer.optimizer)
+    if checkpoint is not None:
+        state = load_checkpoint_state(checkpoint, trainer.optimizer)
         for group in trainer.optimizer.param_groups:  # the value now in force (equal, or a change that was allowed)
             group["lr"] = run.grade.learning_rate
         trainer.step, history = state["step"], state["history"]
         if lora:
-            load_adapter(trainer.model, checkpoint_dir)
+            load_adapter(trainer.model, checkpoint)
     directory.mkdir(parents=True, exist_ok=True)
     metrics_path = directory / "metrics.jsonl"  # rows past the checkpoint (from a crashed run) are dropped
     write_text_atomically(metrics_path, "".join(json.dumps(row) + "\n" for row in history))
     per_step = run.grade.batch_size * run.grade.gradient_accumulation_steps
+    announce_start("grade", checkpoint, run.steps)
+    interrupts.track(f"logitless grade ({method})", directory, trainer.step, run.steps)
     bar = tqdm(range(trainer.step, run.steps), initial=trainer.step, total=run.steps, desc=f"grade {method}",
                unit="step", disable=not progress)
     with metrics_path.open("a") as metrics_file:
@@ -211,30 +259,42 @@ def run_method(run: GradeRunConfig, method: str, records: list[dict], *, progres
             metrics_file.flush()
             bar.set_postfix(reward=f"{row['reward']:.3f}", kl=f"{row['kl']:.3f}")
             if trainer.step % run.save_every == 0 or trainer.step == run.steps:
-                save_checkpoint(checkpoint_dir, trainer.model, tokenizer, trainer.optimizer,
-                                {"step": trainer.step, "history": history})
+                save_checkpoint(directory, trainer.step, trainer.model, tokenizer, trainer.optimizer,
+                                {"step": trainer.step, "history": history}, keep=run.save_total_limit)
+                _plot_method(directory, method, getattr(trainer.reward, "description", run.reward), history)
+            interrupts.step_done(trainer.step)
     bar.close()
-    title = f"{method}: reward ({getattr(trainer.reward, 'description', run.reward)})"
-    plot_curve([row["reward"] for row in history], directory / "reward.png", title=title, ylabel="mean reward")
-    plot_curve([row["kl"] for row in history], directory / "kl.png", title=f"{method}: KL(policy || reference)",
-               ylabel="KL per rollout (nats)")
+    _plot_method(directory, method, getattr(trainer.reward, "description", run.reward), history)
     return history
 
 
-def prepare_grade(run: GradeRunConfig) -> tuple[list[str], list[dict]]:
-    """(methods, prompt records): every check that needs no model, and the run directory claimed. Raises
-    ValueError naming the option at fault."""
-    methods = list(METHODS) if run.method == "all" else [run.method]
+def _plot_method(directory: Path, method: str, reward: str, history: list[dict]) -> None:
+    from logitless.plots import plot_curve
+
+    plot_curve([row["reward"] for row in history], directory / "reward.png", title=f"{method}: reward ({reward})",
+               ylabel="mean reward")
+    plot_curve([row["kl"] for row in history], directory / "kl.png", title=f"{method}: KL(policy || reference)",
+               ylabel="KL per rollout (nats)")
+
+
+def prepare_grade(run: GradeRunConfig) -> tuple[list[str], list[dict], dict[str, Path | None]]:
+    """(methods, prompt records, each method's checkpoint to resume from): every check of every method that
+    needs no model weights, and the run directory claimed. Raises ValueError naming the option at fault."""
+    methods = run.methods
     records = load_prompts(run)
-    claim_run_directory(run, methods)
-    return methods, records
+    check_model_source("model", run.model)
+    if run.reward_model is not None:
+        check_model_source("reward_model", run.reward_model)
+    check_methods(run, methods)
+    return methods, records, claim_run_directory(run, methods)
 
 
-def train_grade(run: GradeRunConfig, methods: list[str], records: list[dict], *,
-                progress: bool = True) -> dict[str, list[dict]]:
+def train_grade(run: GradeRunConfig, methods: list[str], records: list[dict],
+                checkpoints: dict[str, Path | None] | None = None, *, progress: bool = True) -> dict[str, list[dict]]:
     from logitless.plots import plot_curves
 
-    histories = {method: run_method(run, method, records, progress=progress) for method in methods}
+    histories = {method: run_method(run, method, records, (checkpoints or {}).get(method), progress=progress)
+                 for method in methods}
     if len(methods) > 1:
         plot_curves({m: [row["reward"] for row in h] for m, h in histories.items()},
                     Path(run.output_dir) / "reward_by_method.png",
@@ -249,19 +309,26 @@ def run_grade(run: GradeRunConfig, *, progress: bool = True) -> dict[str, list[d
 
 # ---- command line ------------------------------------------------------------------------------------------
 
-_RUN_OPTIONS = {  # option -> (type, help); defaults come from the dataclasses
+_RUN_OPTIONS = {  # option -> (type or choices, help); defaults come from the dataclasses
     "model": (str, "hub id, local model directory, or 'tiny-qwen2'"),
-    "reward": (str, "capitalized | words | token | classifier | judge"),
-    "reward_model": (str, "token/judge: causal LM (default: frozen copy of the initial policy); classifier: required"),
-    "reward_token": (str, "reward 'token': the token whose log-probability is the reward"),
-    "reward_suffix": (str, "reward 'token': text appended after the completion"),
-    "data": (str, "jsonl with a 'prompt' per line (judge: question/choices/answer); default: built-in prompts"),
+    "reward": (REWARDS, "what the rollouts are rewarded for: capitalized words, the --reward-words, the "
+                        "log-probability of --reward-token under --reward-model, a sequence classifier's score, or a "
+                        "multiple-choice judge"),
+    "reward_model": (str, "reward token or judge: a causal LM (default: a frozen copy of the initial policy); "
+                          "reward classifier: a sequence classifier, required"),
+    "reward_token": (str, "reward token: the token whose log-probability is the reward"),
+    "reward_suffix": (str, "reward token: text appended after the completion"),
+    "data": (str, "jsonl with a 'prompt' per line (reward judge: question/choices/answer) (default: built-in "
+                  "prompts)"),
     "output_dir": (str, "each method writes OUTPUT_DIR/METHOD"),
-    "steps": (int, "optimizer steps"),
-    "save_every": (int, "checkpoint every this many steps (and at the end)"),
+    "steps": (int, "optimizer steps (a resume continues up to this number)"),
+    "save_every": (int, "write a checkpoint-STEP every this many steps (and at the end)"),
+    "save_total_limit": (int, RUN_CONTROL_HELP["save_total_limit"].replace("checkpoint-STEP", "checkpoint-STEP per "
+                                                                           "method")),
 }
 _GRADE_OPTIONS = {
-    "gumbel_topk": (int, "tokens kept per step by the memory-efficient trainer"),
+    "gumbel_topk": (int, "tokens kept per step by the memory-efficient methods gumbel and ste (at most the "
+                         "vocabulary size)"),
     "tau_start": (float, "Gumbel-softmax temperature at step 0"),
     "tau_end": (float, "temperature reached after tau_anneal_steps (geometric annealing)"),
     "tau_anneal_steps": (int, "steps to anneal tau over"),
@@ -271,27 +338,40 @@ _GRADE_OPTIONS = {
     "kl_coef": (float, "weight of KL(policy || reference) in the loss"),
     "learning_rate": (float, "AdamW learning rate"),
     "max_grad_norm": (float, "gradient clipping norm"),
-    "grpo_group_size": (int, "GRPO: completions per prompt"),
+    "grpo_group_size": (int, "method grpo: completions per prompt (at least 2, dividing --batch-size)"),
     "lora_rank": (int, "> 0: train LoRA adapters of this rank (needs peft) instead of every weight; 0: off"),
     "lora_alpha": (float, "LoRA scaling alpha"),
     "seed": (int, "seed of the model, the prompts and the Gumbel noise"),
-    "on_nonfinite": (str, RUN_CONTROL_HELP["on_nonfinite"]),
+    "on_nonfinite": (POLICIES, RUN_CONTROL_HELP["on_nonfinite"]),
 }
+
+
+def _with_default(text: str, value) -> str:
+    if "(default" in text:
+        return text
+    shown = "every one" if value is None else " ".join(map(str, value)) if isinstance(value, list) else value
+    return f"{text} (default: {shown})"
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``logitless grade`` on the CLI's subparsers."""
     run_defaults, grade_defaults = GradeRunConfig(), GradeConfig(**RUN_DEFAULTS)
-    parser = subparsers.add_parser("grade", help="GRADE: backprop a differentiable reward through Gumbel-softmax "
-                                                 "rollouts (and the GRPO baseline), resumable")
-    parser.add_argument("--method", help=f"{' | '.join(METHODS)} | all (default {run_defaults.method})")
-    parser.add_argument("--config", help="YAML file of GradeRunConfig and GradeConfig fields; command-line options win (default: none)")
+    summary = ("GRADE: backprop a differentiable reward through Gumbel-softmax rollouts (and the GRPO baseline), "
+               "resumable from --output-dir")
+    parser = subparsers.add_parser("grade", help=summary, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--method", choices=(*METHODS, "all"),
+                        help=_with_default("the trainer: gumbel or ste (memory-efficient, soft or straight-through "
+                                           "tokens), their legacy dense versions, the GRPO baseline, or all five one "
+                                           "after another", run_defaults.method))
+    parser.add_argument("--config", metavar="FILE.yaml",
+                        help="YAML file of these options by field name, e.g. 'learning_rate: 1e-3'; options given "
+                             "on the command line win (default: none)")
     for options, defaults in ((_RUN_OPTIONS, run_defaults), (_GRADE_OPTIONS, grade_defaults)):
         for name, (kind, text) in options.items():
-            parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind,
-                                help=f"{text} (default {getattr(defaults, name)!r})")
-    parser.add_argument("--reward-words", dest="reward_words", nargs="+",
-                        help=f"reward 'words': single-token words (default {run_defaults.reward_words!r})")
+            typed = dict(choices=kind) if isinstance(kind, tuple) else dict(type=kind, metavar=name.upper())
+            parser.add_argument(option(name), dest=name, help=_with_default(text, getattr(defaults, name)), **typed)
+    parser.add_argument("--reward-words", dest="reward_words", nargs="+", metavar="WORD",
+                        help=_with_default("reward words: single-token words", run_defaults.reward_words))
     parser.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_const",
                         const=False, help="keep each decode step's activations instead of recomputing them "
                                           "(default: checkpointing on)")
@@ -313,11 +393,11 @@ def main(args: argparse.Namespace) -> int:
     overrides = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     try:
         run = GradeRunConfig.from_dict({**load_config(args.config), **overrides})
-        methods, records = prepare_grade(run)
+        plan = prepare_grade(run)
     except (TypeError, ValueError) as err:
         raise option_error(err, ["config", *names]) from None
     try:
-        histories = train_grade(run, methods, records)
+        histories = train_grade(run, *plan)
     except NonFiniteError as err:
         raise SystemExit(f"logitless grade: {err}") from None
     except ValueError as err:  # a model that cannot be loaded (`load_model`); any other is a bug, with its traceback

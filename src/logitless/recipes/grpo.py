@@ -16,17 +16,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm.auto import tqdm
 from transformers import ProgressCallback, TrainerCallback
 
 from logitless._checks import check_choice, check_finite_numbers, check_generations, check_positive_ints
-from logitless.checkpoint import last_complete_checkpoint
+from logitless.checkpoint import CHECKPOINT_STAGING, checkpoint_step
 from logitless.nonfinite import NonFiniteGuard
 from logitless.plots import plot_curves
-from logitless.recipes.common import (NONFINITE_ADVICE, RUN_CONTROL_HELP, RecipeConfig, check_model_name,
-                                      load_model, run_recipe, skipped_note)
+from logitless.recipes import interrupts
+from logitless.recipes.common import (NONFINITE_ADVICE, RUN_CONTROL_HELP, RecipeConfig, announce_start,
+                                      check_model_name, check_model_source, load_model, resume_checkpoint,
+                                      run_recipe, skipped_note)
 from logitless.recipes.options import add_config_parser
 from logitless.rundir import RunDirectory, file_identity, write_json_atomically
 
@@ -34,6 +38,10 @@ from logitless.rundir import RunDirectory, file_identity, write_json_atomically
 # runs TRL's loss code on the fused head's log-probs
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "vespo")
 SYNTHETIC_QUESTIONS = 256  # the default question set, the same whatever the number of steps
+EQUAL_REWARD_STEPS = 2  # a warning when every completion of the first this many steps got the same reward
+WARM_UP_HINT = ("GRPO learns only from reward differences within a group. The reward reads the letter after "
+                "'ANSWER:', so the policy must first write that format: warm it up with `logitless sft` on "
+                "(prompt, ' ANSWER: <letter>') pairs, as `logitless demo` does (docs/runs.md, 'GRPO that can learn')")
 
 
 class _QuietProgress(ProgressCallback):
@@ -54,6 +62,8 @@ class MultichoiceGRPOConfig(RecipeConfig):
     loss_type: str = "dapo"
     temperature: float = 1.0
     save_every: int = 2
+
+    CHOICES = {**RecipeConfig.CHOICES, "loss_type": LOSS_TYPES}
 
     def __post_init__(self):
         super().__post_init__()
@@ -77,13 +87,14 @@ HELP = {
     "judge": "judge model reading the chain of thought (default: a frozen copy of the initial policy)",
     "data": "questions: a jsonl file, a saved dataset directory or a hub dataset with question, choices, answer "
             f"(default: {SYNTHETIC_QUESTIONS} synthetic questions)",
-    "output_dir": "run directory: checkpoint-STEP directories, history.json, reward.png; a rerun resumes from it",
+    "output_dir": "run directory: checkpoint-STEP directories, history.json, reward.png (both written at every "
+                  "checkpoint); a rerun resumes from it",
     "steps": "GRPO steps in all (a resume continues up to this number)",
     "completions_per_step": "completions generated and trained on per step",
     "num_generations": "completions per question (a GRPO group; at least 2, dividing --completions-per-step)",
     "max_completion_length": "tokens per completion at most",
     "learning_rate": "AdamW learning rate, constant",
-    "loss_type": f"TRL's loss: one of {', '.join(LOSS_TYPES)}",
+    "loss_type": "TRL's loss type",
     "temperature": "sampling temperature (the loss and the reward read logits at the same temperature)",
     "save_every": "write a checkpoint-STEP every this many steps",
     "seed": "seed of the model's initialization, the question order and sampling",
@@ -92,7 +103,7 @@ HELP = {
 RESULT_OPTIONS = ("judge", "data", "completions_per_step", "num_generations", "max_completion_length",
                   "learning_rate", "loss_type", "temperature", "seed")
 FIXED_OPTIONS = ("model",)  # a resume continues the checkpoint's weights; the default judge is a copy of the model
-OUTPUTS = ("checkpoint-*", ".logitless-staging", "history.json", "reward.png", "README.md")
+OUTPUTS = ("checkpoint-*", CHECKPOINT_STAGING, "history.json", "reward.png", "README.md")
 
 
 @dataclass
@@ -124,14 +135,15 @@ def prepare_grpo(config: MultichoiceGRPOConfig) -> GRPOPlan:
     ValueError naming the option at fault; writes only ``logitless-run.json`` (and removes this run's
     earlier outputs when it starts over)."""
     records = load_questions(config)
+    check_model_source("model", config.model)
+    if config.judge is not None:
+        check_model_source("judge", config.judge)
     run = RunDirectory.claim(config.output_dir, "grpo", outputs=OUTPUTS, overwrite=config.overwrite)
-    checkpoint, skipped = last_complete_checkpoint(run.path) if config.resume else (None, [])
-    for note in skipped:
-        print(f"logitless grpo: {note}")
+    checkpoint = resume_checkpoint("grpo", run.path, config)
     options = {**dataclasses.asdict(config), "data": file_identity(config.data)}
     changes = run.start(options, resume=checkpoint is not None, result_options=RESULT_OPTIONS,
                         fixed_options=FIXED_OPTIONS, allow_changed=config.allow_changed,
-                        step=None if checkpoint is None else int(checkpoint.name.split("-")[-1]))
+                        step=None if checkpoint is None else checkpoint_step(checkpoint))
     return GRPOPlan(config, records, run, checkpoint, changes)
 
 
@@ -171,7 +183,8 @@ def train_grpo_multichoice(config: MultichoiceGRPOConfig | GRPOPlan, *, progress
                       max_completion_length=config.max_completion_length, max_steps=config.steps,
                       learning_rate=config.learning_rate, lr_scheduler_type="constant", loss_type=config.loss_type,
                       temperature=config.temperature, logging_steps=1, report_to="none", save_strategy="steps",
-                      save_steps=config.save_every, seed=config.seed, disable_dropout=True, disable_tqdm=not progress)
+                      save_steps=config.save_every, save_total_limit=config.save_total_limit, seed=config.seed,
+                      disable_dropout=True, disable_tqdm=not progress)
     guard = NonFiniteGuard(config.on_nonfinite, NONFINITE_ADVICE)
     trainer = GRPOTrainerWithLogits(model=policy, reward_funcs=reward, args=args,
                                     train_dataset=to_trl_dataset(plan.records), processing_class=tokenizer,
@@ -181,18 +194,51 @@ def train_grpo_multichoice(config: MultichoiceGRPOConfig | GRPOPlan, *, progress
     if progress:  # the bar, without a printed dict of every metric at each step (history.json has them)
         trainer.remove_callback(ProgressCallback)
         trainer.add_callback(_QuietProgress)
+    trainer.add_callback(_RunRecord(output_dir, config.steps, guard))
+    announce_start("grpo", plan.checkpoint, config.steps)
     trainer.train(resume_from_checkpoint=None if plan.checkpoint is None else str(plan.checkpoint))
+    return write_history(output_dir, trainer.state.log_history, guard.skipped)
 
-    logged = [entry for entry in trainer.state.log_history if "reward" in entry]
+
+def write_history(output_dir: Path, log_history: list[dict], skipped: list[int]) -> dict:
+    """history.json and reward.png from the Trainer's log; returns the per-step history."""
+    logged = [entry for entry in log_history if "reward" in entry]
     history = {name: [entry.get(key, float("nan")) for entry in logged]
                for name, key in (("reward", "reward"), ("p_correct_model", "multichoice/p_correct_model"),
                                  ("p_correct_judge", "multichoice/p_correct_judge"), ("loss", "loss"),
                                  ("entropy", "entropy"), ("learning_rate", "learning_rate"))}
-    history["skipped"] = guard.skipped
+    history["skipped"] = skipped
     write_json_atomically(output_dir / "history.json", history)
     plot_curves({k: history[k] for k in ("reward", "p_correct_model", "p_correct_judge")}, output_dir / "reward.png",
                 title="GRPO, multiple-choice judge reward", ylabel="per-step mean")
     return history
+
+
+class _RunRecord(TrainerCallback):
+    """Keeps the command's outputs current: the step count an interrupt reports, history.json and the
+    plot at every save, and a warning when every completion of the first steps got the same reward."""
+
+    def __init__(self, output_dir: Path, steps: int, guard: NonFiniteGuard):
+        self.output_dir, self.steps, self.guard = output_dir, steps, guard
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        interrupts.track("logitless grpo", self.output_dir, state.global_step, self.steps)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        interrupts.step_done(state.global_step)
+
+    def on_save(self, args, state, control, **kwargs):
+        write_history(self.output_dir, state.log_history, self.guard.skipped)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if "frac_reward_zero_std" not in (logs or {}) or state.global_step != min(EQUAL_REWARD_STEPS, self.steps):
+            return
+        first = [entry for entry in state.log_history if "frac_reward_zero_std" in entry][:EQUAL_REWARD_STEPS]
+        if all(entry["frac_reward_zero_std"] == 1.0 for entry in first):
+            rewards = sorted({round(entry["reward"], 4) for entry in first})
+            tqdm.write(f"logitless grpo: warning: in each group of the first {len(first)} step(s), every completion "
+                       f"got the same reward (mean {', '.join(map(str, rewards))}): nothing was learned. "
+                       + WARM_UP_HINT, file=sys.stderr)
 
 
 # -- the `logitless grpo` command ------------------------------------------------------------------

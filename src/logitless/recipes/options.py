@@ -1,8 +1,8 @@
 """Command-line options made from a recipe's config dataclass, and errors that name the option.
 
 A recipe lists the fields a user may set with a help text (``HELP``); `add_config_options` turns each
-into ``--field-name`` whose help ends with the dataclass default, plus ``--config FILE.yaml`` taking the
-same fields by name. `config_from_args` merges the two (the command line wins) and builds the config;
+into ``--field-name`` whose help ends with the dataclass default (and whose usage lists the values of a
+field in the config class's ``CHOICES``), plus ``--config FILE.yaml`` taking the same fields by name. `config_from_args` merges the two (the command line wins) and builds the config;
 every problem becomes a one-line ``SystemExit`` that starts with the option at fault (`option_error`).
 """
 
@@ -32,11 +32,15 @@ def option(name: str) -> str:
 
 def option_error(err: Exception, names) -> SystemExit:
     """A one-line SystemExit for a ValueError/TypeError whose message starts with ``field: ``: the field is
-    spelled as its option when it is one of ``names``."""
+    spelled as its option when it is one of ``names``, and so are the other fields of ``names`` with an
+    underscore that the message mentions ("must divide batch_size 2" -> "must divide --batch-size 2")."""
     name, separator, message = str(err).partition(": ")
-    if separator and name in set(names):
-        return SystemExit(f"{option(name)}: {message}")
-    return SystemExit(str(err))
+    if not (separator and name in set(names)):
+        return SystemExit(str(err))
+    for other in names:
+        if "_" in other:
+            message = re.sub(rf"(?<![\w-]){other}(?!\w)", option(other), message)
+    return SystemExit(f"{option(name)}: {message}")
 
 
 def load_config(path: str | None) -> dict:
@@ -69,6 +73,7 @@ def add_config_options(parser: argparse.ArgumentParser, config_class, helps: dic
                         help="YAML file of these options by field name, e.g. 'learning_rate: 1e-3'; options given "
                              "on the command line win (default: none)")
     fields = {field.name: field for field in dataclasses.fields(config_class)}
+    choices = getattr(config_class, "CHOICES", {})  # field -> its values, shown in the usage line
     for name in helps:  # in the order of ``helps``
         field = fields[name]
         default = field.default_factory() if field.default is dataclasses.MISSING else field.default
@@ -81,6 +86,8 @@ def add_config_options(parser: argparse.ArgumentParser, config_class, helps: dic
                                 help=text)
         elif field.type.startswith("tuple"):
             parser.add_argument(option(field.name), dest=field.name, nargs="+", metavar="OPTION", help=text)
+        elif field.name in choices:
+            parser.add_argument(option(field.name), dest=field.name, choices=choices[field.name], help=text)
         else:
             kind = {"int": int, "float": float}.get(field.type.split(" |")[0], str)
             parser.add_argument(option(field.name), dest=field.name, type=kind, metavar=field.name.upper(), help=text)

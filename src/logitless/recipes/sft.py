@@ -20,12 +20,14 @@ import argparse
 import dataclasses
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from logitless._checks import check_finite_numbers, check_positive_ints
-from logitless.checkpoint import checkpoint_problem, load_checkpoint_state, read_checkpoint_state, save_checkpoint
+from logitless.checkpoint import (CHECKPOINT_STAGING, checkpoint_step, last_complete_checkpoint, load_checkpoint_state,
+                                  save_checkpoint)
 from logitless.data import arithmetic_sft_examples, iterate_batches, load_jsonl, tokenize_prompt_and_output
 from logitless.hf import final_hidden_states, lm_head_of
 from logitless.losses import sft_microbatch_train_step
@@ -33,8 +35,9 @@ from logitless.masked import masked_mean
 from logitless.nonfinite import check_step
 from logitless.ops.fused import fused_linear_logprobs
 from logitless.plots import plot_curve
-from logitless.recipes.common import (NONFINITE_ADVICE, RUN_CONTROL_HELP, RecipeConfig, load_model, run_recipe,
-                                      skipped_note)
+from logitless.recipes import interrupts
+from logitless.recipes.common import (NONFINITE_ADVICE, RUN_CONTROL_HELP, RecipeConfig, announce_start,
+                                      check_model_source, load_model, resume_checkpoint, run_recipe, skipped_note)
 from logitless.recipes.options import add_config_parser
 from logitless.rundir import RunDirectory, file_identity, write_json_atomically
 
@@ -62,14 +65,15 @@ HELP = {
     "model": "hub id, local model directory, or 'tiny-qwen2' (the embedded 2-layer Qwen2 with the real Qwen "
              "vocabulary)",
     "data": "jsonl file with a 'prompt' and a 'response' string per line (default: a built-in arithmetic set)",
-    "output_dir": "run directory: checkpoint, history.json, loss.png; a rerun resumes from it",
+    "output_dir": "run directory: checkpoint-STEP directories, history.json, loss.png (both written at every "
+                  "checkpoint); a rerun resumes from it",
     "steps": "optimizer steps in all (a resume continues up to this number)",
     "batch_size": "examples per microbatch",
     "gradient_accumulation_steps": "microbatches per optimizer step",
     "learning_rate": "AdamW learning rate, constant",
     "weight_decay": "AdamW weight decay",
     "max_grad_norm": "gradients are clipped to this global norm",
-    "save_every": "write a checkpoint every this many steps (and at the end)",
+    "save_every": "write a checkpoint-STEP every this many steps (and at the end)",
     "seed": "seed of the model's initialization and of the data order",
     **RUN_CONTROL_HELP,
 }
@@ -78,7 +82,7 @@ HELP = {
 RESULT_OPTIONS = ("data", "batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay",
                   "max_grad_norm", "seed")
 FIXED_OPTIONS = ("model",)  # a resume continues the checkpoint's weights: a new model cannot take effect
-OUTPUTS = ("checkpoint", ".checkpoint.*", "history.json", "loss.png")
+OUTPUTS = ("checkpoint-*", CHECKPOINT_STAGING, "history.json", "loss.png")
 
 
 @dataclass
@@ -88,7 +92,7 @@ class SFTPlan:
     config: SFTConfig
     examples: list[dict[str, str]]
     run: RunDirectory
-    resume_step: int | None  # the checkpoint's step when resuming
+    checkpoint: Path | None  # to resume from
 
 
 def load_examples(config: SFTConfig) -> list[dict[str, str]]:
@@ -118,15 +122,13 @@ def prepare_sft(config: SFTConfig) -> SFTPlan:
     naming the option at fault; writes only ``logitless-run.json`` (and removes this run's earlier
     outputs when it starts over)."""
     examples = load_examples(config)
+    check_model_source("model", config.model)
     run = RunDirectory.claim(config.output_dir, "sft", outputs=OUTPUTS, overwrite=config.overwrite)
-    checkpoint_dir = run.path / "checkpoint"
-    problem = checkpoint_problem(checkpoint_dir)
-    resume_step = read_checkpoint_state(checkpoint_dir)["step"] if config.resume and problem is None else None
-    if config.resume and problem is not None and (checkpoint_dir.exists() or checkpoint_dir.is_symlink()):
-        print(f"logitless sft: skipping incomplete checkpoint {checkpoint_dir}: {problem}; starting at step 0")
-    run.start(_recorded_options(config), resume=resume_step is not None, result_options=RESULT_OPTIONS,
-              fixed_options=FIXED_OPTIONS, allow_changed=config.allow_changed, step=resume_step)
-    return SFTPlan(config, examples, run, resume_step)
+    checkpoint = resume_checkpoint("sft", run.path, config)
+    run.start(_recorded_options(config), resume=checkpoint is not None, result_options=RESULT_OPTIONS,
+              fixed_options=FIXED_OPTIONS, allow_changed=config.allow_changed,
+              step=None if checkpoint is None else checkpoint_step(checkpoint))
+    return SFTPlan(config, examples, run, checkpoint)
 
 
 def _response_log_probs(model, input_ids, labels, response_mask) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,22 +145,23 @@ def train_sft(config: SFTConfig | SFTPlan, *, progress: bool = True) -> dict:
     plan = config if isinstance(config, SFTPlan) else prepare_sft(config)
     config, run = plan.config, plan.run
     hf_logging.disable_progress_bar()  # our own bar is the one to watch; theirs flash on every save/load
-    checkpoint_dir = run.path / "checkpoint"
-    resuming = plan.resume_step is not None
+    resuming = plan.checkpoint is not None
     torch.manual_seed(config.seed)
-    model, tokenizer = load_model("model", str(checkpoint_dir) if resuming else config.model, config.seed)
+    model, tokenizer = load_model("model", str(plan.checkpoint) if resuming else config.model, config.seed)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay,
                                   fused=True)  # one kernel per step: ~10x less optimizer time on CPU than foreach
     history = {"loss": [], "entropy": [], "step": 0, "seconds": 0.0, "skipped": []}
     if resuming:
-        history = {"skipped": [], **load_checkpoint_state(checkpoint_dir, optimizer)}
+        history = {"skipped": [], **load_checkpoint_state(plan.checkpoint, optimizer)}
         for group in optimizer.param_groups:  # the options now in force (equal, or a change that was allowed)
             group.update(lr=config.learning_rate, weight_decay=config.weight_decay)
     batches = iterate_batches(plan.examples, config.batch_size, seed=config.seed)
     for _ in range(history["step"] * config.gradient_accumulation_steps):  # same data order after a resume
         next(batches)
 
+    announce_start("sft", plan.checkpoint, config.steps)
+    interrupts.track("logitless sft", run.path, history["step"], config.steps)
     started = time.perf_counter() - history["seconds"]
     bar = tqdm(range(history["step"], config.steps), initial=history["step"], total=config.steps,
                desc="sft", disable=not progress, unit="step")
@@ -186,13 +189,19 @@ def train_sft(config: SFTConfig | SFTPlan, *, progress: bool = True) -> dict:
         history["seconds"] = time.perf_counter() - started
         bar.set_postfix(loss=f"{history['loss'][-1]:.3f}", entropy=f"{history['entropy'][-1]:.2f}")
         if history["step"] % config.save_every == 0 or history["step"] == config.steps:
-            save_checkpoint(checkpoint_dir, model, tokenizer, optimizer, history)
+            save_checkpoint(run.path, history["step"], model, tokenizer, optimizer, history,
+                            keep=config.save_total_limit)
+            _write_history(run.path, history)
+        interrupts.step_done(history["step"])
     bar.close()
-
-    write_json_atomically(run.path / "history.json", history)
-    plot_curve(history["loss"], run.path / "loss.png", title="SFT loss (mean token NLL on responses)",
-               ylabel="loss (nats/token)")
+    _write_history(run.path, history)
     return history
+
+
+def _write_history(run_dir: Path, history: dict) -> None:
+    write_json_atomically(run_dir / "history.json", history)
+    plot_curve(history["loss"], run_dir / "loss.png", title="SFT loss (mean token NLL on responses)",
+               ylabel="loss (nats/token)")
 
 
 # -- the `logitless sft` command -------------------------------------------------------------------
@@ -206,5 +215,5 @@ def run_command(args: argparse.Namespace) -> int:
     plan, history = run_recipe("sft", args, SFTConfig, prepare_sft, train_sft)
     print(f"loss {history['loss'][0]:.3f} -> {history['loss'][-1]:.3f} over {history['step']} steps "
           f"({history['seconds']:.1f}s){skipped_note(history)}; plot: {plan.run.path / 'loss.png'}; "
-          f"checkpoint: {plan.run.path / 'checkpoint'}")
+          f"checkpoint: {last_complete_checkpoint(plan.run.path)[0]}")
     return 0

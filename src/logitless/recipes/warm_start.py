@@ -21,6 +21,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from logitless.checkpoint import last_complete_checkpoint
 from logitless.models import qwen_tokenizer
 from logitless.multichoice.data import synthetic_multichoice
 from logitless.recipes.sft import SFTConfig, train_sft
@@ -49,14 +50,15 @@ def multichoice_sft_pairs(records: list[dict], letters: str = "ABCD", end: str =
 def warm_start_policy(output_dir: str | Path, steps: int = 60, seed: int = 0, progress: bool = True, *,
                       model: str = "tiny-qwen2-untied", kinds: tuple[str, ...] = ("sum",), learning_rate: float = 1e-2,
                       cooldown_steps: int | None = None, batch_size: int = 8,
-                      data_file: str | Path | None = None) -> dict:
-    """SFT ``model`` on 256 synthetic questions of ``kinds``; the model lands in OUTPUT_DIR/checkpoint.
+                      data_file: str | Path | None = None) -> tuple[dict, Path]:
+    """SFT ``model`` on 256 synthetic questions of ``kinds``; returns SFT's history and the checkpoint
+    directory of the warmed-up model (the one checkpoint kept in ``output_dir``).
 
     ``steps`` at ``learning_rate``, then ``cooldown_steps`` (default: a tenth of ``steps``) at a tenth of
     it: a resume that is allowed to change the learning rate. The large steps leave the answer prior
     swinging with the last few batches' letters; the small ones settle it near uniform (the sums'
     letters are uniform), so that GRPO starts from an unbiased policy. The training pairs are written
-    to ``data_file`` (kept) or to a temporary file. Returns SFT's history.
+    to ``data_file`` (kept) or to a temporary file.
     """
     cooldown_steps = steps // 10 if cooldown_steps is None else cooldown_steps
     pairs = multichoice_sft_pairs(synthetic_multichoice(count=256, seed=seed, kinds=kinds),
@@ -65,10 +67,11 @@ def warm_start_policy(output_dir: str | Path, steps: int = 60, seed: int = 0, pr
         data_path = Path(data_file) if data_file is not None else Path(scratch) / "warm_start.jsonl"
         data_path.write_text("\n".join(json.dumps(pair) for pair in pairs) + "\n")
         config = SFTConfig(model=model, data=str(data_path), output_dir=str(output_dir), steps=steps, save_every=steps,
-                           seed=seed, learning_rate=learning_rate, batch_size=batch_size, resume=False)
+                           seed=seed, learning_rate=learning_rate, batch_size=batch_size, resume=False,
+                           save_total_limit=1)
         history = train_sft(config, progress=progress)
         if cooldown_steps:
             history = train_sft(dataclasses.replace(config, steps=steps + cooldown_steps, save_every=steps + cooldown_steps,
                                                     learning_rate=learning_rate / 10, resume=True,
                                                     allow_changed=("learning_rate",)), progress=progress)
-        return history
+        return history, last_complete_checkpoint(output_dir)[0]

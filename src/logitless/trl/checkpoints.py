@@ -13,11 +13,9 @@ from pathlib import Path
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from logitless.checkpoint import last_complete_checkpoint, publish_directory
+from logitless.checkpoint import CHECKPOINT_STAGING, last_complete_checkpoint, publish_directory
 
 logger = logging.getLogger(__name__)
-
-CHECKPOINT_STAGING = ".logitless-staging"  # in the output directory: checkpoints being written
 
 
 class AtomicCheckpoints:

@@ -13,10 +13,15 @@ for two reasons this module removes:
   (``logitless-grpo-state-PROCESS.pt``, tensors and plain values only, read with ``weights_only``).
 
 Not restored: state a reward function keeps between calls, and a vLLM server's own state.
+
+A model with tied input and output embeddings saves the shared matrix once; the stock Trainer then warns
+of a "missing" ``lm_head.weight`` at every resume. Keys whose parameter is shared with another, loaded
+one are not reported here.
 """
 
 import functools
 import os
+from collections import Counter
 
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -56,3 +61,12 @@ class ExactResume:
             return
         state = torch.load(path, map_location=self.accelerator.device, weights_only=True)
         self._step, self._buffered_inputs = state["micro_step"], state["buffered_inputs"]
+
+    def _issue_warnings_after_load(self, load_result):
+        """The Trainer's warnings about the loaded checkpoint, without tied parameters (saved once, under
+        the other name) counted as missing."""
+        parameters = dict(self.model.named_parameters(remove_duplicate=False))
+        names_per_parameter = Counter(id(parameter) for parameter in parameters.values())
+        shared = {name for name, parameter in parameters.items() if names_per_parameter[id(parameter)] > 1}
+        missing = [key for key in load_result.missing_keys if key not in shared]
+        return super()._issue_warnings_after_load(load_result._replace(missing_keys=missing))
