@@ -4,7 +4,7 @@ import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "logitless"
-PROGRAMS = ("recipes", "bench", "cli.py")
+PROGRAMS = ("recipes", "bench", "cli.py", "__main__.py")  # __main__.py: `python -m logitless`, the CLI
 
 
 def test_the_library_imports_no_program():
