@@ -16,6 +16,7 @@ from logitless.ops.gumbel import gumbel_noise
 from grade_helpers import BYTE_VOCAB, ByteTokenizer, byte_model
 
 PROMPTS = ["Tell me a story:", "Hi", "The answer is", "2 + 2 ="]
+HELD_OUT = ["Once", "A cat", "Why is", "Hello there", "Good"]  # never trained on; 5: a last, partial batch
 
 
 @pytest.fixture
@@ -47,6 +48,7 @@ def test_efficient_with_full_vocabulary_equals_legacy_over_three_steps(tokenizer
             lambda opt, *_, out=captured: out.append([p.grad.clone() for p in opt.param_groups[0]["params"]]))
         trainers.append(trainer)
         grads.append(captured)
+    before = [trainer.evaluate(HELD_OUT, seed=7) for trainer in trainers]
     for step in range(3):
         noise = _noise(4, 3, seed=step)
         legacy, efficient = (trainer.train_step(PROMPTS, noise=noise) for trainer in trainers)
@@ -58,6 +60,22 @@ def test_efficient_with_full_vocabulary_equals_legacy_over_three_steps(tokenizer
             torch.testing.assert_close(efficient_grad, legacy_grad, atol=1e-4, rtol=1e-4)
     for legacy_param, efficient_param in zip(trainers[0].parameters, trainers[1].parameters):
         torch.testing.assert_close(efficient_param, legacy_param, atol=1e-4, rtol=1e-4)
+    # the held-out score (sampled hard completions, the same reward) is the same for both
+    legacy_score, efficient_score = (trainer.evaluate(HELD_OUT, seed=7) for trainer in trainers)
+    assert efficient_score == pytest.approx(legacy_score, abs=1e-4) and before[0] == pytest.approx(before[1])
+
+
+def test_evaluate_scores_the_current_policys_samples_with_fixed_noise(tokenizer):
+    policy, reference, reward_model = _models()
+    reward = TokenLogProbReward(reward_model, tokenizer, token="y", suffix=" Good?")
+    trainer = GumbelTrainerMemoryEfficient(policy, reward, GradeConfig(gumbel_topk=8, max_new_tokens=3, batch_size=2),
+                                           tokenizer=tokenizer, reference=reference)
+    score = trainer.evaluate(HELD_OUT, seed=7)
+    assert trainer.evaluate(HELD_OUT, seed=7) == score  # the same noise: the same samples
+    assert trainer.evaluate(HELD_OUT, seed=8) != score  # other noise: other samples
+    with torch.no_grad():
+        policy.lm_head.weight.mul_(-3.0)  # another policy: other samples under the same noise
+    assert trainer.evaluate(HELD_OUT, seed=7) != score
 
 
 def _rollout_loss(tokenizer, rollout_fn, seed=3):

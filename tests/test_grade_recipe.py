@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from logitless.checkpoint import last_complete_checkpoint
 from logitless.cli import build_parser, main
 from logitless.grade import METRIC_NAMES
-from logitless.recipes.grade import GradeRunConfig, run_grade
+from logitless.recipes.grade import DEFAULT_PROMPTS, EVAL_PROMPTS, VALIDATION, GradeRunConfig, run_grade
 
 TINY = dict(max_new_tokens=2, batch_size=2, gumbel_topk=16, save_every=2)
 
@@ -32,7 +32,10 @@ def test_reward_rises_over_a_short_cpu_run(tmp_path):
     quarter = len(rewards) // 4
     assert sum(rewards[-quarter:]) / quarter > sum(rewards[:quarter]) / quarter + 0.03, rewards
     rows = [json.loads(line) for line in (tmp_path / "gumbel" / "metrics.jsonl").read_text().splitlines()]
-    assert [row["reward"] for row in rows] == rewards and all(tuple(row) == METRIC_NAMES for row in rows)
+    assert [row["reward"] for row in rows] == rewards and all(tuple(row) == (*METRIC_NAMES, VALIDATION) for row in rows)
+    # the held-out score at steps 5, 10 and the end (eval_every 5), on prompts never trained on
+    assert [row["step"] for row in rows if row[VALIDATION] is not None] == [5, 10, 12]
+    assert all(0 <= row[VALIDATION] <= 1 for row in rows if row[VALIDATION] is not None)
     assert (tmp_path / "gumbel" / "reward.png").stat().st_size > 10_000
 
 
@@ -119,3 +122,23 @@ def test_the_default_config_file_spells_out_the_commands_defaults():
                                                       if k != "grade"}}
     assert len(values) >= 15 and {name: flat[name] for name in values} == values
     assert GradeRunConfig.from_dict(values) == defaults
+
+
+def test_method_all_ends_with_a_table_and_a_plot_of_every_methods_held_out_reward(tmp_path, capsys):
+    assert not set(EVAL_PROMPTS) & set(DEFAULT_PROMPTS)  # held out: never trained on
+    argv = ["grade", "--method", "all", "--steps", "2", "--eval-every", "1", "--max-new-tokens", "2",
+            "--batch-size", "2", "--grpo-group-size", "2", "--gumbel-topk", "16", "--output-dir", str(tmp_path)]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    for method in ("gumbel", "ste", "gumbel_legacy", "ste_legacy", "grpo"):
+        rows = [json.loads(line) for line in (tmp_path / method / "metrics.jsonl").read_text().splitlines()]
+        first, last = rows[0][VALIDATION], rows[-1][VALIDATION]
+        assert f"| {method} | " in table and f"| {first:.4f} (step 1) -> {last:.4f} (step 2) |" in table
+    assert (tmp_path / "val_reward_by_method.png").stat().st_size > 10_000
+
+
+def test_eval_every_without_held_out_prompts_is_refused(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "Hello"}) + "\n")
+    with pytest.raises(SystemExit, match=r"^--eval-every: has no effect on this run \(there are no held-out prompts"):
+        main(["grade", "--data", str(data), "--eval-every", "2", "--output-dir", str(tmp_path / "run")])

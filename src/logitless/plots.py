@@ -46,13 +46,16 @@ def plot_curve(values: list[float], path: str | Path, *, title: str, ylabel: str
     return save_figure(figure, path)
 
 
-def plot_curves(series: dict[str, list[float]], path: str | Path, *, title: str, ylabel: str,
+def plot_curves(series: dict[str, list[float] | dict[int, float]], path: str | Path, *, title: str, ylabel: str,
                 xlabel: str = "step") -> Path:
-    """Several named curves on one axis."""
+    """Several named curves on one axis: a list is a value per step 1, 2, ...; a dict maps steps to values
+    (a curve measured at some steps only)."""
     plt = _pyplot()
     figure, axis = plt.subplots(figsize=(6, 3.5))
     for name, values in series.items():
-        axis.plot(range(1, len(values) + 1), values, marker=".", linewidth=1, label=name)
+        steps, points = (list(values), list(values.values())) if isinstance(values, dict) else (
+            range(1, len(values) + 1), values)
+        axis.plot(steps, points, marker=".", linewidth=1, label=name)
     axis.set(title=title, xlabel=xlabel, ylabel=ylabel)
     axis.xaxis.set_major_locator(_integer_locator())
     axis.legend()

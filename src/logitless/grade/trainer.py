@@ -27,8 +27,8 @@ from logitless.grade.lora import base_of, with_lora
 from logitless.grade.metrics import peak_mb, step_metrics
 from logitless.grade.parts import CausalLMParts
 from logitless.grade.rewards import RewardInputs, SoftReward
-from logitless.grade.rollout import NoiseStream, Rollout, sparse_rollout
-from logitless.grade.soft_tokens import PromptBatch, as_records
+from logitless.grade.rollout import NoiseStream, Rollout, sample_tokens, sparse_rollout
+from logitless.grade.soft_tokens import PromptBatch, SoftTokens, as_records
 from logitless.nonfinite import check_step
 from logitless.ops.gumbel import check_topk
 
@@ -102,6 +102,29 @@ class _Trainer:
     def microbatch(self, prompt: PromptBatch, noise, generator) -> dict:
         """Forward and backward of one microbatch; returns its metrics (means over its rollouts)."""
         raise NotImplementedError
+
+    @torch.no_grad()
+    def evaluate(self, prompts, *, seed: int = 0) -> float:
+        """The held-out score: the mean reward of ordinary sampled completions of ``prompts`` (hard tokens at
+        temperature 1, ``max_new_tokens`` each, the training reward), ``batch_size`` prompts at a time.
+
+        The sampling noise is a function of ``seed`` alone, so successive evaluations, and the trainers of
+        different methods, differ only by their policies. Nothing is trained; the global RNG is untouched.
+        """
+        records = as_records(prompts)
+        if not records:
+            raise ValueError("prompts: expected at least one prompt to evaluate")
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        training = self.model.training
+        self.model.eval()
+        rewards = []
+        for start in range(0, len(records), self.config.batch_size):
+            prompt = PromptBatch.from_records(records[start:start + self.config.batch_size], self.tokenizer,
+                                              self.device)
+            completion_ids = sample_tokens(self.policy, prompt, self.config.max_new_tokens, generator)  # (B, T)
+            rewards.append(self.reward(RewardInputs(prompt, SoftTokens.hard(completion_ids))).float())  # (B,)
+        self.model.train(training)
+        return float(torch.cat(rewards).mean())
 
 
 class _GradeTrainer(_Trainer):

@@ -44,6 +44,8 @@ DEFAULT_PROMPTS = ["Once upon a time", "The weather today is", "My favourite foo
                    "The best way to learn is", "In the morning", "A good friend", "The city at night",
                    "When I was young", "The meeting is about", "Dear diary,", "The recipe needs",
                    "Our team will", "The old house", "Scientists found that", "Tomorrow we will"]
+EVAL_PROMPTS = ["Last summer we", "The library opens", "My brother said", "On the mountain", "The new teacher",
+                "After dinner", "The river was", "Every weekend I"]  # held out: never trained on
 # The recipe's defaults: a run that shows the reward rising within a few minutes on a CPU.
 RUN_DEFAULTS = dict(gumbel_topk=1024, max_new_tokens=12, batch_size=4, learning_rate=1e-2, kl_coef=0.02,
                     tau_start=1.0, tau_end=0.5, tau_anneal_steps=30)
@@ -59,6 +61,8 @@ class GradeRunConfig:
     reward_token: str = " yes"  # reward "token": its log-probability after the completion ...
     reward_suffix: str = "\nIs this a good answer?"  # ... and this text
     data: str | None = None  # jsonl of {"prompt": ...} (judge: question/choices/answer); None: built-in prompts
+    eval_data: str | None = None  # held-out prompts, as data; None: built-in ones (none when data is a file)
+    eval_every: int = 5  # steps between held-out evaluations (and one at the end); 0: none
     output_dir: str = "runs/grade"
     steps: int = 20
     save_every: int = 10
@@ -72,6 +76,8 @@ class GradeRunConfig:
         check_choice("method", self.method, (*METHODS, "all"))
         check_choice("reward", self.reward, REWARDS)
         check_positive_ints(self, ("steps", "save_every"))
+        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise ValueError(f"eval_every: expected an int >= 0 (0: no evaluation), got {self.eval_every!r}")
         check_strings("reward_words", self.reward_words)
         check_model_name("model", self.model)
         if self.reward_model is not None:
@@ -115,6 +121,8 @@ class GradeRunConfig:
             "gumbel_topk": not {"gumbel", "ste"} & methods and (
                 "used by the memory-efficient methods gumbel and ste only", "pass --method gumbel, ste or all"),
             "lora_alpha": not lora and ("used with --lora-rank above 0 only", "pass --lora-rank"),
+            "eval_every": self.data is not None and self.eval_data is None and (
+                "there are no held-out prompts when --data is a file", "pass --eval-data"),
             "lora_target_modules": not lora and ("used with --lora-rank above 0 only", "pass --lora-rank"),
         }
         for name in given:
@@ -134,7 +142,7 @@ class GradeRunConfig:
 # method (each has its own directory), steps (the learning rate is constant and tau follows its own
 # schedule, so more steps continue the run), and what only steers the run.
 STEERING_OPTIONS = ("method", "output_dir", "steps", "save_every", "resume", "overwrite", "allow_changed",
-                    "on_nonfinite", "activation_checkpointing")
+                    "on_nonfinite", "activation_checkpointing", "save_total_limit", "eval_data", "eval_every")
 FIXED_OPTIONS = ("model",)  # a resume continues the checkpoint's weights: a new model cannot take effect
 
 
@@ -175,22 +183,36 @@ def step_prompts(records: list[dict], count: int, seed: int, step: int) -> list[
     return rng.sample(records, count) if count <= len(records) else rng.choices(records, k=count)
 
 
-def load_prompts(run: GradeRunConfig) -> list[dict]:
+def load_prompts(run: GradeRunConfig, field: str = "data") -> list[dict]:
+    """The training prompts (``field`` "data"), or the held-out ones ("eval_data"); errors name ``field``.
+    Without a file: the built-in prompts, each set disjoint from the other ([] for held-out prompts when
+    the training prompts come from a file: then only --eval-data names them)."""
     from logitless.data import read_jsonl
     from logitless.multichoice.data import load_multichoice, synthetic_multichoice
 
-    if run.reward == "judge":
-        return load_multichoice(run.data) if run.data else synthetic_multichoice(count=64, seed=run.grade.seed)
-    if not run.data:
-        return [{"prompt": text} for text in DEFAULT_PROMPTS]
+    path = getattr(run, field)
+    held_out = field == "eval_data"
+    if path is None and held_out and run.data is not None:
+        return []
+    if run.reward == "judge":  # held-out questions: another seed's draw, without the training questions
+        if path is not None:
+            return load_multichoice(path, name=field)
+        records = synthetic_multichoice(count=64, seed=run.grade.seed + held_out)
+        return [r for r in records if r["question"] not in _training_questions(run)][:16] if held_out else records
+    if path is None:
+        return [{"prompt": text} for text in (EVAL_PROMPTS if held_out else DEFAULT_PROMPTS)]
     records = []
-    for where, record in read_jsonl(run.data, "data"):
+    for where, record in read_jsonl(path, field):
         if not isinstance(record.get("prompt"), str):
-            raise ValueError(f"data: {where} has no 'prompt' string")
+            raise ValueError(f"{field}: {where} has no 'prompt' string")
         records.append(record)
     if not records:
-        raise ValueError(f"data: {run.data} holds no prompts")
+        raise ValueError(f"{field}: {path} holds no prompts")
     return records
+
+
+def _training_questions(run: GradeRunConfig) -> set[str]:
+    return {record["question"] for record in load_prompts(run)}
 
 
 def build_reward(run: GradeRunConfig, tokenizer, initial_policy):
@@ -213,10 +235,20 @@ def build_reward(run: GradeRunConfig, tokenizer, initial_policy):
     return grade.MultichoiceJudgeReward(MultichoiceJudge(model, tokenizer))
 
 
-def run_method(run: GradeRunConfig, method: str, records: list[dict], checkpoint: Path | None = None, *,
-               progress: bool = True) -> list[dict]:
-    """Train one method for ``run.steps`` optimizer steps, from ``checkpoint`` (of `claim_run_directory`) if
-    not None; returns the metric rows. ``run.output_dir`` must be claimed."""
+@dataclass
+class GradePlan:
+    """What `prepare_grade` checked and claimed, before any model is loaded."""
+
+    methods: list[str]
+    records: list[dict]  # training prompts
+    eval_records: list[dict]  # held-out prompts ([]: no evaluation)
+    checkpoints: dict[str, Path | None]  # each method's checkpoint to resume from
+
+
+def run_method(run: GradeRunConfig, method: str, plan: GradePlan, *, progress: bool = True) -> list[dict]:
+    """Train one method for ``run.steps`` optimizer steps, from its checkpoint in ``plan`` if any; returns the
+    metric rows (the trainer's, and ``val/reward_mean``: the held-out score at evaluation steps, else None).
+    ``run.output_dir`` must be claimed."""
     from tqdm.auto import tqdm
     from transformers.utils import logging as hf_logging
 
@@ -225,7 +257,7 @@ def run_method(run: GradeRunConfig, method: str, records: list[dict], checkpoint
     from logitless.grade.lora import load_adapter
 
     hf_logging.disable_progress_bar()
-    directory = Path(run.output_dir) / method
+    directory, checkpoint = Path(run.output_dir) / method, plan.checkpoints.get(method)
     seed = run.grade.seed
     reference, tokenizer = load_model("model", run.model, seed)
     lora = run.grade.lora_rank > 0  # a LoRA checkpoint holds the adapters only: loaded after wrapping
@@ -247,13 +279,17 @@ def run_method(run: GradeRunConfig, method: str, records: list[dict], checkpoint
     metrics_path = directory / "metrics.jsonl"  # rows past the checkpoint (from a crashed run) are dropped
     write_text_atomically(metrics_path, "".join(json.dumps(row) + "\n" for row in history))
     per_step = run.grade.batch_size * run.grade.gradient_accumulation_steps
+    reward_name = getattr(trainer.reward, "description", run.reward)
     announce_start("grade", checkpoint, run.steps)
     interrupts.track(f"logitless grade ({method})", directory, trainer.step, run.steps)
     bar = tqdm(range(trainer.step, run.steps), initial=trainer.step, total=run.steps, desc=f"grade {method}",
                unit="step", disable=not progress)
     with metrics_path.open("a") as metrics_file:
         for step in bar:
-            row = trainer.train_step(step_prompts(records, per_step, seed, step))
+            row = trainer.train_step(step_prompts(plan.records, per_step, seed, step))
+            evaluated = plan.eval_records and run.eval_every and (
+                trainer.step % run.eval_every == 0 or trainer.step == run.steps)
+            row[VALIDATION] = trainer.evaluate(plan.eval_records, seed=seed) if evaluated else None
             history.append(row)
             metrics_file.write(json.dumps(row) + "\n")
             metrics_file.flush()
@@ -261,50 +297,64 @@ def run_method(run: GradeRunConfig, method: str, records: list[dict], checkpoint
             if trainer.step % run.save_every == 0 or trainer.step == run.steps:
                 save_checkpoint(directory, trainer.step, trainer.model, tokenizer, trainer.optimizer,
                                 {"step": trainer.step, "history": history}, keep=run.save_total_limit)
-                _plot_method(directory, method, getattr(trainer.reward, "description", run.reward), history)
+                _plot_method(directory, method, reward_name, history)
             interrupts.step_done(trainer.step)
     bar.close()
-    _plot_method(directory, method, getattr(trainer.reward, "description", run.reward), history)
+    _plot_method(directory, method, reward_name, history)
     return history
 
 
-def _plot_method(directory: Path, method: str, reward: str, history: list[dict]) -> None:
-    from logitless.plots import plot_curve
+VALIDATION = "val/reward_mean"  # the metrics rows' held-out score (None at steps without an evaluation)
 
-    plot_curve([row["reward"] for row in history], directory / "reward.png", title=f"{method}: reward ({reward})",
-               ylabel="mean reward")
+
+def validation_curve(history: list[dict]) -> dict[int, float]:
+    """step -> held-out score, at the steps that were evaluated."""
+    return {row["step"]: row[VALIDATION] for row in history if row.get(VALIDATION) is not None}
+
+
+def _plot_method(directory: Path, method: str, reward: str, history: list[dict]) -> None:
+    from logitless.plots import plot_curve, plot_curves
+
+    curves = {"train (the rollouts trained on)": [row["reward"] for row in history]}
+    if validation_curve(history):
+        curves["held-out (sampled completions)"] = validation_curve(history)
+    plot_curves(curves, directory / "reward.png", title=f"{method}: reward ({reward})", ylabel="mean reward")
     plot_curve([row["kl"] for row in history], directory / "kl.png", title=f"{method}: KL(policy || reference)",
                ylabel="KL per rollout (nats)")
 
 
-def prepare_grade(run: GradeRunConfig) -> tuple[list[str], list[dict], dict[str, Path | None]]:
-    """(methods, prompt records, each method's checkpoint to resume from): every check of every method that
-    needs no model weights, and the run directory claimed. Raises ValueError naming the option at fault."""
+def prepare_grade(run: GradeRunConfig) -> GradePlan:
+    """Every check of every method that needs no model weights, and the run directory claimed. Raises
+    ValueError naming the option at fault."""
     methods = run.methods
-    records = load_prompts(run)
+    records, eval_records = load_prompts(run), load_prompts(run, "eval_data")
     check_model_source("model", run.model)
     if run.reward_model is not None:
         check_model_source("reward_model", run.reward_model)
     check_methods(run, methods)
-    return methods, records, claim_run_directory(run, methods)
+    return GradePlan(methods, records, eval_records, claim_run_directory(run, methods))
 
 
-def train_grade(run: GradeRunConfig, methods: list[str], records: list[dict],
-                checkpoints: dict[str, Path | None] | None = None, *, progress: bool = True) -> dict[str, list[dict]]:
+def train_grade(run: GradeRunConfig, plan: GradePlan, *, progress: bool = True) -> dict[str, list[dict]]:
+    """Every method of ``plan`` in turn; with several, the plots of every method's reward (and held-out
+    score) side by side in OUTPUT_DIR."""
     from logitless.plots import plot_curves
 
-    histories = {method: run_method(run, method, records, (checkpoints or {}).get(method), progress=progress)
-                 for method in methods}
-    if len(methods) > 1:
+    histories = {method: run_method(run, method, plan, progress=progress) for method in plan.methods}
+    if len(plan.methods) > 1:
         plot_curves({m: [row["reward"] for row in h] for m, h in histories.items()},
                     Path(run.output_dir) / "reward_by_method.png",
                     title="reward per step (gumbel, gumbel_legacy: of the soft samples)", ylabel="mean reward")
+        if plan.eval_records and run.eval_every:
+            plot_curves({m: validation_curve(h) for m, h in histories.items()},
+                        Path(run.output_dir) / "val_reward_by_method.png",
+                        title="held-out reward (sampled completions)", ylabel="val/reward_mean")
     return histories
 
 
 def run_grade(run: GradeRunConfig, *, progress: bool = True) -> dict[str, list[dict]]:
     """Run ``run.method`` (or every method for "all"); returns each method's metric rows."""
-    return train_grade(run, *prepare_grade(run), progress=progress)
+    return train_grade(run, prepare_grade(run), progress=progress)
 
 
 # ---- command line ------------------------------------------------------------------------------------------
@@ -320,6 +370,10 @@ _RUN_OPTIONS = {  # option -> (type or choices, help); defaults come from the da
     "reward_suffix": (str, "reward token: text appended after the completion"),
     "data": (str, "jsonl with a 'prompt' per line (reward judge: question/choices/answer) (default: built-in "
                   "prompts)"),
+    "eval_data": (str, "held-out prompts, as --data; scored with ordinary sampled completions and the same reward "
+                       "(default: built-in held-out prompts, or none when --data is a file)"),
+    "eval_every": (int, "steps between held-out evaluations, logged as val/reward_mean (and one at the end); 0: "
+                        "none"),
     "output_dir": (str, "each method writes OUTPUT_DIR/METHOD"),
     "steps": (int, "optimizer steps (a resume continues up to this number)"),
     "save_every": (int, "write a checkpoint-STEP every this many steps (and at the end)"),
@@ -397,19 +451,31 @@ def main(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as err:
         raise option_error(err, ["config", *names]) from None
     try:
-        histories = train_grade(run, *plan)
+        histories = train_grade(run, plan)
     except NonFiniteError as err:
         raise SystemExit(f"logitless grade: {err}") from None
     except ValueError as err:  # a model that cannot be loaded (`load_model`); any other is a bug, with its traceback
         if str(err).startswith(("model: ", "reward_model: ")):
             raise option_error(err, names) from None
         raise
+    print(summary_table(histories))
+    print(f"per method: {Path(run.output_dir)}/METHOD/metrics.jsonl, reward.png, kl.png"
+          + (f"; every method: {Path(run.output_dir)}/reward_by_method.png" if len(histories) > 1 else "")
+          + (", val_reward_by_method.png" if len(histories) > 1 and plan.eval_records and run.eval_every else ""))
+    return 0
+
+
+def summary_table(histories: dict[str, list[dict]]) -> str:
+    """One markdown row per method: the training reward (first -> last quarter of the steps) and the held-out
+    score (first -> last evaluation)."""
+    lines = ["| method | train reward, first -> last quarter | held-out reward, first -> last evaluation | "
+             "steps | skipped |", "|---|---|---|---|---|"]
     for method, history in histories.items():
         rewards = [row["reward"] for row in history]
         quarter = max(1, len(rewards) // 4)
-        skipped = sum(bool(row["skipped"]) for row in history)
-        print(f"{method}: reward {sum(rewards[:quarter]) / quarter:.4f} (first quarter) -> "
-              f"{sum(rewards[-quarter:]) / quarter:.4f} (last quarter) over {len(rewards)} steps"
-              f"{f'; {skipped} steps skipped (not finite)' if skipped else ''}; "
-              f"{Path(run.output_dir) / method}/metrics.jsonl, reward.png")
-    return 0
+        validation = validation_curve(history)
+        held_out = (f"{validation[min(validation)]:.4f} (step {min(validation)}) -> "
+                    f"{validation[max(validation)]:.4f} (step {max(validation)})" if validation else "not evaluated")
+        lines.append(f"| {method} | {sum(rewards[:quarter]) / quarter:.4f} -> {sum(rewards[-quarter:]) / quarter:.4f} "
+                     f"| {held_out} | {len(rewards)} | {sum(bool(row['skipped']) for row in history)} |")
+    return "\n".join(lines)
