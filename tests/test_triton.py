@@ -136,10 +136,10 @@ if INTERPRETED or torch.cuda.is_available():
         import os as _os
 
         from logitless import fused_grpo_loss, fused_linear_cross_entropy, fused_linear_logprobs
-        from logitless.ops import loops, reference
+        from logitless.ops import blocks, reference
 
         _os.environ["LOGITLESS_TRITON"] = "1"
-        single_pass_devices, loops.SINGLE_PASS_DEVICES = loops.SINGLE_PASS_DEVICES, ()
+        single_pass_devices, blocks.SINGLE_PASS_DEVICES = blocks.SINGLE_PASS_DEVICES, ()
         try:
             generator = torch.Generator().manual_seed(seed)
             hidden = (torch.randn(1, num_rows, 6, generator=generator) * 0.7).requires_grad_()
@@ -167,7 +167,7 @@ if INTERPRETED or torch.cuda.is_available():
                                  (ref_total, *torch.autograd.grad(ref_total, (hidden, weight)))):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         finally:
-            loops.SINGLE_PASS_DEVICES = single_pass_devices
+            blocks.SINGLE_PASS_DEVICES = single_pass_devices
             _os.environ.pop("LOGITLESS_TRITON")
 
 else:
