@@ -69,7 +69,7 @@ def vocab_blocks(vocab_size: int, plan: BlockPlan):
     return ((start, slice(start, start + plan.sizes.vocab)) for start in range(0, vocab_size, plan.sizes.vocab))
 
 
-def rows_of(values: NamedTuple, rows: slice) -> NamedTuple:
+def _rows_of(values: NamedTuple, rows: slice) -> NamedTuple:
     """Each (N,) tensor of a NamedTuple cut to ``rows``; None stays None."""
     return values._make(None if value is None else value[rows] for value in values)
 
@@ -104,7 +104,7 @@ def two_pass_grads(heads: Sequence[LinearHead], hiddens: Sequence[torch.Tensor],
     grads = InputGrads(head, hiddens[0], needs, _num_chunks(num_rows, plan))
     for rows in row_chunks(num_rows, plan):
         chunk_hiddens = [compute_operand(hidden[rows]) for hidden in hiddens]
-        accumulator, chunk_stats, chunk_grads = new_accumulator(rows), rows_of(stats, rows), rows_of(row_grads, rows)
+        accumulator, chunk_stats, chunk_grads = new_accumulator(rows), _rows_of(stats, rows), _rows_of(row_grads, rows)
         hidden_sum = grads.hidden_sum(chunk_hiddens[0])
         for start, columns in vocab_blocks(head.vocab_size, plan):
             block = [h.logits(chunk, columns) for h, chunk in zip(heads, chunk_hiddens)]
@@ -137,8 +137,8 @@ def one_pass(head: LinearHead, hidden: torch.Tensor, plan: BlockPlan, new_accumu
         kept_blocks = []
         for start, columns in blocks:
             width = min(plan.sizes.vocab, vocab_size - start)
-            logits = head.logits(chunk_hidden, columns, out=kept[start * num_chunk_rows: (start + width) * num_chunk_rows]
-                                 .view(num_chunk_rows, width))  # (n, c)
+            block_buffer = kept[start * num_chunk_rows: (start + width) * num_chunk_rows]
+            logits = head.logits(chunk_hidden, columns, out=block_buffer.view(num_chunk_rows, width))  # (n, c)
             kept_blocks.append(accumulator.update(start, [logits]))
         chunk_stats = accumulator.finish()
         parts.append(chunk_stats)

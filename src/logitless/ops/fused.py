@@ -63,8 +63,9 @@ class LinearTokenStats(torch.autograd.Function):
         hidden, _, _, targets, lse, entropy = ctx.saved_tensors
         head = ctx.head
         coefs = stat_grads(head, grad_log_probs, grad_entropy, grad_mean_log_prob, lse.dtype)
-        grads = two_pass_grads((head,), (hidden,), ctx.plan, softmax_accumulators(head, targets, ctx.kernels, lse.dtype),
-                               TokenStats(lse, None, entropy, None), coefs, ctx.needs_input_grad[:3])
+        accumulators = softmax_accumulators(head, targets, ctx.kernels, lse.dtype)
+        grads = two_pass_grads((head,), (hidden,), ctx.plan, accumulators, TokenStats(lse, None, entropy, None), coefs,
+                               ctx.needs_input_grad[:3])
         return (*grads, None, None, None, None, None, None)
 
 
@@ -117,7 +118,8 @@ def _chunk_loss(head: LinearHead, token_loss: TokenLoss, needs: tuple[bool, bool
 
     def chunk_loss(rows: slice, stats: TokenStats):
         with torch.enable_grad():
-            leaves = [None if s is None else s.detach().requires_grad_() for s in (stats.log_probs, stats.mean_log_prob)]
+            leaves = [None if s is None else s.detach().requires_grad_()
+                      for s in (stats.log_probs, stats.mean_log_prob)]
             loss = token_loss(rows, leaves[0], stats.entropy, leaves[1])
             used = [leaf for leaf in leaves if leaf is not None]
             leaf_grads = (torch.autograd.grad(loss, used, allow_unused=True)
@@ -156,7 +158,8 @@ def linear_loss(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, t
     and ``token_loss`` over all tokens. log_probs and entropy are returned without a graph (for metrics).
     """
     kernels = chunk_kernels(hidden.device, stat_dtype(hidden.dtype), impl)
-    needs = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad for t in (hidden, head.weight, head.bias))
+    needs = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
+                  for t in (hidden, head.weight, head.bias))
     plan = plan_blocks(hidden.shape[0], head, hidden.device, BlockSizes.of(block_sizes, chunk_size, vocab_block_size),
                        loss_known=any(needs) and impl != "triton")
     if plan.single_pass:

@@ -8,7 +8,7 @@ from logitless.ops.head import LinearHead, matmul_stat, stat_dtype
 
 
 class InputGrads:
-    """The gradients of (hidden, weight, bias) as the engine's drivers produce them, summed in fp32 where they are summed.
+    """The gradients of (hidden, weight, bias) as the engine's drivers produce them, summed in fp32 where summed.
 
     dW: each row chunk's blocks are added in; the first chunk writes them (no zero fill, no re-read),
     the others add into an fp32 sum (the result itself when the weight is fp32). With one row chunk,
