@@ -278,7 +278,7 @@ def test_bf16_gradients_at_least_as_accurate_as_the_materialized_bf16_path(seed)
 def test_one_pass_and_two_pass_schedules_agree(blocks, monkeypatch):
     # cross-entropy and GRPO take one pass on CPU for fp32 weights, two elsewhere: both must give the same
     from logitless import fused_grpo_loss
-    from logitless.ops import loops
+    from logitless.ops import blocks as schedule
 
     hidden, weight, bias, targets = _inputs(60, 16, 997, batch=3)
     mask = torch.rand(targets.shape) > 0.2
@@ -292,12 +292,12 @@ def test_one_pass_and_two_pass_schedules_agree(blocks, monkeypatch):
         return [ce, grpo, *_grads(ce + grpo, (hidden, weight, bias))], metrics
 
     plans = []
-    real_plan = loops.plan_blocks
+    real_plan = schedule.plan_blocks
     monkeypatch.setattr("logitless.ops.fused.plan_blocks", lambda *a, **k: plans.append(real_plan(*a, **k))
                         or plans[-1])
     one_pass, one_pass_metrics = run()
     assert plans and all(plan.single_pass for plan in plans)
-    monkeypatch.setattr(loops, "SINGLE_PASS_DEVICES", ())
+    monkeypatch.setattr(schedule, "SINGLE_PASS_DEVICES", ())
     plans.clear()
     two_pass, two_pass_metrics = run()
     assert plans and not any(plan.single_pass for plan in plans)

@@ -170,3 +170,29 @@ def test_vocabulary_blocks_and_heads_with_their_own_scale_and_softcap():
     expected = _grads(oracle, tensors)
     for name, grad in _grads(fused, tensors).items():
         torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("softcap, logit_scale", [(2.0, 1.0), (None, 1.7), (3.0, 0.6)])
+def test_softcap_and_logit_scale_match_materialized(softcap, logit_scale):
+    # both heads' logits are cap(logit_scale * (hidden @ weight.T + bias)) / temperature
+    from logitless.ops.reference import linear_logits
+
+    tensors = _inputs(11, 8, 6, 257, bias=True, scale=0.9)
+    fused = fused_linear_kl(**tensors, temperature=0.8, softcap=softcap, logit_scale=logit_scale, chunk_size=4,
+                            vocab_block_size=64)
+    log_p = torch.log_softmax(linear_logits(tensors["hidden_p"], tensors["weight_p"], tensors["bias_p"], softcap, 0.8,
+                                            logit_scale), -1)
+    log_q = torch.log_softmax(linear_logits(tensors["hidden_q"], tensors["weight_q"], tensors["bias_q"], softcap, 0.8,
+                                            logit_scale), -1).detach()
+    oracle = (log_p.exp() * (log_p - log_q)).sum(-1)
+    torch.testing.assert_close(fused, oracle, rtol=1e-5, atol=1e-6)
+    expected = _grads(oracle, tensors)
+    for name, grad in _grads(fused, tensors).items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-5, msg=name)  # gradients up to ~7
+
+
+@pytest.mark.parametrize("change, message", [(dict(softcap=0.0), "softcap"), (dict(logit_scale=-1.0), "logit_scale")])
+def test_bad_softcap_and_logit_scale_are_named(change, message):
+    tensors = {k: v.detach() for k, v in _inputs(4, 8, 8, 11).items()}
+    with pytest.raises(ValueError, match=message):
+        fused_linear_kl(**tensors, **change)

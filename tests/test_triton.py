@@ -126,6 +126,36 @@ if INTERPRETED or torch.cuda.is_available():
         for g, w in zip(torch.autograd.grad(loss, (hidden, weight)), torch.autograd.grad(ref_loss, (hidden, weight))):
             torch.testing.assert_close(g.cpu(), w.cpu(), rtol=1e-5, atol=1e-6)
 
+    def test_impl_triton_matches_the_reference():
+        """impl="triton" runs the kernels in both passes (never the one-pass PyTorch schedule), whatever
+        LOGITLESS_TRITON says, and agrees with impl="reference"; it refuses fp64."""
+        from logitless import fused_grpo_loss, fused_linear_cross_entropy, fused_linear_logprobs
+        from logitless.ops import BlockSizes
+
+        generator = torch.Generator().manual_seed(0)
+        hidden = (torch.randn(2, 7, 8, generator=generator) * 0.6).to(DEVICE).requires_grad_()
+        weight = (torch.randn(301, 8, generator=generator) * 0.6).to(DEVICE).requires_grad_()
+        ids = torch.randint(0, 301, (2, 7), generator=generator).to(DEVICE)
+        mask = torch.ones(2, 7, dtype=torch.bool, device=DEVICE)
+        mask[1, 4:] = False
+        advantages, old = torch.tensor([1.0, -0.5], device=DEVICE), torch.full((2, 7), -5.0, device=DEVICE)
+        ops = [
+            lambda **o: sum(fused_linear_logprobs(hidden, weight, ids, mask=mask, return_entropy=True, softcap=3.0,
+                                                  **o)).sum(),
+            lambda **o: fused_linear_cross_entropy(hidden, weight, ids.masked_fill(~mask, -100), label_smoothing=0.1,
+                                                   **o),
+            lambda **o: fused_grpo_loss(hidden, weight, ids, mask, advantages, old_logprobs=old,
+                                        ref_logprobs=old + 0.1, beta=0.04, temperature=0.8, **o)[0],
+        ]
+        for op in ops:
+            want = op(impl="reference")
+            got = op(impl="triton", block_sizes=BlockSizes(5, 64))
+            for g, w in zip((got, *torch.autograd.grad(got, (hidden, weight))),
+                            (want, *torch.autograd.grad(want, (hidden, weight)))):
+                torch.testing.assert_close(g.cpu(), w.cpu(), rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="impl: 'triton' runs fp32 block logits"):
+            fused_linear_logprobs(hidden.double(), weight.double(), ids, impl="triton")
+
     @settings(max_examples=40, deadline=None, derandomize=True)
     @given(num_rows=st.integers(0, 20), vocab=st.integers(2, 700), block=st.integers(16, 300), neg_inf=st.booleans(),
            softcap=st.one_of(st.none(), st.floats(0.5, 20.0)), temperature=st.floats(0.3, 2.0),
@@ -136,10 +166,10 @@ if INTERPRETED or torch.cuda.is_available():
         import os as _os
 
         from logitless import fused_grpo_loss, fused_linear_cross_entropy, fused_linear_logprobs
-        from logitless.ops import loops, reference
+        from logitless.ops import blocks, reference
 
         _os.environ["LOGITLESS_TRITON"] = "1"
-        single_pass_devices, loops.SINGLE_PASS_DEVICES = loops.SINGLE_PASS_DEVICES, ()
+        single_pass_devices, blocks.SINGLE_PASS_DEVICES = blocks.SINGLE_PASS_DEVICES, ()
         try:
             generator = torch.Generator().manual_seed(seed)
             hidden = (torch.randn(1, num_rows, 6, generator=generator) * 0.7).requires_grad_()
@@ -167,7 +197,7 @@ if INTERPRETED or torch.cuda.is_available():
                                  (ref_total, *torch.autograd.grad(ref_total, (hidden, weight)))):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         finally:
-            loops.SINGLE_PASS_DEVICES = single_pass_devices
+            blocks.SINGLE_PASS_DEVICES = single_pass_devices
             _os.environ.pop("LOGITLESS_TRITON")
 
 else:

@@ -1,7 +1,7 @@
 """Per-token log-probabilities (and entropy) of labels under a Hugging Face causal LM.
 
 The default path never builds the (B, T, V) logits: it runs the model's body to get the final
-hidden states and hands them with the output embedding to `fused_linear_logprobs`.
+hidden states and hands them with the output embedding (a `LinearHead`) to the fused log-probs.
 ``impl="materialized"`` is the plain forward -> log_softmax -> gather, kept as the oracle.
 """
 
@@ -11,7 +11,7 @@ import torch
 
 from logitless._checks import check_choice, check_positive, check_same_shape, check_tensor, check_token_ids
 from logitless.hf import final_hidden_states, lm_head_of, position_ids_for
-from logitless.ops.fused import fused_linear_logprobs
+from logitless.ops.fused import head_logprobs
 from logitless.ops.reference import logprobs_from_logits
 
 IGNORE_INDEX = -100  # a label that is not scored (as in PyTorch's and transformers' losses)
@@ -48,8 +48,7 @@ def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor,
     else:
         head = lm_head_of(model, temperature)
         hidden = final_hidden_states(model, input_ids, attention_mask)  # (B, T, H)
-        result = fused_linear_logprobs(hidden, head.weight, targets, return_entropy=return_token_entropy,
-                                       **head.options())
+        result = head_logprobs(head, hidden, targets, return_entropy=return_token_entropy)
         log_probs, entropy = result if return_token_entropy else (result, None)
     out = {"log_probs": log_probs.masked_fill(ignored, 0.0)}
     if return_token_entropy:

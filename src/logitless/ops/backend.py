@@ -1,9 +1,10 @@
-"""Which implementation of a block's statistics update and logits gradient runs: Triton or PyTorch.
+"""Which implementation of an op runs (``impl``), and for the block engine, which block kernels: Triton or PyTorch.
 
-Triton (`ops/triton.py`) is chosen automatically for fp32 chunk logits on CUDA when triton works;
-the PyTorch twins in `ops/chunks.py` run everywhere else. ``LOGITLESS_TRITON=0`` turns Triton off;
-``LOGITLESS_TRITON=1`` asks for it wherever it can run (with TRITON_INTERPRET=1 that includes the
-CPU, which is how the tests check the kernels end to end).
+``impl`` is one of `IMPLS`: "reference" materializes the logits (`ops/reference.py`), "chunked" runs the
+PyTorch block math of `ops/chunks.py`, "triton" the Triton kernels of `ops/triton.py`, and "auto" picks:
+Triton for fp32 block logits on CUDA when triton works, PyTorch everywhere else. ``LOGITLESS_TRITON``
+sets what "auto" picks: ``0`` turns Triton off; ``1`` asks for it wherever it can run (with
+TRITON_INTERPRET=1 that includes the CPU, which is how the tests check the kernels end to end).
 """
 
 from __future__ import annotations
@@ -13,11 +14,20 @@ from types import ModuleType
 
 import torch
 
+from logitless._checks import check_choice
 from logitless.ops import chunks
 
+IMPLS = ("auto", "reference", "chunked", "triton")
+BLOCK_IMPLS = ("auto", "chunked", "triton")  # the implementations that run the block engine
 
-def chunk_kernels(device: torch.device, stat_dtype: torch.dtype) -> ModuleType:
-    """A module with ``update_stats`` and ``block_logits_grad`` for blocks of this device and dtype."""
+
+def chunk_kernels(device: torch.device, stat_dtype: torch.dtype, impl: str = "auto") -> ModuleType:
+    """A module with ``update_stats`` and ``block_logits_grad`` for blocks of this device and dtype under ``impl``."""
+    check_choice("impl", impl, BLOCK_IMPLS)
+    if impl == "chunked":
+        return chunks
+    if impl == "triton":
+        return _triton_kernels(device, stat_dtype)
     setting = os.environ.get("LOGITLESS_TRITON", "auto")
     if setting not in ("auto", "0", "1"):
         raise ValueError(f"LOGITLESS_TRITON: expected auto, 0 or 1, got {setting!r}")
@@ -27,3 +37,16 @@ def chunk_kernels(device: torch.device, stat_dtype: torch.dtype) -> ModuleType:
     from logitless.ops import triton as triton_kernels
 
     return triton_kernels if triton_kernels.available() else chunks
+
+
+def _triton_kernels(device: torch.device, stat_dtype: torch.dtype) -> ModuleType:
+    from logitless.ops import triton as triton_kernels
+
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if not triton_kernels.available() or not (device.type == "cuda" or interpreted):
+        raise ValueError(f"impl: 'triton' needs a CUDA device with triton installed (or TRITON_INTERPRET=1), "
+                         f"got {device.type}{'' if triton_kernels.triton is not None else ' without triton'}")
+    if stat_dtype != torch.float32:
+        raise ValueError(f"impl: 'triton' runs fp32 block logits (float32, bfloat16 or float16 inputs), "
+                         f"got {stat_dtype} statistics")
+    return triton_kernels

@@ -1,4 +1,4 @@
-"""The math of one block of logits, shared by both chunk loops of `loops.py`: the PyTorch twins of
+"""The math of one block of logits behind the softmax accumulator (`softmax.py`): the PyTorch twins of
 the Triton kernels in `triton.py`.
 
 A block is the logits ``z`` of some tokens (rows) over some vocabulary entries (columns), fp32.
@@ -40,7 +40,7 @@ class TokenStats(NamedTuple):
 
 
 class OnlineSoftmax:
-    """Pass 1's running per-token sums over vocabulary blocks (see the module docstring)."""
+    """The running per-token sums over vocabulary blocks (see the module docstring)."""
 
     def __init__(self, num_rows: int, dtype: torch.dtype, device: torch.device, need_entropy: bool,
                  need_logit_sum: bool):
@@ -104,7 +104,7 @@ def update_stats(stats: OnlineSoftmax, logits: torch.Tensor, start: int, targets
 
 
 class StatGrads(NamedTuple):
-    """Per-token coefficients of pass 2's closed form, already multiplied by d logits / d raw; None = 0."""
+    """Per-token coefficients of the gradient's closed form, already multiplied by d logits / d raw; None = 0."""
 
     onehot: torch.Tensor | None  # g_lp
     probs: torch.Tensor | None  # g_lp + g_m

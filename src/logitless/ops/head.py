@@ -5,9 +5,9 @@
 ``cap(x) = softcap * tanh(x / softcap)`` is the soft cap of Gemma 2/3n, nanochat and Mistral Large 4
 (the identity without a softcap); ``scale`` is a model's logit multiplier (Cohere's ``logit_scale``,
 Granite's ``1 / logits_scaling``); ``temperature`` divides the logits exactly as in sampling, in the
-policy, old, reference and reward paths alike. The fused chunk loop, the materialized oracles,
+policy, old, reference and reward paths alike. The block engine, the materialized oracles,
 `CompletionLogits` and the multiple-choice judge all compute logits through `LinearHead.logits`;
-the chunk loop sends gradients back through `logit_factor` and `softcap_slope_`.
+the engine's accumulators send gradients back through `logit_factor` and `softcap_slope_`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,100 @@
+"""How the block engine cuts its work: `BlockSizes` (tokens per row chunk, vocabulary entries per block),
+their per-device defaults, and the schedule (`BlockPlan`: one pass or two).
+
+Per-device defaults (`default_block_sizes`), sized by the bytes of one block's fp32 logits:
+
+* Two passes: a block holds up to 16 MB on a CPU (its last-level cache holds tens of MB) and 256 MB
+  on a GPU (which wants matmuls of thousands of rows and columns). All tokens go in one row chunk
+  when that leaves blocks at least 256 vocabulary entries wide; otherwise fewer tokens per chunk.
+* One pass (CPU, fp32 weights, a loss known at forward time): a row chunk keeps 128 MB of logits
+  (about 200 tokens at a 151k vocabulary), folded in blocks of 4096 vocabulary entries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from logitless.ops.head import LinearHead, stat_dtype
+
+BLOCK_BYTES = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}  # two passes: one block's logits
+MIN_VOCAB_BLOCK = 256  # blocks narrower than this make thin matmuls: take fewer tokens per chunk instead
+CHUNK_BYTES = 128 * 2**20  # one pass: the logits a row chunk keeps
+SINGLE_PASS_VOCAB_BLOCK = 4096
+SINGLE_PASS_DEVICES = ("cpu",)  # measured faster there; GPUs keep the two passes, as TRL's head does
+
+
+def _positive_int_or_none(name: str, value) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class BlockSizes:
+    """Tokens per row chunk and vocabulary entries per block of logits; None takes the per-device default
+    (`default_block_sizes`). Larger blocks make larger matmuls and keep more logits at once."""
+
+    tokens: int | None = None
+    vocab: int | None = None
+
+    def __post_init__(self):
+        _positive_int_or_none("block_sizes.tokens", self.tokens)
+        _positive_int_or_none("block_sizes.vocab", self.vocab)
+
+    @classmethod
+    def of(cls, block_sizes: BlockSizes | None = None, chunk_size: int | None = None,
+           vocab_block_size: int | None = None) -> BlockSizes:
+        """A public op's block keywords as one BlockSizes: ``block_sizes``, or the older ``chunk_size``
+        (tokens) and ``vocab_block_size`` (vocabulary), not both ways at once."""
+        _positive_int_or_none("chunk_size", chunk_size)
+        _positive_int_or_none("vocab_block_size", vocab_block_size)
+        if block_sizes is None:
+            return cls(chunk_size, vocab_block_size)
+        if not isinstance(block_sizes, BlockSizes):
+            raise TypeError(f"block_sizes: expected a BlockSizes, got {type(block_sizes).__name__}")
+        if chunk_size is not None or vocab_block_size is not None:
+            raise ValueError("block_sizes: given together with chunk_size or vocab_block_size; pass one of the two")
+        return block_sizes
+
+    def or_defaults(self, defaults: BlockSizes) -> BlockSizes:
+        return BlockSizes(self.tokens or defaults.tokens, self.vocab or defaults.vocab)
+
+
+def default_block_sizes(device: torch.device | str, dtype: torch.dtype, *, num_tokens: int, vocab_size: int,
+                        single_pass: bool = False, tokens: int | None = None) -> BlockSizes:
+    """The block sizes used when none are given, for ``num_tokens`` tokens of a ``vocab_size`` head whose
+    logits are computed on ``device`` from inputs of ``dtype`` (see the module docstring). With ``tokens``
+    (tokens per chunk chosen already) the vocabulary default fills the block for that many tokens."""
+    device_type = torch.device(device).type
+    logit_bytes = torch.finfo(stat_dtype(dtype)).bits // 8
+    if single_pass:
+        tokens = tokens or max(16, CHUNK_BYTES // (logit_bytes * vocab_size) // 16 * 16)
+        vocab = SINGLE_PASS_VOCAB_BLOCK
+    else:
+        budget = BLOCK_BYTES.get(device_type, BLOCK_BYTES["cuda"])
+        tokens = tokens or max(1, min(num_tokens, budget // (logit_bytes * MIN_VOCAB_BLOCK)))
+        vocab = max(MIN_VOCAB_BLOCK, budget // (logit_bytes * tokens) // 64 * 64)
+    return BlockSizes(max(1, min(tokens, num_tokens)), min(vocab, vocab_size))
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    sizes: BlockSizes  # concrete: tokens per row chunk, vocabulary entries per block
+    single_pass: bool  # the one-pass driver: a chunk's logits are kept from its statistics to its gradient
+
+
+def plan_blocks(num_tokens: int, head: LinearHead, device: torch.device, requested: BlockSizes = BlockSizes(),
+                loss_known: bool = False) -> BlockPlan:
+    """The schedule and block sizes for ``num_tokens`` tokens: ``requested`` sizes override the defaults.
+
+    One pass when the loss is known at forward time, on a CPU, for an fp32 (or fp64) weight.
+    """
+    single_pass = (loss_known and device.type in SINGLE_PASS_DEVICES
+                   and head.weight.dtype == stat_dtype(head.weight.dtype))
+    defaults = default_block_sizes(device, head.weight.dtype, num_tokens=num_tokens, vocab_size=head.vocab_size,
+                                   single_pass=single_pass, tokens=requested.tokens)
+    sizes = requested.or_defaults(defaults)
+    return BlockPlan(BlockSizes(max(1, min(sizes.tokens, num_tokens)), min(sizes.vocab, head.vocab_size)),
+                     single_pass)

@@ -1,0 +1,155 @@
+"""The block engine behind every fused LM-head op: which blocks of logits exist when, and what each feeds.
+
+Tokens are taken in row chunks and the vocabulary in blocks (`blocks.BlockSizes`); a block's logits
+``head.logits(hidden[rows], columns)`` are the only logits that exist. What an op computes from them is
+an `Accumulator`, plugged into one of two schedules, both exact:
+
+* Two passes, `two_pass_stats` then `two_pass_grads`: pass 1 streams the blocks of all tokens through
+  the accumulators and keeps O(N) numbers; pass 2 recomputes each block, turns it into its logits
+  gradient and computes that block of dW once over all tokens (no fp32 dW accumulator is re-read when
+  all tokens fit one row chunk, the usual case), summing dh in fp32. Four matmuls. It serves
+  statistics whose loss is not known yet (log-probs, KL), and GPUs, where a bf16 weight would need
+  an fp32 dW accumulator as large as 2.5 GB to be summed over row chunks.
+
+* One pass, `one_pass`, for a loss that is a sum of per-token terms known at forward time
+  (cross-entropy, GRPO): each row chunk's logits are kept (a budget of tens of MB) while its blocks
+  are folded into the statistics; the loss's gradient with respect to them follows, then each block
+  becomes its gradient and feeds dW (summed in place into an fp32 weight's gradient) and dh. Three
+  matmuls, each of a cache-friendly shape.
+
+An op may read several heads' logits (the KL reads two); gradients flow to the first head and its hidden
+states only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
+
+import torch
+
+from logitless.ops.blocks import BlockPlan
+from logitless.ops.head import LinearHead, stat_dtype
+from logitless.ops.input_grads import InputGrads
+
+
+class Accumulator(Protocol):
+    """One row chunk's running per-row statistics over the vocabulary blocks, and a block's logits gradient."""
+
+    def update(self, start: int, logits: list[torch.Tensor]) -> object:
+        """Fold in the block starting at vocabulary entry ``start``: each head's logits (n, c), which may be
+        overwritten. Returns the block as `block_grad` takes it once the block is kept (one pass)."""
+
+    def finish(self) -> NamedTuple:
+        """The chunk's per-row statistics, (n,) each (None for one not computed)."""
+
+    def block_grad(self, start: int, block, stats: NamedTuple, row_grads: NamedTuple) -> torch.Tensor:
+        """d loss / d (hidden @ W.T + b) of the first head for one block (n, c), which is consumed: ``block``
+        is the heads' recomputed logits (two passes) or what `update` returned (one pass); ``stats`` the
+        chunk's finished statistics; ``row_grads`` the loss's per-row gradients, (n,) each or None."""
+
+
+NewAccumulator = Callable[[slice], Accumulator]  # a row chunk's slice of all tokens (within bounds) -> its accumulator
+# chunk_loss(rows, stats) -> (the loss summed over the chunk's tokens (), its per-row gradients; None when no
+# gradient is needed)
+ChunkLoss = Callable[[slice, tuple], tuple[torch.Tensor, "tuple | None"]]
+
+
+def compute_operand(tensor: torch.Tensor) -> torch.Tensor:
+    """A matmul operand as `matmul_stat` will use it: upcast once here when it would upcast it per block."""
+    return tensor if tensor.is_cuda else tensor.to(stat_dtype(tensor.dtype))
+
+
+def row_chunks(num_rows: int, plan: BlockPlan):
+    tokens = plan.sizes.tokens
+    return (slice(start, min(start + tokens, num_rows)) for start in range(0, num_rows, tokens))
+
+
+def vocab_blocks(vocab_size: int, plan: BlockPlan):
+    return ((start, slice(start, start + plan.sizes.vocab)) for start in range(0, vocab_size, plan.sizes.vocab))
+
+
+def _rows_of(values: NamedTuple, rows: slice) -> NamedTuple:
+    """Each (N,) tensor of a NamedTuple cut to ``rows``; None stays None."""
+    return values._make(None if value is None else value[rows] for value in values)
+
+
+def _concat(parts: list[NamedTuple]) -> NamedTuple:
+    return parts[0]._make(None if field[0] is None else torch.cat(field) for field in zip(*parts))
+
+
+def _num_chunks(num_rows: int, plan: BlockPlan) -> int:
+    return -(-num_rows // plan.sizes.tokens)
+
+
+def two_pass_stats(heads: Sequence[LinearHead], hiddens: Sequence[torch.Tensor], plan: BlockPlan,
+                   new_accumulator: NewAccumulator) -> NamedTuple:
+    """Pass 1 of two: every token's statistics, hiddens (N, H_i) -> the accumulator's statistics, (N,) each."""
+    parts = []
+    for rows in row_chunks(hiddens[0].shape[0], plan):
+        chunk_hiddens = [compute_operand(hidden[rows]) for hidden in hiddens]
+        accumulator = new_accumulator(rows)
+        for start, columns in vocab_blocks(heads[0].vocab_size, plan):
+            accumulator.update(start, [head.logits(chunk, columns) for head, chunk in zip(heads, chunk_hiddens)])
+        parts.append(accumulator.finish())
+    return _concat(parts) if parts else new_accumulator(slice(0, 0)).finish()
+
+
+def two_pass_grads(heads: Sequence[LinearHead], hiddens: Sequence[torch.Tensor], plan: BlockPlan,
+                   new_accumulator: NewAccumulator, stats: NamedTuple, row_grads: NamedTuple,
+                   needs: tuple[bool, bool, bool]):
+    """Pass 2 of two: (grad_hidden, grad_weight, grad_bias) of the first head's inputs (None where not
+    needed), from pass 1's ``stats`` and the loss's per-row gradients ``row_grads``, (N,) each."""
+    head, num_rows = heads[0], hiddens[0].shape[0]
+    grads = InputGrads(head, hiddens[0], needs, _num_chunks(num_rows, plan))
+    for rows in row_chunks(num_rows, plan):
+        chunk_hiddens = [compute_operand(hidden[rows]) for hidden in hiddens]
+        accumulator, chunk_stats, chunk_grads = new_accumulator(rows), _rows_of(stats, rows), _rows_of(row_grads, rows)
+        hidden_sum = grads.hidden_sum(chunk_hiddens[0])
+        for start, columns in vocab_blocks(head.vocab_size, plan):
+            block = [h.logits(chunk, columns) for h, chunk in zip(heads, chunk_hiddens)]
+            block_grad = accumulator.block_grad(start, block, chunk_stats, chunk_grads)
+            grads.add_block(columns, block_grad, chunk_hiddens[0], hidden_sum, head.weight[columns])
+        grads.finish_chunk(rows, hidden_sum)
+    return grads.result(head)
+
+
+def one_pass(head: LinearHead, hidden: torch.Tensor, plan: BlockPlan, new_accumulator: NewAccumulator,
+             chunk_loss: ChunkLoss, needs: tuple[bool, bool, bool]):
+    """One pass: (loss (), every token's statistics (N,), (grad_hidden, grad_weight, grad_bias)).
+
+    Each chunk's blocks are kept, one (n, c) after another in one buffer reused from chunk to chunk, from
+    `Accumulator.update` to `Accumulator.block_grad`; ``chunk_loss`` gives the chunk's loss and its
+    per-row gradients from the chunk's statistics.
+    """
+    num_rows, dtype, vocab_size = hidden.shape[0], stat_dtype(hidden.dtype), head.vocab_size
+    grads = InputGrads(head, hidden, needs, _num_chunks(num_rows, plan))
+    blocks = list(vocab_blocks(vocab_size, plan))
+    loss = torch.zeros((), dtype=dtype, device=hidden.device)
+    parts = []
+    kept = None  # (n * V,): the chunk's blocks
+    for rows in row_chunks(num_rows, plan):
+        chunk_hidden = compute_operand(hidden[rows])
+        num_chunk_rows = chunk_hidden.shape[0]
+        if kept is None or kept.shape[0] < num_chunk_rows * vocab_size:
+            kept = torch.empty(num_chunk_rows * vocab_size, dtype=dtype, device=hidden.device)
+        accumulator = new_accumulator(rows)
+        kept_blocks = []
+        for start, columns in blocks:
+            width = min(plan.sizes.vocab, vocab_size - start)
+            block_buffer = kept[start * num_chunk_rows: (start + width) * num_chunk_rows]
+            logits = head.logits(chunk_hidden, columns, out=block_buffer.view(num_chunk_rows, width))  # (n, c)
+            kept_blocks.append(accumulator.update(start, [logits]))
+        chunk_stats = accumulator.finish()
+        parts.append(chunk_stats)
+        chunk_loss_value, chunk_grads = chunk_loss(rows, chunk_stats)
+        loss += chunk_loss_value
+        if chunk_grads is None:
+            continue
+        hidden_sum = grads.hidden_sum(chunk_hidden)
+        for (start, columns), block in zip(blocks, kept_blocks):
+            block_grad = accumulator.block_grad(start, block, chunk_stats, chunk_grads)
+            grads.add_block(columns, block_grad, chunk_hidden, hidden_sum, head.weight[columns])
+        grads.finish_chunk(rows, hidden_sum)
+    stats = _concat(parts) if parts else new_accumulator(slice(0, 0)).finish()
+    return loss, stats, grads.result(head) if any(needs) else (None, None, None)

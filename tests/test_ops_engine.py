@@ -1,0 +1,151 @@
+"""The block engine's interface: BlockSizes, impl=, and every fused op running through the engine's loops."""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from logitless import fused_grpo_loss, fused_linear_cross_entropy, fused_linear_logprobs
+from logitless.ops import BlockSizes, default_block_sizes, fused_linear_kl
+from logitless.ops import engine
+
+BLOCKS = BlockSizes(tokens=5, vocab=64)  # several row chunks and vocabulary blocks on the shapes below
+TRITON_RUNS_HERE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _tensors(seed=0, vocab=301):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(2, 7, 8, generator=generator) * 0.6).requires_grad_()
+    weight = (torch.randn(vocab, 8, generator=generator) * 0.6).requires_grad_()
+    bias = (torch.randn(vocab, generator=generator) * 0.1).requires_grad_()
+    ids = torch.randint(0, vocab, (2, 7), generator=generator)
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[1, 4:] = False
+    return dict(hidden=hidden, weight=weight, bias=bias, ids=ids, mask=mask, generator=generator)
+
+
+def _logprobs(t, **options):
+    log_probs, entropy = fused_linear_logprobs(t["hidden"], t["weight"], t["ids"], bias=t["bias"], mask=t["mask"],
+                                               return_entropy=True, temperature=0.8, softcap=3.0, **options)
+    return (log_probs + 0.5 * entropy).sum()
+
+
+def _cross_entropy(t, **options):
+    ids = t["ids"].masked_fill(~t["mask"], -100)
+    return fused_linear_cross_entropy(t["hidden"], t["weight"], ids, bias=t["bias"], label_smoothing=0.1,
+                                      logit_scale=1.3, **options)
+
+
+def _grpo(t, **options):
+    old = torch.full(t["ids"].shape, -5.0)
+    loss, _ = fused_grpo_loss(t["hidden"], t["weight"], t["ids"], t["mask"], torch.tensor([1.0, -0.5]),
+                              bias=t["bias"], old_logprobs=old, ref_logprobs=old + 0.1, beta=0.04, **options)
+    return loss
+
+
+def _kl(t, **options):
+    hidden_q = torch.randn(2, 7, 6, generator=torch.Generator().manual_seed(3))
+    weight_q = torch.randn(t["weight"].shape[0], 6, generator=torch.Generator().manual_seed(4))
+    kl = fused_linear_kl(t["hidden"], t["weight"], hidden_q, weight_q, bias_p=t["bias"], mask=t["mask"],
+                         temperature=0.9, softcap=2.5, logit_scale=0.8, **options)
+    return kl.sum()
+
+
+OPS = {"logprobs": _logprobs, "cross_entropy": _cross_entropy, "grpo": _grpo, "kl": _kl}
+
+
+def _value_and_grads(op, **options):
+    t = _tensors()
+    loss = op(t, **options)
+    return [loss, *torch.autograd.grad(loss, (t["hidden"], t["weight"], t["bias"]))]
+
+
+@pytest.mark.parametrize("impl", ["auto", "chunked"])
+@pytest.mark.parametrize("name", OPS)
+def test_each_impl_matches_the_reference(name, impl):
+    want = _value_and_grads(OPS[name], impl="reference")
+    for got, expected in zip(_value_and_grads(OPS[name], impl=impl, block_sizes=BLOCKS), want):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_a_bad_impl_is_named(name):
+    with pytest.raises(ValueError, match="impl: expected one of 'auto', 'reference', 'chunked', 'triton', got 'fast'"):
+        OPS[name](_tensors(), impl="fast")
+
+
+@pytest.mark.skipif(TRITON_RUNS_HERE, reason="triton can run here")
+@pytest.mark.parametrize("name", ["logprobs", "cross_entropy", "grpo"])
+def test_triton_where_it_cannot_run_is_named(name):
+    with pytest.raises(ValueError, match="impl: 'triton' needs a CUDA device with triton installed .* got cpu"):
+        OPS[name](_tensors(), impl="triton")
+
+
+def test_the_kl_has_no_triton_kernel():
+    with pytest.raises(ValueError, match="impl: 'triton' has no KL kernel"):
+        _kl(_tensors(), impl="triton")
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_every_op_runs_through_the_engine(name, monkeypatch):
+    """Every op's blocks come from the engine's one loop over the vocabulary (two passes, or one for a loss
+    known at forward time on CPU), and "reference" never enters it."""
+    calls = []
+    real_vocab_blocks = engine.vocab_blocks
+
+    def counted(vocab_size, plan):
+        calls.append(plan.sizes)
+        return real_vocab_blocks(vocab_size, plan)
+
+    monkeypatch.setattr(engine, "vocab_blocks", counted)
+    _value_and_grads(OPS[name], impl="reference")
+    assert calls == []
+    _value_and_grads(OPS[name], impl="chunked", block_sizes=BLOCKS)
+    assert calls and all(sizes == BLOCKS for sizes in calls)
+
+
+@pytest.mark.parametrize("field, value", [("tokens", 0), ("vocab", -3), ("tokens", 2.0), ("vocab", True),
+                                          ("tokens", "64")])
+def test_block_sizes_are_validated_by_field(field, value):
+    with pytest.raises(ValueError, match=f"block_sizes.{field}: expected a positive int, got {value!r}"):
+        BlockSizes(**{field: value})
+
+
+def test_block_sizes_are_frozen_and_default_to_none():
+    sizes = BlockSizes(tokens=8)
+    assert sizes.vocab is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        sizes.tokens = 4
+
+
+def test_old_block_keywords_map_onto_block_sizes(monkeypatch):
+    from logitless.ops import blocks
+
+    plans = []
+    real_plan = blocks.plan_blocks
+    monkeypatch.setattr("logitless.ops.fused.plan_blocks", lambda *a, **k: plans.append(real_plan(*a, **k))
+                        or plans[-1])
+    old = _value_and_grads(_cross_entropy, chunk_size=5, vocab_block_size=64)
+    new = _value_and_grads(_cross_entropy, block_sizes=BLOCKS)
+    assert [plan.sizes for plan in plans] == [BLOCKS, BLOCKS]
+    for got, want in zip(new, old):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="chunk_size: expected a positive int, got 0"):
+        _cross_entropy(_tensors(), chunk_size=0)
+    with pytest.raises(ValueError, match="block_sizes: given together with chunk_size"):
+        _cross_entropy(_tensors(), block_sizes=BLOCKS, chunk_size=5)
+    with pytest.raises(TypeError, match="block_sizes: expected a BlockSizes, got tuple"):
+        _cross_entropy(_tensors(), block_sizes=(5, 64))
+
+
+def test_default_block_sizes_per_device():
+    vocab = 151936
+    # two passes: all 1024 tokens in one chunk, blocks of 16 MB (CPU) or 256 MB (GPU) of fp32 logits
+    assert default_block_sizes("cpu", torch.float32, num_tokens=1024, vocab_size=vocab) == BlockSizes(1024, 4096)
+    assert default_block_sizes("cuda", torch.bfloat16, num_tokens=1024, vocab_size=vocab) == BlockSizes(1024, 65536)
+    # one pass: a chunk keeps 128 MB of logits, in blocks of 4096 entries
+    assert default_block_sizes("cpu", torch.float32, num_tokens=1024, vocab_size=vocab,
+                               single_pass=True) == BlockSizes(208, 4096)
+    # never more than there is
+    assert default_block_sizes("cpu", torch.float32, num_tokens=3, vocab_size=100) == BlockSizes(3, 100)
