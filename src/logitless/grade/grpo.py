@@ -22,7 +22,7 @@ from logitless.grade.trainer import _Trainer
 from logitless.hf import final_hidden_states
 from logitless.logprobs import get_response_log_probs
 from logitless.losses import compute_group_normalized_rewards, grpo_microbatch_train_step
-from logitless.ops.fused import fused_linear_logprobs
+from logitless.ops.fused import head_logprobs
 
 
 class GRPOBaseline(_Trainer):
@@ -67,5 +67,5 @@ class GRPOBaseline(_Trainer):
         reference_hidden = final_hidden_states(self.reference.model, input_ids, attention)[:, -steps:]
         kl = self.policy.kl_to(policy_hidden, self.reference, reference_hidden).sum(dim=1)
         head = self.reference.head
-        reference_log_probs = fused_linear_logprobs(reference_hidden, head.weight, labels[:, -steps:], **head.options())
+        reference_log_probs = head_logprobs(head, reference_hidden, labels[:, -steps:])
         return kl, (log_probs[:, -steps:] - reference_log_probs).sum(dim=1)

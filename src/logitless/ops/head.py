@@ -91,10 +91,6 @@ class LinearHead:
         """A -inf bias entry without a soft cap (which would bound it) makes a column of -inf logits."""
         return self.bias is not None and self.softcap is None and bool(torch.isneginf(self.bias).any())
 
-    def options(self) -> dict:
-        """The keyword arguments that describe this head to the public fused ops."""
-        return dict(bias=self.bias, temperature=self.temperature, softcap=self.softcap, logit_scale=self.scale)
-
     def with_temperature(self, temperature: float) -> LinearHead:
         return LinearHead(self.weight, self.bias, temperature, self.softcap, self.scale)
 

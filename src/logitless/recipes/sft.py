@@ -33,7 +33,7 @@ from logitless.hf import final_hidden_states, lm_head_of
 from logitless.losses import sft_microbatch_train_step
 from logitless.masked import masked_mean
 from logitless.nonfinite import check_step
-from logitless.ops.fused import fused_linear_logprobs
+from logitless.ops.fused import head_logprobs
 from logitless.plots import plot_curve
 from logitless.recipes import interrupts
 from logitless.recipes.common import (NONFINITE_ADVICE, RUN_CONTROL_HELP, RecipeConfig, announce_start,
@@ -135,7 +135,7 @@ def _response_log_probs(model, input_ids, labels, response_mask) -> tuple[torch.
     """(log p(label), entropy), each (B, T), at the response positions (0 elsewhere), logit-free."""
     head = lm_head_of(model)
     hidden = final_hidden_states(model, input_ids)  # (B, T, H)
-    return fused_linear_logprobs(hidden, head.weight, labels, return_entropy=True, mask=response_mask, **head.options())
+    return head_logprobs(head, hidden, labels, return_entropy=True, mask=response_mask)
 
 
 def train_sft(config: SFTConfig | SFTPlan, *, progress: bool = True) -> dict:
