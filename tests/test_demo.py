@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from logitless.recipes.demo import DemoConfig, quarter_means, summary_table, train_demo
+from logitless.demo import DemoConfig, quarter_means, summary_table, train_demo
 from logitless.rundir import MARKER, RunDirectory
 
 

@@ -22,31 +22,23 @@ def test_every_usage_page_has_an_example():
     assert {p.name for p, _, _ in BLOCKS} >= usage_pages
 
 
-def _grade_defaults_table() -> dict[str, tuple[str, str]]:
-    """docs/grade.md's defaults table: field -> (`logitless grade` default, library `GradeConfig` default)."""
+def _grade_defaults_table() -> dict[str, str]:
+    """docs/grade.md's defaults table: field -> its default cell."""
     lines = (ROOT / "docs" / "grade.md").read_text().splitlines()
-    header = next(i for i, line in enumerate(lines)
-                  if line.startswith("| field |") and "`logitless grade` default" in line)
-    columns = [cell.strip() for cell in lines[header].strip("|").split("|")]
-    assert columns[1:3] == ["`logitless grade` default", "library `GradeConfig` default"], columns
+    header = next(i for i, line in enumerate(lines) if line.startswith("| field | default"))
     rows = {}
     for line in lines[header + 2:]:
         if not line.startswith("|"):
             break
         cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
-        rows[cells[0].strip("`")] = (cells[1], cells[2])
+        rows[cells[0].strip("`")] = cells[1]
     return rows
 
 
-def _cell_value(cell: str):
+def test_grade_doc_defaults_are_the_librarys_and_the_commands():
+    """The table in docs/grade.md shows GradeConfig's defaults, which are what `logitless grade` runs with
+    (GradeRunConfig, its `.grade` flattened) and what its --help prints."""
     import ast
-
-    return ast.literal_eval(cell.strip("`"))
-
-
-def test_grade_doc_defaults_are_the_commands_and_the_librarys():
-    """The table in docs/grade.md shows what `logitless grade` runs with (GradeRunConfig, its `.grade`
-    flattened, the run's own fields winning) and, separately, the library dataclass GradeConfig's defaults."""
     import dataclasses
 
     from logitless.grade import GradeConfig
@@ -58,12 +50,10 @@ def test_grade_doc_defaults_are_the_commands_and_the_librarys():
     library = dataclasses.asdict(GradeConfig())
     table = _grade_defaults_table()
     assert set(table) == set(library), "docs/grade.md: the table's fields are GradeConfig's"
-    for name, (command_cell, library_cell) in table.items():
-        for cell, expected, where in ((command_cell, command[name], "logitless grade"),
-                                      (library_cell, library[name], "GradeConfig")):
-            value = _cell_value(cell)
-            assert value == expected and type(value) is type(expected), \
-                f"docs/grade.md: {name} shows {cell} as {where}'s default, which is {expected!r}"
+    for name, cell in table.items():
+        value = ast.literal_eval(cell.strip("`"))
+        assert value == library[name] == command[name] and type(value) is type(library[name]), \
+            f"docs/grade.md: {name} shows {cell}; GradeConfig's default is {library[name]!r}, the command's {command[name]!r}"
 
 
 def test_user_docs_and_docstrings_speak_to_users():

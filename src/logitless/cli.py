@@ -12,7 +12,8 @@ import warnings
 
 from logitless import __version__
 from logitless.bench import cli as bench_cli
-from logitless.recipes import demo, grade, grpo, interrupts, sft
+from logitless import demo
+from logitless.recipes import grade, grpo, interrupts, sft
 
 
 class _Parser(argparse.ArgumentParser):

@@ -46,9 +46,6 @@ DEFAULT_PROMPTS = ["Once upon a time", "The weather today is", "My favourite foo
                    "Our team will", "The old house", "Scientists found that", "Tomorrow we will"]
 EVAL_PROMPTS = ["Last summer we", "The library opens", "My brother said", "On the mountain", "The new teacher",
                 "After dinner", "The river was", "Every weekend I"]  # held out: never trained on
-# The recipe's defaults: a run that shows the reward rising within a few minutes on a CPU.
-RUN_DEFAULTS = dict(gumbel_topk=1024, max_new_tokens=12, batch_size=4, learning_rate=1e-2, kl_coef=0.02,
-                    tau_start=1.0, tau_end=0.5, tau_anneal_steps=30)
 
 
 @dataclass
@@ -70,7 +67,7 @@ class GradeRunConfig:
     overwrite: bool = False  # write into a non-empty directory no logitless run claimed
     allow_changed: tuple[str, ...] = ()  # options a resume may change (recorded in the run directory)
     save_total_limit: int | None = None  # checkpoints kept per method (None: every one)
-    grade: GradeConfig = field(default_factory=lambda: GradeConfig(**RUN_DEFAULTS))
+    grade: GradeConfig = field(default_factory=GradeConfig)
 
     def __post_init__(self):
         check_choice("method", self.method, (*METHODS, "all"))
@@ -97,7 +94,7 @@ class GradeRunConfig:
         unknown = sorted(set(values) - own - grade_fields)
         if unknown:
             raise ValueError(f"config: unknown key(s) {unknown}; known: {sorted(own | grade_fields)}")
-        grade = GradeConfig(**{**RUN_DEFAULTS, **{k: v for k, v in values.items() if k in grade_fields}})
+        grade = GradeConfig(**{k: v for k, v in values.items() if k in grade_fields})
         run = cls(**{k: v for k, v in values.items() if k in own}, grade=grade)
         run.refuse_unused(values)
         return run
@@ -409,7 +406,7 @@ def _with_default(text: str, value) -> str:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``logitless grade`` on the CLI's subparsers."""
-    run_defaults, grade_defaults = GradeRunConfig(), GradeConfig(**RUN_DEFAULTS)
+    run_defaults, grade_defaults = GradeRunConfig(), GradeConfig()
     summary = ("GRADE: backprop a differentiable reward through Gumbel-softmax rollouts (and the GRPO baseline), "
                "resumable from --output-dir")
     parser = subparsers.add_parser("grade", help=summary, description=__doc__.split("\n\n")[0])
