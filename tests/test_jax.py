@@ -108,6 +108,17 @@ LOGPROB_CASES = {
 }
 
 
+def test_grpo_settings_equal_the_keywords_and_a_disagreeing_keyword_is_named():
+    inputs = grpo_inputs()
+    options = dict(loss_type="dr_grpo", beta=0.04, delta=1.02, max_completion_length=9)
+    settings = logitless.jax.GRPOSettings(**options)
+    assert settings == logitless.GRPOSettings(**options)
+    by_settings, by_keywords = jax_grpo(inputs, settings=settings), jax_grpo(inputs, **options)
+    assert by_settings[:2] == by_keywords[:2]
+    with pytest.raises(ValueError, match="delta: 1.5 disagrees with settings.delta = 1.02"):
+        jax_grpo(inputs, settings=settings, delta=1.5)
+
+
 @pytest.mark.parametrize("case", LOGPROB_CASES)
 def test_logprobs_and_entropy_match_pytorch(case):
     options = dict(LOGPROB_CASES[case])
