@@ -20,7 +20,8 @@ from logitless.jax.checks import check_array, check_finite, check_mask, check_sa
 from logitless.jax.grpo import grpo_loss_from_stats, token_weights
 from logitless.jax.reference import materialized_token_stats
 from logitless.jax.sharding import per_token_shard
-from logitless.jax.token_stats import BlockSizes, Head, linear_token_stats
+from logitless.jax.token_stats import Head, linear_token_stats
+from logitless.ops.blocks import BlockSizes
 from logitless.ops.grpo_settings import GRPOSettings
 
 TOKEN_STATS = {"fused": linear_token_stats, "materialized": materialized_token_stats}
@@ -49,8 +50,6 @@ def _linear_inputs(hidden, weight, targets, bias, temperature, softcap, mask, bl
             raise ValueError(f"bias: length {bias.shape[0]} does not match the vocabulary size {weight.shape[0]}")
     temperature = check_positive("temperature", temperature)
     softcap = None if softcap is None else check_positive("softcap", softcap)
-    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise TypeError(f"block_sizes: expected logitless.jax.BlockSizes, got {type(block_sizes).__name__}")
     keep = None if mask is None else check_mask(mask_name, mask, targets_name, targets)
     check_token_ids(targets_name, targets, weight.shape[0], keep)
     flat_targets = targets.reshape(-1)
@@ -58,7 +57,7 @@ def _linear_inputs(hidden, weight, targets, bias, temperature, softcap, mask, bl
     if flat_keep is not None:
         flat_targets = jnp.where(flat_keep, flat_targets, 0)
     return LinearInputs(hidden.reshape(-1, hidden.shape[-1]), weight, bias, flat_targets, flat_keep,
-                        Head(temperature, softcap, block_sizes or BlockSizes()))
+                        Head(temperature, softcap, BlockSizes.of(block_sizes)))
 
 
 def _token_stats(inputs: LinearInputs, impl: str):
