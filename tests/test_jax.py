@@ -16,6 +16,7 @@ from jax.test_util import check_grads
 
 import logitless
 from logitless.jax import BlockSizes, fused_grpo_loss, fused_linear_logprobs
+from logitless.jax.blocks import jax_block_sizes
 from logitless.jax.reference import materialized_token_stats
 from logitless.jax.token_stats import Head, linear_token_stats
 
@@ -106,6 +107,17 @@ LOGPROB_CASES = {
     "batched-softcap-bias": dict(softcap=2.0, bias=True),
     "flat-default-blocks": dict(flat=True),
 }
+
+
+def test_grpo_settings_equal_the_keywords_and_a_disagreeing_keyword_is_named():
+    inputs = grpo_inputs()
+    options = dict(loss_type="dr_grpo", beta=0.04, delta=1.02, max_completion_length=9)
+    settings = logitless.jax.GRPOSettings(**options)
+    assert settings == logitless.GRPOSettings(**options)
+    by_settings, by_keywords = jax_grpo(inputs, settings=settings), jax_grpo(inputs, **options)
+    assert by_settings[:2] == by_keywords[:2]
+    with pytest.raises(ValueError, match="delta: 1.5 disagrees with settings.delta = 1.02"):
+        jax_grpo(inputs, settings=settings, delta=1.5)
 
 
 @pytest.mark.parametrize("case", LOGPROB_CASES)
@@ -285,7 +297,7 @@ def _bad(**changes):
     (dict(old_logprobs=np.full((B, T), np.nan, np.float32)), ValueError, "old_logprobs: NaN"),
     (dict(temperature=0.0), ValueError, "temperature: must be > 0"),
     (dict(bias=np.zeros(V + 1, np.float32)), ValueError, "bias: length 62"),
-    (dict(block_sizes=BlockSizes), TypeError, "block_sizes: expected logitless.jax.BlockSizes"),
+    (dict(block_sizes=BlockSizes), TypeError, "block_sizes: expected a BlockSizes"),
     (dict(impl="triton"), ValueError, "impl: expected one of"),
     (dict(hidden=torch.zeros(B, T, H)), TypeError, "hidden: expected a jax.Array, got Tensor"),
     (dict(num_items_in_batch=0), ValueError, "num_items_in_batch: expected a finite number > 0"),
@@ -295,6 +307,12 @@ def test_bad_input_names_the_argument(changes, error, match):
     with pytest.raises(error, match=match):
         fused_grpo_loss(args.pop("hidden"), args.pop("weight"), args.pop("completion_ids"), args.pop("completion_mask"),
                         args.pop("advantages"), **args)
+
+
+def test_block_sizes_are_the_pytorch_class_with_jax_defaults():
+    assert BlockSizes is logitless.ops.BlockSizes
+    assert jax_block_sizes(BlockSizes(), num_tokens=8192, vocab_size=151936) == BlockSizes(tokens=8192, vocab=2048)
+    assert jax_block_sizes(BlockSizes(tokens=5), num_tokens=3, vocab_size=61) == BlockSizes(tokens=3, vocab=61)
 
 
 def test_bad_block_sizes_and_logprob_mask():

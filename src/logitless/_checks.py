@@ -138,31 +138,13 @@ def check_advantages_shape(shape, num_sequences: int, length: int) -> None:
                          f"({num_sequences}, {length}), got {tuple(shape)}")
 
 
-def _finite_number(name: str, value, *, positive: bool = False) -> float:
-    bound = "> 0" if positive else ">= 0"
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or not (value > 0 if positive else value >= 0)):
-        raise ValueError(f"{name}: expected a finite number {bound}, got {value!r}")
-    return float(value)
-
-
-def check_grpo_options(beta, epsilon_low, epsilon_high, delta, has_ref_logprobs: bool, max_completion_length,
-                       gradient_accumulation_steps, num_items_in_batch=None) -> tuple[float, float, float, float | None]:
-    """The GRPO loss's scalar options, whatever the array library; NaN and inf are refused.
-
-    Returns (beta, epsilon_low, epsilon_high, delta) as floats. ``num_items_in_batch`` is checked when it
-    is a known number (None: not given, or not known under a JAX trace).
-    """
-    beta, epsilon_low, epsilon_high = (_finite_number(name, value) for name, value in (
-        ("beta", beta), ("epsilon_low", epsilon_low), ("epsilon_high", epsilon_high)))
-    if beta != 0 and not has_ref_logprobs:
+def check_grpo_options(settings, has_ref_logprobs: bool, num_items_in_batch=None) -> None:
+    """What a GRPO loss's validated `GRPOSettings` cannot say alone, whatever the array library: beta != 0
+    needs ``ref_logprobs``, and ``num_items_in_batch`` is a finite number > 0 when it is known (None: not
+    given, or not known under a JAX trace)."""
+    if settings.beta != 0 and not has_ref_logprobs:
         raise ValueError("ref_logprobs: required when beta != 0 (the KL penalty needs the reference log-probs)")
-    if delta is not None:
-        delta = _finite_number("delta", delta, positive=True)
-    for name, value in (("max_completion_length", max_completion_length),
-                        ("gradient_accumulation_steps", gradient_accumulation_steps)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name}: expected a positive int, got {value!r}")
     if num_items_in_batch is not None:
-        _finite_number("num_items_in_batch", float(num_items_in_batch), positive=True)
-    return beta, epsilon_low, epsilon_high, delta
+        value = float(num_items_in_batch)
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"num_items_in_batch: expected a finite number > 0, got {num_items_in_batch!r}")

@@ -79,11 +79,13 @@ def make_inputs(shape: Shape) -> dict:
 
 def _grpo_from_log_probs(log_probs, inputs):
     """TRL's GRPO loss (grpo normalization) on (B, T) log-probs: the same code for every implementation."""
-    from logitless.ops.grpo import GRPOSettings, token_objective, token_weights
+    from logitless.ops.grpo import token_objective, token_weights
+    from logitless.ops.grpo_settings import GRPOSettings
 
+    settings = GRPOSettings(beta=BETA)
     parts = token_objective(log_probs, inputs["advantages"][:, None], inputs["old_logprobs"], inputs["ref_logprobs"],
-                            GRPOSettings(beta=BETA))
-    weights = token_weights(inputs["completion_mask"].bool(), "grpo")
+                            settings)
+    weights = token_weights(inputs["completion_mask"].bool(), settings)
     return (parts[0] * weights).sum()
 
 

@@ -9,6 +9,7 @@ except ImportError as err:  # say how to get it, not just that it is missing
     raise ImportError("logitless.jax needs JAX: pip install 'logitless[jax]'") from err
 
 from logitless.jax.ops import fused_grpo_loss, fused_linear_logprobs  # noqa: E402
-from logitless.jax.token_stats import BlockSizes  # noqa: E402
+from logitless.ops.blocks import BlockSizes  # noqa: E402
+from logitless.ops.grpo_settings import GRPOSettings  # noqa: E402
 
-__all__ = ["BlockSizes", "fused_grpo_loss", "fused_linear_logprobs"]
+__all__ = ["BlockSizes", "GRPOSettings", "fused_grpo_loss", "fused_linear_logprobs"]

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from logitless.ops.grpo import GRPOSettings
+from logitless.ops.grpo_settings import GRPOSettings
 
 
 def token_objective(log_probs, advantages, old_log_probs, ref_log_probs, settings: GRPOSettings):
@@ -35,21 +35,20 @@ def token_objective(log_probs, advantages, old_log_probs, ref_log_probs, setting
     return loss, kl, low, high
 
 
-def token_weights(keep, loss_type: str, max_completion_length: int | None = None, num_items_in_batch=None,
-                  gradient_accumulation_steps: int = 1) -> jax.Array:
+def token_weights(keep, settings: GRPOSettings, num_items_in_batch=None) -> jax.Array:
     """(B, T) weights w with loss = sum(per_token_loss * w), as `logitless.ops.grpo.token_weights`."""
     weights = keep.astype(jnp.float32)
     batch, length = keep.shape
-    if loss_type == "grpo":
+    if settings.loss_type == "grpo":
         weights = weights / jnp.maximum(weights.sum(axis=1, keepdims=True), 1.0) / batch
-    elif loss_type == "bnpo":
+    elif settings.loss_type == "bnpo":
         weights = weights / jnp.maximum(weights.sum(), 1.0)
-    elif loss_type == "dr_grpo":
-        weights = weights / (batch * (max_completion_length or length))
+    elif settings.loss_type == "dr_grpo":
+        weights = weights / (batch * (settings.max_completion_length or length))
     else:  # dapo
         total = weights.sum() if num_items_in_batch is None else jnp.asarray(num_items_in_batch, jnp.float32)
         return weights / jnp.maximum(total, 1.0)
-    return weights / gradient_accumulation_steps
+    return weights / settings.gradient_accumulation_steps
 
 
 def grpo_metrics(kl, low, high, entropy, keep) -> dict[str, jax.Array]:

@@ -2,8 +2,8 @@
 
 Both take ``impl="fused"`` (default: `token_stats.linear_token_stats`, vocabulary blocks, no (N, V)
 array) or ``impl="materialized"`` (the plain-JAX baseline of `reference.py`). Both are jit-able:
-``temperature``, ``softcap``, ``beta``, the epsilons, ``loss_type``, ``block_sizes`` and ``impl``
-are Python values (static); arrays may be traced.
+``temperature``, ``softcap``, ``settings`` (and the GRPO options given as keywords), ``block_sizes``
+and ``impl`` are Python values (static); arrays, ``num_items_in_batch`` included, may be traced.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from logitless.jax.checks import check_array, check_finite, check_mask, check_sa
 from logitless.jax.grpo import grpo_loss_from_stats, token_weights
 from logitless.jax.reference import materialized_token_stats
 from logitless.jax.sharding import per_token_shard
-from logitless.jax.token_stats import BlockSizes, Head, linear_token_stats
-from logitless.ops.grpo import GRPO_LOSS_TYPES, GRPOSettings
+from logitless.jax.token_stats import Head, linear_token_stats
+from logitless.ops.blocks import BlockSizes
+from logitless.ops.grpo_settings import GRPOSettings
 
 TOKEN_STATS = {"fused": linear_token_stats, "materialized": materialized_token_stats}
 
@@ -49,8 +50,6 @@ def _linear_inputs(hidden, weight, targets, bias, temperature, softcap, mask, bl
             raise ValueError(f"bias: length {bias.shape[0]} does not match the vocabulary size {weight.shape[0]}")
     temperature = check_positive("temperature", temperature)
     softcap = None if softcap is None else check_positive("softcap", softcap)
-    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise TypeError(f"block_sizes: expected logitless.jax.BlockSizes, got {type(block_sizes).__name__}")
     keep = None if mask is None else check_mask(mask_name, mask, targets_name, targets)
     check_token_ids(targets_name, targets, weight.shape[0], keep)
     flat_targets = targets.reshape(-1)
@@ -58,7 +57,7 @@ def _linear_inputs(hidden, weight, targets, bias, temperature, softcap, mask, bl
     if flat_keep is not None:
         flat_targets = jnp.where(flat_keep, flat_targets, 0)
     return LinearInputs(hidden.reshape(-1, hidden.shape[-1]), weight, bias, flat_targets, flat_keep,
-                        Head(temperature, softcap, block_sizes or BlockSizes()))
+                        Head(temperature, softcap, BlockSizes.of(block_sizes)))
 
 
 def _token_stats(inputs: LinearInputs, impl: str):
@@ -91,11 +90,9 @@ def fused_linear_logprobs(hidden, weight, targets, *, bias=None, temperature: fl
     return (log_probs, entropy) if return_entropy else log_probs
 
 
-def _check_grpo_options(completion_ids, keep, advantages, old_logprobs, ref_logprobs, beta, epsilon_low, epsilon_high,
-                        delta, loss_type, max_completion_length, num_items_in_batch, gradient_accumulation_steps,
-                        use_bias_correction_kl) -> tuple[jax.Array, GRPOSettings]:
-    """The GRPO arguments that `_linear_inputs` does not see: advantages as (B, 1) or (B, T) fp32, and the settings."""
-    check_choice("loss_type", loss_type, GRPO_LOSS_TYPES)
+def _check_grpo_arrays(completion_ids, keep, advantages, old_logprobs, ref_logprobs, settings: GRPOSettings,
+                       num_items_in_batch) -> jax.Array:
+    """The GRPO arguments that `_linear_inputs` does not see; returns the advantages as (B, 1) or (B, T) fp32."""
     advantages = check_array("advantages", advantages, ndim=(1, 2), floating=True)
     num_sequences, length = completion_ids.shape
     check_advantages_shape(advantages.shape, num_sequences, length)
@@ -107,27 +104,22 @@ def _check_grpo_options(completion_ids, keep, advantages, old_logprobs, ref_logp
             values = concrete(value)
             if values is not None and kept is not None and not (values[kept] < np.inf).all():
                 raise ValueError(f"{name}: NaN or +inf at a token of completion_mask (log-probabilities are <= 0)")
-    beta, epsilon_low, epsilon_high, delta = check_grpo_options(
-        beta, epsilon_low, epsilon_high, delta, ref_logprobs is not None, max_completion_length,
-        gradient_accumulation_steps, None if num_items_in_batch is None else concrete(num_items_in_batch))
-    settings = GRPOSettings(beta, epsilon_low, epsilon_high, delta, bool(use_bias_correction_kl))
-    return advantages.reshape(num_sequences, -1).astype(jnp.float32), settings
+    check_grpo_options(settings, ref_logprobs is not None,
+                       None if num_items_in_batch is None else concrete(num_items_in_batch))
+    return advantages.reshape(num_sequences, -1).astype(jnp.float32)
 
 
 def fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, *, bias=None, old_logprobs=None,
-                    ref_logprobs=None, beta: float = 0.0, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
-                    delta: float | None = None, loss_type: str = "grpo", temperature: float = 1.0,
-                    max_completion_length: int | None = None, num_items_in_batch=None,
-                    gradient_accumulation_steps: int = 1, use_bias_correction_kl: bool = False,
-                    softcap: float | None = None, block_sizes: BlockSizes | None = None,
-                    impl: str = "fused") -> tuple[jax.Array, dict[str, jax.Array]]:
+                    ref_logprobs=None, settings: GRPOSettings | None = None, num_items_in_batch=None,
+                    temperature: float = 1.0, softcap: float | None = None, block_sizes: BlockSizes | None = None,
+                    impl: str = "fused", **options) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The GRPO loss of TRL's GRPOTrainer from hidden states (B, T, H) and the LM head, without logits.
 
     Arguments as `logitless.fused_grpo_loss` (PyTorch): ``completion_ids``/``completion_mask``/
-    ``old_logprobs``/``ref_logprobs`` (B, T); ``advantages`` (B,), (B, 1) or (B, T); ``loss_type``
-    grpo | bnpo | dr_grpo | dapo; ``beta > 0`` adds the k3 KL to ``ref_logprobs``; ``old_logprobs``
-    None means on-policy (ratio 1, gradient of the log-prob). Plus ``block_sizes`` and ``impl`` as in
-    `fused_linear_logprobs`.
+    ``old_logprobs``/``ref_logprobs`` (B, T); ``advantages`` (B,), (B, 1) or (B, T); ``settings``, a
+    `GRPOSettings` (or its fields as keywords: ``loss_type="dapo"``, ``beta=0.04``, ...); ``beta > 0``
+    adds the k3 KL to ``ref_logprobs``; ``old_logprobs`` None means on-policy (ratio 1, gradient of the
+    log-prob). Plus ``block_sizes`` and ``impl`` as in `fused_linear_logprobs`.
     Returns (loss, metrics): a scalar and a dict of scalar arrays with TRL's names, kl (when
     ref_logprobs is given), clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean,
     entropy, clip_ratio/low_min, clip_ratio/high_max. Differentiate with ``jax.grad(..., has_aux=True)``.
@@ -136,10 +128,9 @@ def fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages,
     inputs = _linear_inputs(hidden, weight, completion_ids, bias, temperature, softcap, completion_mask, block_sizes,
                             targets_name="completion_ids", mask_name="completion_mask")
     keep = inputs.keep.reshape(completion_ids.shape)
-    advantages, settings = _check_grpo_options(completion_ids, keep, advantages, old_logprobs, ref_logprobs, beta,
-                                               epsilon_low, epsilon_high, delta, loss_type, max_completion_length,
-                                               num_items_in_batch, gradient_accumulation_steps,
-                                               use_bias_correction_kl)
+    settings = GRPOSettings.of(settings, options)
+    advantages = _check_grpo_arrays(completion_ids, keep, advantages, old_logprobs, ref_logprobs, settings,
+                                    num_items_in_batch)
     log_probs, entropy = (values.reshape(completion_ids.shape) for values in _token_stats(inputs, impl))
-    weights = token_weights(keep, loss_type, max_completion_length, num_items_in_batch, gradient_accumulation_steps)
+    weights = token_weights(keep, settings, num_items_in_batch)
     return grpo_loss_from_stats(log_probs, entropy, keep, advantages, old_logprobs, ref_logprobs, weights, settings)

@@ -39,37 +39,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-# A block's fp32 logits take at most this many bytes unless BlockSizes.tokens says otherwise.
-BLOCK_BYTES = 64 * 2**20
-DEFAULT_VOCAB_BLOCK = 2048
-
-
-@dataclass(frozen=True)
-class BlockSizes:
-    """How many vocabulary columns and token rows one block of logits spans.
-
-    ``tokens=None``: as many rows as keep a block's fp32 logits within BLOCK_BYTES (all of them at
-    T=8192 with the default ``vocab``). Both are clamped to the problem's size.
-    """
-
-    vocab: int = DEFAULT_VOCAB_BLOCK
-    tokens: int | None = None
-
-    def __post_init__(self):
-        for name, value in (("vocab", self.vocab), ("tokens", self.tokens)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"block_sizes.{name}: expected a positive int, got {value!r}")
-
-    def resolve(self, num_tokens: int, vocab_size: int) -> tuple[int, int]:
-        """(token rows, vocabulary columns) per block for this problem."""
-        vocab = min(self.vocab, vocab_size)
-        tokens = self.tokens if self.tokens is not None else max(8, BLOCK_BYTES // (4 * vocab))
-        return min(tokens, num_tokens), vocab
+from logitless.jax.blocks import jax_block_sizes
+from logitless.ops.blocks import BlockSizes
 
 
 @dataclass(frozen=True)
 class Head:
-    """The static part of an LM head's logits: temperature, soft cap, block sizes."""
+    """The static part of an LM head's logits: temperature, soft cap, block sizes (None fields: `jax_block_sizes`)."""
 
     temperature: float = 1.0
     softcap: float | None = None
@@ -176,7 +152,8 @@ def _forward(hidden, weight, bias, targets, head: Head):
     """(N,) log p(target), lse and entropy; a target outside [0, V) gets a NaN log-prob."""
     num_tokens, vocab_size = hidden.shape[0], weight.shape[0]
     dtype = stat_dtype(hidden.dtype)
-    token_block, vocab_block = head.blocks.resolve(num_tokens, vocab_size)
+    sizes = jax_block_sizes(head.blocks, num_tokens, vocab_size)
+    token_block, vocab_block = sizes.tokens, sizes.vocab
 
     def token_step(index, outputs):
         rows = Block.at(index, token_block, num_tokens)
@@ -233,7 +210,8 @@ def _backward(head: Head, residuals, cotangents):
     grad_log_probs, grad_entropy = (None if isinstance(g, SymbolicZero) else g for g in cotangents)
     num_tokens, vocab_size = hidden.shape[0], weight.shape[0]
     dtype = lse.dtype
-    token_block, vocab_block = head.blocks.resolve(num_tokens, vocab_size)
+    sizes = jax_block_sizes(head.blocks, num_tokens, vocab_size)
+    token_block, vocab_block = sizes.tokens, sizes.vocab
 
     def vocab_step(carry, vocab_index):
         (grad_hidden, grad_weight, grad_bias), (weight, bias) = carry

@@ -28,6 +28,7 @@ from logitless.ops.blocks import BlockPlan, BlockSizes, plan_blocks
 from logitless.ops.chunks import TokenStats, stat_grads
 from logitless.ops.engine import ChunkLoss, one_pass, two_pass_grads, two_pass_stats
 from logitless.ops.grpo import check_grpo_inputs, grpo_metrics, grpo_token_loss
+from logitless.ops.grpo_settings import GRPOSettings
 from logitless.ops.head import LinearHead, stat_dtype
 from logitless.ops.softmax import softmax_accumulators
 
@@ -291,20 +292,19 @@ def _cross_entropy_terms(log_probs, mean_log_prob, label_smoothing: float):
 def fused_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.Tensor,
                     completion_mask: torch.Tensor, advantages: torch.Tensor, *, bias: torch.Tensor | None = None,
                     old_logprobs: torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None,
-                    beta: float = 0.0, epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None,
-                    loss_type: str = "grpo", temperature: float = 1.0, max_completion_length: int | None = None,
-                    num_items_in_batch: float | None = None, gradient_accumulation_steps: int = 1,
-                    use_bias_correction_kl: bool = False, softcap: float | None = None, logit_scale: float = 1.0,
+                    settings: GRPOSettings | None = None, num_items_in_batch: float | None = None,
+                    temperature: float = 1.0, softcap: float | None = None, logit_scale: float = 1.0,
                     chunk_size: int | None = None, vocab_block_size: int | None = None,
-                    block_sizes: BlockSizes | None = None,
-                    impl: str = "auto") -> tuple[torch.Tensor, dict[str, float]]:
+                    block_sizes: BlockSizes | None = None, impl: str = "auto",
+                    **options) -> tuple[torch.Tensor, dict[str, float]]:
     """The GRPO loss of TRL's GRPOTrainer, from hidden states (B, T, H) and the LM head, without logits.
 
     ``completion_ids``/``completion_mask``/``old_logprobs``/``ref_logprobs`` are (B, T); ``advantages``
-    (B,), (B, 1) or (B, T) per token. ``loss_type`` is grpo | bnpo | dr_grpo | dapo (see `ops.grpo.token_weights`;
-    ``max_completion_length`` defaults to T, ``num_items_in_batch`` to the mask's token count).
-    ``beta > 0`` adds the k3 KL to ``ref_logprobs``. Head options, ``block_sizes`` and ``impl`` as in
-    `fused_linear_logprobs`.
+    (B,), (B, 1) or (B, T) per token. ``settings`` (a `GRPOSettings`: loss type, beta, epsilons, ...) holds
+    the loss's options; each may also be given as a keyword of its field's name (``beta=0.04``), alone or
+    agreeing with ``settings``. ``beta > 0`` adds the k3 KL to ``ref_logprobs``. ``num_items_in_batch``
+    is dapo's normalizer (default: the mask's token count). Head options, ``block_sizes`` and ``impl``
+    as in `fused_linear_logprobs`.
     Returns (loss, metrics) with TRL's metric names: kl (when ref_logprobs is given),
     clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean, entropy (means over tokens),
     clip_ratio/low_min and clip_ratio/high_max (extremes over sequences of their clipped fractions).
@@ -312,19 +312,15 @@ def fused_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: 
     check_choice("impl", impl, IMPLS)
     sizes = BlockSizes.of(block_sizes, chunk_size, vocab_block_size)
     check_tensor("hidden", hidden, ndim=3, floating=True)
-    batch = check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs, ref_logprobs, beta,
-                              epsilon_low, epsilon_high, delta, loss_type, max_completion_length, num_items_in_batch,
-                              gradient_accumulation_steps, use_bias_correction_kl)
+    settings = GRPOSettings.of(settings, options)
+    batch = check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs, ref_logprobs, settings,
+                              num_items_in_batch)
     head = LinearHead(weight, bias, temperature, softcap, logit_scale)
     flat_hidden, flat_ids, _ = _linear_inputs(head, hidden, completion_ids, batch.keep, targets_name="completion_ids")
     if impl == "reference":
         return reference.grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, bias=bias,
-                                   old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=beta,
-                                   epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, loss_type=loss_type,
-                                   temperature=temperature, max_completion_length=max_completion_length,
-                                   num_items_in_batch=num_items_in_batch,
-                                   gradient_accumulation_steps=gradient_accumulation_steps,
-                                   use_bias_correction_kl=use_bias_correction_kl, softcap=softcap,
+                                   old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, settings=settings,
+                                   num_items_in_batch=num_items_in_batch, temperature=temperature, softcap=softcap,
                                    logit_scale=logit_scale)
 
     def token_loss(rows, log_probs, _entropy, _mean_log_prob):

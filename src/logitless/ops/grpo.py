@@ -17,10 +17,9 @@ from typing import NamedTuple
 
 import torch
 
-from logitless._checks import (check_advantages_shape, check_choice, check_finite, check_grpo_options, check_mask,
-                               check_same_shape, check_tensor)
-
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+from logitless._checks import (check_advantages_shape, check_finite, check_grpo_options, check_mask, check_same_shape,
+                               check_tensor)
+from logitless.ops.grpo_settings import GRPOSettings
 
 
 class Surrogate(NamedTuple):
@@ -38,14 +37,6 @@ def clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, clip_lo
     capped_ratio = ratio if delta is None else ratio.clamp(max=delta)
     unclipped_term = capped_ratio * advantages
     return Surrogate(-torch.minimum(unclipped_term, clipped_term), ratio, capped_ratio, clipped_term < unclipped_term)
-
-
-class GRPOSettings(NamedTuple):
-    beta: float = 0.0
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.2
-    delta: float | None = None
-    use_bias_correction_kl: bool = False
 
 
 def token_objective(log_probs: torch.Tensor, advantages: torch.Tensor, old_log_probs: torch.Tensor | None,
@@ -68,9 +59,9 @@ def token_objective(log_probs: torch.Tensor, advantages: torch.Tensor, old_log_p
     return loss, kl, low, high
 
 
-def token_weights(mask: torch.Tensor, loss_type: str, max_completion_length: int | None = None,
-                  num_items_in_batch: float | None = None, gradient_accumulation_steps: int = 1) -> torch.Tensor:
-    """(B, T) weights w such that the GRPO loss is sum(per_token_loss * w), as TRL normalizes it.
+def token_weights(mask: torch.Tensor, settings: GRPOSettings, num_items_in_batch: float | None = None) -> torch.Tensor:
+    """(B, T) weights w such that the GRPO loss is sum(per_token_loss * w), as TRL normalizes it
+    (``settings.loss_type``, ``max_completion_length`` and ``gradient_accumulation_steps``).
 
     grpo: mean over sequences of the per-sequence token mean; bnpo: mean over the batch's tokens;
     dr_grpo: sum / (B * max_completion_length); these three are also divided by the gradient
@@ -79,16 +70,16 @@ def token_weights(mask: torch.Tensor, loss_type: str, max_completion_length: int
     """
     weights = mask.to(torch.float32)
     batch, length = mask.shape
-    if loss_type == "grpo":
+    if settings.loss_type == "grpo":
         weights = weights / weights.sum(dim=1, keepdim=True).clamp(min=1.0) / batch
-    elif loss_type == "bnpo":
+    elif settings.loss_type == "bnpo":
         weights = weights / weights.sum().clamp(min=1.0)
-    elif loss_type == "dr_grpo":
-        weights = weights / (batch * (max_completion_length or length))
+    elif settings.loss_type == "dr_grpo":
+        weights = weights / (batch * (settings.max_completion_length or length))
     else:  # dapo
         total = weights.sum() if num_items_in_batch is None else torch.tensor(float(num_items_in_batch))
         return weights / total.clamp(min=1.0)
-    return weights / gradient_accumulation_steps
+    return weights / settings.gradient_accumulation_steps
 
 
 class GRPOBatch(NamedTuple):
@@ -104,10 +95,8 @@ class GRPOBatch(NamedTuple):
     settings: GRPOSettings
 
 
-def check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs, ref_logprobs, beta, epsilon_low,
-                      epsilon_high, delta, loss_type, max_completion_length, num_items_in_batch,
-                      gradient_accumulation_steps, use_bias_correction_kl) -> GRPOBatch:
-    check_choice("loss_type", loss_type, GRPO_LOSS_TYPES)
+def check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs, ref_logprobs, settings: GRPOSettings,
+                      num_items_in_batch) -> GRPOBatch:
     check_tensor("completion_ids", completion_ids, ndim=2, integer=True)
     keep = check_mask("completion_mask", completion_mask, "completion_ids", completion_ids)
     check_tensor("advantages", advantages, ndim=(1, 2), floating=True)
@@ -127,11 +116,8 @@ def check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs,
             per_token[name] = per_kept_token(value)
             if bool(torch.isnan(per_token[name]).any() | torch.isposinf(per_token[name]).any()):
                 raise ValueError(f"{name}: NaN or +inf at a token of completion_mask (log-probabilities are <= 0)")
-    beta, epsilon_low, epsilon_high, delta = check_grpo_options(
-        beta, epsilon_low, epsilon_high, delta, ref_logprobs is not None, max_completion_length,
-        gradient_accumulation_steps, num_items_in_batch)
-    settings = GRPOSettings(beta, epsilon_low, epsilon_high, delta, bool(use_bias_correction_kl))
-    weights = token_weights(keep, loss_type, max_completion_length, num_items_in_batch, gradient_accumulation_steps)
+    check_grpo_options(settings, ref_logprobs is not None, num_items_in_batch)
+    weights = token_weights(keep, settings, num_items_in_batch)
     return GRPOBatch(keep, kept, torch.div(kept, length, rounding_mode="floor"),
                      per_kept_token(advantages.float().reshape(num_sequences, -1).expand(num_sequences, length)),
                      per_token.get("old_logprobs"), per_token.get("ref_logprobs"),

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from logitless._checks import check_positive, check_tensor
 from logitless.ops.grpo import check_grpo_inputs, grpo_metrics, grpo_token_loss
+from logitless.ops.grpo_settings import GRPOSettings
 from logitless.ops.head import LinearHead, stat_dtype
 
 
@@ -75,15 +76,12 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: 
 
 def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
               advantages: torch.Tensor, *, bias: torch.Tensor | None = None, old_logprobs=None, ref_logprobs=None,
-              beta: float = 0.0, epsilon_low: float = 0.2, epsilon_high: float = 0.2, delta: float | None = None,
-              loss_type: str = "grpo", temperature: float = 1.0, max_completion_length: int | None = None,
-              num_items_in_batch: float | None = None, gradient_accumulation_steps: int = 1,
-              use_bias_correction_kl: bool = False, softcap: float | None = None,
-              logit_scale: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
+              settings: GRPOSettings | None = None, num_items_in_batch: float | None = None, temperature: float = 1.0,
+              softcap: float | None = None, logit_scale: float = 1.0,
+              **options) -> tuple[torch.Tensor, dict[str, float]]:
     """Oracle for `fused_grpo_loss`: (B, T, V) logits -> log-probs -> TRL's GRPO loss and metrics."""
-    batch = check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs, ref_logprobs, beta,
-                              epsilon_low, epsilon_high, delta, loss_type, max_completion_length, num_items_in_batch,
-                              gradient_accumulation_steps, use_bias_correction_kl)
+    batch = check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs, ref_logprobs,
+                              GRPOSettings.of(settings, options), num_items_in_batch)
     log_probs, entropy = linear_logprobs(hidden, weight, completion_ids, bias=bias, temperature=temperature,
                                          return_entropy=True, softcap=softcap, logit_scale=logit_scale)  # (B, T) each
     kept_log_probs, kept_entropy = (values.reshape(-1)[batch.kept] for values in (log_probs, entropy))

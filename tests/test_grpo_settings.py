@@ -1,0 +1,75 @@
+"""GRPOSettings: validation naming the field, TRL's GRPOConfig, and the ops taking it or the keywords it replaces."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import logitless
+from logitless import GRPOSettings, fused_grpo_loss
+from logitless.ops.reference import grpo_loss
+from test_grpo_loss import _batch, _run
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("epsilon_low", -1, "settings.epsilon_low: expected a finite number >= 0, got -1"),
+    ("epsilon_high", float("nan"), "settings.epsilon_high: expected a finite number >= 0"),
+    ("beta", True, "settings.beta: expected a finite number >= 0, got True"),
+    ("delta", 0.0, "settings.delta: expected a finite number > 0"),
+    ("loss_type", "ppo", "settings.loss_type: expected one of 'grpo', 'bnpo', 'dr_grpo', 'dapo', got 'ppo'"),
+    ("importance_sampling_level", "sequence", "settings.importance_sampling_level: expected one of 'token'"),
+    ("max_completion_length", 0, "settings.max_completion_length: expected a positive int, got 0"),
+    ("gradient_accumulation_steps", 1.0, "settings.gradient_accumulation_steps: expected a positive int"),
+    ("use_bias_correction_kl", 1, "settings.use_bias_correction_kl: expected a bool, got 1"),
+])
+def test_a_bad_field_is_named(field, value, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        GRPOSettings(**{field: value})
+
+
+def test_frozen_and_hashable():
+    settings = GRPOSettings(beta=0.04)
+    with pytest.raises(AttributeError):
+        settings.beta = 0.1
+    assert hash(settings) == hash(GRPOSettings(beta=0.04))
+
+
+def test_from_trl_reads_the_config_fields():
+    config = SimpleNamespace(loss_type="dr_grpo", beta=0.04, epsilon=0.2, epsilon_high=0.28, delta=2.0,
+                             use_bias_correction_kl=True, importance_sampling_level="token",
+                             max_completion_length=512, gradient_accumulation_steps=4, learning_rate=1e-6)
+    assert GRPOSettings.from_trl(config) == GRPOSettings(
+        loss_type="dr_grpo", beta=0.04, epsilon_low=0.2, epsilon_high=0.28, delta=2.0, use_bias_correction_kl=True,
+        max_completion_length=512, gradient_accumulation_steps=4)
+    # TRL's epsilon_high=None means epsilon; fields an older config lacks keep their defaults
+    assert GRPOSettings.from_trl(SimpleNamespace(epsilon=0.3, epsilon_high=None)) == GRPOSettings(
+        epsilon_low=0.3, epsilon_high=0.3)
+    with pytest.raises(ValueError, match="settings.importance_sampling_level"):
+        GRPOSettings.from_trl(SimpleNamespace(importance_sampling_level="sequence"))
+
+
+def test_exported_everywhere():
+    assert logitless.GRPOSettings is logitless.ops.GRPOSettings is GRPOSettings
+
+
+@pytest.mark.parametrize("op", [fused_grpo_loss, grpo_loss])
+def test_settings_equal_the_keywords(op):
+    batch = _batch()
+    options = dict(loss_type="dr_grpo", beta=0.04, epsilon_high=0.28, delta=1.5, max_completion_length=16)
+    by_keywords = _run(op, batch, **options)
+    by_settings = _run(op, batch, settings=GRPOSettings(**options))
+    agreeing = _run(op, batch, settings=GRPOSettings(**options), beta=0.04)
+    for got in (by_settings, agreeing):
+        torch.testing.assert_close(got[0], by_keywords[0])
+        assert got[1] == by_keywords[1]
+
+
+@pytest.mark.parametrize("op", [fused_grpo_loss, grpo_loss])
+def test_a_keyword_disagreeing_with_settings_or_unknown_is_named(op):
+    batch = _batch()
+    with pytest.raises(ValueError, match="beta: 0.1 disagrees with settings.beta = 0.04"):
+        _run(op, batch, settings=GRPOSettings(beta=0.04), beta=0.1)
+    with pytest.raises(TypeError, match="epsilon: not an option of the GRPO loss"):
+        _run(op, batch, epsilon=0.2)
+    with pytest.raises(TypeError, match="settings: expected a GRPOSettings, got dict"):
+        _run(op, batch, settings=dict(beta=0.04))
