@@ -73,3 +73,21 @@ def test_a_keyword_disagreeing_with_settings_or_unknown_is_named(op):
         _run(op, batch, epsilon=0.2)
     with pytest.raises(TypeError, match="settings: expected a GRPOSettings, got dict"):
         _run(op, batch, settings=dict(beta=0.04))
+
+
+def test_from_trl_reads_a_real_grpo_config_and_refuses_what_it_does_not_model(tmp_path):
+    from trl import GRPOConfig
+
+    def config(**options):
+        return GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **options)
+
+    settings = GRPOSettings.from_trl(config(loss_type="bnpo", beta=0.04, epsilon=0.3, epsilon_high=0.28, delta=2.0,
+                                            max_completion_length=64, gradient_accumulation_steps=2))
+    assert settings == GRPOSettings(loss_type="bnpo", beta=0.04, epsilon_low=0.3, epsilon_high=0.28, delta=2.0,
+                                    use_bias_correction_kl=config().use_bias_correction_kl, max_completion_length=64,
+                                    gradient_accumulation_steps=2)
+    for option, value in (("top_entropy_quantile", 0.2), ("off_policy_mask_threshold", 0.5), ("entropy_coef", 0.01)):
+        with pytest.raises(ValueError, match=rf"^grpo_config.{option}: {value} is an option of TRL's loss"):
+            GRPOSettings.from_trl(config(**{option: value}))
+    with pytest.raises(ValueError, match="^settings.loss_type: expected one of"):
+        GRPOSettings.from_trl(config(loss_type="cispo"))

@@ -77,8 +77,22 @@ class GRPOSettings:
     def from_trl(cls, grpo_config) -> GRPOSettings:
         """The settings of a TRL ``GRPOConfig`` (read by attribute name; fields it lacks keep their defaults).
 
-        TRL's ``epsilon`` is the lower clip, and its ``epsilon_high`` defaults to ``epsilon``.
+        TRL's ``epsilon`` is the lower clip, and its ``epsilon_high`` defaults to ``epsilon``. An option of
+        TRL's loss that these settings do not model (an entropy mask or bonus, the off-policy mask, vLLM's
+        importance-sampling correction) is refused by name rather than dropped: `GRPOTrainerWithLogits`
+        runs such losses (TRL's loss code on fused log-probs).
         """
+        unmodelled = {"top_entropy_quantile": getattr(grpo_config, "top_entropy_quantile", 1.0) != 1.0,
+                      "off_policy_mask_threshold": getattr(grpo_config, "off_policy_mask_threshold", None) is not None,
+                      "entropy_coef": getattr(grpo_config, "entropy_coef", 0.0) != 0.0,
+                      "vllm_importance_sampling_correction": bool(
+                          getattr(grpo_config, "use_vllm", False)
+                          and getattr(grpo_config, "vllm_importance_sampling_correction", False))}
+        for name, used in unmodelled.items():
+            if used:
+                raise ValueError(f"grpo_config.{name}: {getattr(grpo_config, name)!r} is an option of TRL's loss "
+                                 "that GRPOSettings does not model; GRPOTrainerWithLogits computes it (TRL's loss "
+                                 "on fused log-probs)")
         same_names = {field.name: getattr(grpo_config, field.name, field.default) for field in dataclasses.fields(cls)
                       if field.name not in ("epsilon_low", "epsilon_high")}
         epsilon_low = getattr(grpo_config, "epsilon", cls.epsilon_low)
