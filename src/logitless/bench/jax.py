@@ -26,7 +26,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from logitless.bench.options import choices_metavar, require_positive, require_writable, write_report
+from logitless.bench.options import (add_report_options, add_shape_options, require_positive, require_writable,
+                                     write_report)
 
 IMPLEMENTATIONS = ("materialized", "fused")
 DTYPES = ("float32", "bfloat16")
@@ -226,23 +227,13 @@ def add_parser(targets) -> None:
                     "(full logits) against the fused loss. Reports each compiled program's memory "
                     "(compiled.memory_analysis()) and, unless --compile-only, the step time (median of "
                     "--repeats) and the loss and gradient differences. Needs JAX (pip install 'logitless[jax]').")
-    for flag, short, name, meaning in (("--batch", "-B", "batch", "completions per step"),
-                                       ("--seq", "-T", "seq", "completion length"),
-                                       ("--hidden", "-H", "hidden", "hidden size"),
-                                       ("--vocab", "-V", "vocab", "vocabulary size")):
-        parser.add_argument(flag, short, dest=name, type=int, default=getattr(defaults, name),
-                            help=f"{meaning} (default: %(default)s)")
-    parser.add_argument("--dtype", default=defaults.dtype, metavar=choices_metavar(DTYPES),
-                        help="dtype of the hidden states and the weight (default: %(default)s)")
+    add_shape_options(parser, defaults, DTYPES)
     parser.add_argument("--vocab-block", dest="vocab_block", type=int, default=None,
                         help="vocabulary columns per block of the fused loss (default: BlockSizes' default, 2048)")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="timed steps per implementation, median reported (default: %(default)s)")
     parser.add_argument("--compile-only", dest="compile_only", action="store_true",
                         help="lower and compile only, allocating no inputs, so that B=1 T=8192 H=4096 V=151936 "
                              "compiles on any machine (default: off)")
-    parser.add_argument("--json", help="write the report here (default: not written)")
-    parser.add_argument("--plot", help="write a PNG bar chart here (default: not drawn)")
+    add_report_options(parser)
     parser.set_defaults(handler=run_cli)
 
 

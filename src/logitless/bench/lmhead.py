@@ -34,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from logitless.bench.options import choices_metavar, require_positive, require_writable, write_report
+from logitless.bench.options import (add_report_options, add_shape_options, choices_metavar, require_positive,
+                                     require_writable, write_report)
 from logitless.bench.ratios import add_ratios, format_ratio, ratio
 from logitless.bench.worker import run_worker_process
 
@@ -339,14 +340,7 @@ def add_parser(targets) -> None:
                     "implementation in a fresh process on the same seeded inputs: time per step (median of "
                     "--repeats), peak memory beyond the inputs, and the loss and gradient differences from the "
                     "materialized path. Peers that are not installed are skipped.")
-    parser.add_argument("--batch", "-B", type=int, default=defaults.batch, help="completions (default: %(default)s)")
-    parser.add_argument("--seq", "-T", type=int, default=defaults.seq,
-                        help="tokens per completion (default: %(default)s)")
-    parser.add_argument("--hidden", "-H", type=int, default=defaults.hidden, help="hidden size (default: %(default)s)")
-    parser.add_argument("--vocab", "-V", type=int, default=defaults.vocab,
-                        help="vocabulary size; Qwen2/2.5's is 151936, Qwen3.5's 248320 (default: %(default)s)")
-    parser.add_argument("--dtype", default=defaults.dtype, metavar=choices_metavar(DTYPES),
-                        help="dtype of the hidden states and the weight (default: %(default)s)")
+    add_shape_options(parser, defaults, DTYPES, vocab_help="vocabulary size; Qwen2/2.5's is 151936, Qwen3.5's 248320")
     parser.add_argument("--device", default=defaults.device, help="cpu or cuda[:N] (default: %(default)s)")
     parser.add_argument("--masked-fraction", dest="masked_fraction", type=float, default=defaults.masked_fraction,
                         help="fraction at the end of each completion that is padding, in [0, 1) (default: "
@@ -354,10 +348,7 @@ def add_parser(targets) -> None:
     parser.add_argument("--impl", nargs="+", default=list(IMPLEMENTATIONS), metavar=choices_metavar(IMPLEMENTATIONS),
                         help="implementations to compare (both materialized yardsticks always run; peers not "
                              "installed are skipped) (default: all)")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="timed steps per implementation, median reported (default: %(default)s)")
-    parser.add_argument("--json", help="write the report here (default: not written)")
-    parser.add_argument("--plot", help="write a PNG bar chart here (default: not drawn)")
+    add_report_options(parser)
     parser.set_defaults(handler=run_cli)
 
 

@@ -42,3 +42,24 @@ def choices_metavar(choices) -> str:
     """``{a,b,c}``: how argparse shows ``choices=`` in usage. The options that take it keep checking their
     value in the command itself, so that a wrong one ends with the command's one line naming the option."""
     return "{" + ",".join(choices) + "}"
+
+
+def add_shape_options(parser, defaults, dtypes, vocab_help: str = "vocabulary size") -> None:
+    """--batch/-B, --seq/-T, --hidden/-H, --vocab/-V and --dtype of a benchmark's problem, defaulting to the
+    fields of the same names of ``defaults``."""
+    for flag, short, name, meaning in (("--batch", "-B", "batch", "completions"),
+                                       ("--seq", "-T", "seq", "tokens per completion"),
+                                       ("--hidden", "-H", "hidden", "hidden size"),
+                                       ("--vocab", "-V", "vocab", vocab_help)):
+        parser.add_argument(flag, short, dest=name, type=int, default=getattr(defaults, name),
+                            help=f"{meaning} (default: %(default)s)")
+    parser.add_argument("--dtype", default=defaults.dtype, metavar=choices_metavar(dtypes),
+                        help="dtype of the hidden states and the weight (default: %(default)s)")
+
+
+def add_report_options(parser) -> None:
+    """--repeats, --json and --plot of a benchmark that times each implementation and draws bars."""
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed steps per implementation, median reported (default: %(default)s)")
+    parser.add_argument("--json", help="write the report here (default: not written)")
+    parser.add_argument("--plot", help="write a PNG bar chart here (default: not drawn)")
