@@ -59,7 +59,6 @@ class _Trainer:
         if self.reference.vocab_size != self.policy.vocab_size:
             raise ValueError(f"reference: vocabulary of {self.reference.vocab_size}, the policy's {self.policy.vocab_size}")
         reward.check_vocabulary(self.policy.vocab_size)
-        check_topk(config.gumbel_topk, self.policy.vocab_size, "gumbel_topk")
         self.reward, self.config, self.tokenizer = reward, config, tokenizer
         self.parameters = [p for p in policy.parameters() if p.requires_grad]
         self.optimizer = optimizer or torch.optim.AdamW(self.parameters, lr=config.learning_rate, weight_decay=0.0)
@@ -157,6 +156,10 @@ class GumbelTrainer(_GradeTrainer):
 class GumbelTrainerMemoryEfficient(_GradeTrainer):
     """GRADE without (B, T, V) tensors: top-k Gumbel with sparse soft tokens, a differentiable KV cache
     (checkpointed per step), the reference on its own KV cache, the exact KL per step with `fused_linear_kl`."""
+
+    def __init__(self, policy, reward: SoftReward, config: GradeConfig, **kwargs):
+        super().__init__(policy, reward, config, **kwargs)
+        check_topk(config.gumbel_topk, self.policy.vocab_size, "gumbel_topk")  # the one trainer that keeps k tokens
 
     def rollout(self, prompt, noise, tau):
         config = self.config
