@@ -14,7 +14,6 @@ from test_grpo_loss import _batch, _run
 @pytest.mark.parametrize("field, value, message", [
     ("epsilon_low", -1, "settings.epsilon_low: expected a finite number >= 0, got -1"),
     ("epsilon_high", float("nan"), "settings.epsilon_high: expected a finite number >= 0"),
-    ("beta", True, "settings.beta: expected a finite number >= 0, got True"),
     ("delta", 0.0, "settings.delta: expected a finite number > 0"),
     ("loss_type", "ppo", "settings.loss_type: expected one of 'grpo', 'bnpo', 'dr_grpo', 'dapo', got 'ppo'"),
     ("importance_sampling_level", "sequence", "settings.importance_sampling_level: expected one of 'token'"),
@@ -25,6 +24,8 @@ from test_grpo_loss import _batch, _run
 def test_a_bad_field_is_named(field, value, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         GRPOSettings(**{field: value})
+    with pytest.raises(TypeError, match="^settings.beta: expected a number, got bool"):
+        GRPOSettings(beta=True)
 
 
 def test_frozen_and_hashable():

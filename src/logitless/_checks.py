@@ -94,14 +94,19 @@ def check_positive_ints(config, names: Sequence[str]) -> None:
         check_positive_int(name, getattr(config, name))
 
 
+def check_finite_number(name: str, value, *, allow_zero: bool = False) -> float:
+    """A finite number > 0 (>= 0 with ``allow_zero``), not a bool."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name}: expected a finite number {'>=' if allow_zero else '>'} 0, got {value}")
+    return value
+
+
 def check_finite_numbers(config, names: Sequence[str], *, allow_zero: bool = False) -> None:
     """Each named attribute of ``config`` is a finite number > 0 (>= 0 with ``allow_zero``)."""
     for name in names:
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
-        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-            raise ValueError(f"{name}: expected a finite number {'>=' if allow_zero else '>'} 0, got {value}")
+        check_finite_number(name, getattr(config, name), allow_zero=allow_zero)
 
 
 def dataclass_from_dict(cls, values: dict):

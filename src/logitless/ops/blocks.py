@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from logitless._checks import check_positive_int
 from logitless.ops.head import LinearHead, stat_dtype
 
 BLOCK_BYTES = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}  # two passes: one block's logits
@@ -26,9 +27,7 @@ SINGLE_PASS_DEVICES = ("cpu",)  # measured faster there; GPUs keep the two passe
 
 
 def _positive_int_or_none(name: str, value) -> int | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return value
+    return None if value is None else check_positive_int(name, value)
 
 
 @dataclass(frozen=True)

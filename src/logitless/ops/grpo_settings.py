@@ -1,34 +1,18 @@
 """`GRPOSettings`: every option of the GRPO loss that is a setting, not a tensor, validated in one place.
 
-Shared by the PyTorch op, the JAX op and the oracle. Imports no array library, so JAX code reads it
-without torch code paths, and hashable, so a jitted function may close over it.
+Shared by the PyTorch op, the JAX op and the oracle; frozen and hashable, so a jitted function may close
+over it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
+
+from logitless._checks import check_choice, check_finite_number, check_positive_int
 
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 IMPORTANCE_SAMPLING_LEVELS = ("token",)  # TRL's "sequence" (GSPO) ratios are not computed by these ops
-
-
-def _number(name: str, value, *, positive: bool = False) -> None:
-    bound = "> 0" if positive else ">= 0"
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or not (value > 0 if positive else value >= 0)):
-        raise ValueError(f"settings.{name}: expected a finite number {bound}, got {value!r}")
-
-
-def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"settings.{name}: expected a positive int, got {value!r}")
-
-
-def _choice(name: str, value, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"settings.{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -61,17 +45,17 @@ class GRPOSettings:
     gradient_accumulation_steps: int = 1
 
     def __post_init__(self):
-        _choice("loss_type", self.loss_type, GRPO_LOSS_TYPES)
+        check_choice("settings.loss_type", self.loss_type, GRPO_LOSS_TYPES)
         for name in ("beta", "epsilon_low", "epsilon_high"):
-            _number(name, getattr(self, name))
+            check_finite_number(f"settings.{name}", getattr(self, name), allow_zero=True)
         if self.delta is not None:
-            _number("delta", self.delta, positive=True)
+            check_finite_number("settings.delta", self.delta)
         if not isinstance(self.use_bias_correction_kl, bool):
             raise ValueError(f"settings.use_bias_correction_kl: expected a bool, got {self.use_bias_correction_kl!r}")
-        _choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+        check_choice("settings.importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
         if self.max_completion_length is not None:
-            _positive_int("max_completion_length", self.max_completion_length)
-        _positive_int("gradient_accumulation_steps", self.gradient_accumulation_steps)
+            check_positive_int("settings.max_completion_length", self.max_completion_length)
+        check_positive_int("settings.gradient_accumulation_steps", self.gradient_accumulation_steps)
 
     @classmethod
     def from_trl(cls, grpo_config) -> GRPOSettings:
