@@ -456,7 +456,8 @@ def main(args: argparse.Namespace) -> int:
             raise option_error(err, names) from None
         raise
     print(summary_table(histories))
-    print(f"per method: {Path(run.output_dir)}/METHOD/metrics.jsonl, reward.png, kl.png"
+    method_dir = Path(run.output_dir) / (plan.methods[0] if len(plan.methods) == 1 else "METHOD")
+    print(f"{method_dir}/: metrics.jsonl, reward.png, kl.png"
           + (f"; every method: {Path(run.output_dir)}/reward_by_method.png" if len(histories) > 1 else "")
           + (", val_reward_by_method.png" if len(histories) > 1 and plan.eval_records and run.eval_every else ""))
     return 0
