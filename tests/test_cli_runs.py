@@ -188,3 +188,19 @@ def test_overwrite_never_replaces_a_file_the_run_did_not_write(tmp_path):
     (out / "checkpoint-1").rmdir()
     assert main(["sft", "--steps", "1", "--batch-size", "2", "--overwrite", "--output-dir", str(out)]) == 0
     assert (out / "data.csv").read_text() == "the user's" and (out / "checkpoint-1").is_dir()
+
+
+def test_an_sft_resume_needs_its_checkpoint_not_the_hub(tmp_path, monkeypatch):
+    """The model check ran before the resume was found: an SFT run of a hub model could not resume offline
+    although its checkpoint holds the model."""
+    sft = ["sft", "--batch-size", "2", "--save-every", "1"]
+    assert main([*sft, "--steps", "1", "--output-dir", str(tmp_path / "run")]) == 0
+    record = tmp_path / "run" / "logitless-run.json"
+    run = json.loads(record.read_text())
+    run["options"]["model"] = "some-org/not-cached"  # as if the run had started from a hub model
+    record.write_text(json.dumps(run))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub_model = ["--model", "some-org/not-cached"]
+    assert main([*sft, *hub_model, "--steps", "2", "--output-dir", str(tmp_path / "run")]) == 0
+    with pytest.raises(SystemExit, match=r"^--model: 'some-org/not-cached' is not a local model directory"):
+        main([*sft, *hub_model, "--steps", "1", "--output-dir", str(tmp_path / "new")])

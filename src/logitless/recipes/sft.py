@@ -122,9 +122,10 @@ def prepare_sft(config: SFTConfig) -> SFTPlan:
     naming the option at fault; writes only ``logitless-run.json`` (and removes this run's earlier
     outputs when it starts over)."""
     examples = load_examples(config)
-    check_model_source("model", config.model)
     run = RunDirectory.claim(config.output_dir, "sft", outputs=OUTPUTS, overwrite=config.overwrite)
     checkpoint = resume_checkpoint("sft", run.path, config)
+    if checkpoint is None:  # a resume loads the checkpoint, not --model (which may be offline by now)
+        check_model_source("model", config.model)
     run.start(_recorded_options(config), resume=checkpoint is not None, result_options=RESULT_OPTIONS,
               fixed_options=FIXED_OPTIONS, allow_changed=config.allow_changed,
               step=None if checkpoint is None else checkpoint_step(checkpoint))
