@@ -32,7 +32,7 @@ from logitless.nonfinite import POLICIES
 from logitless.recipes import interrupts
 from logitless.recipes.common import (RUN_CONTROL_HELP, announce_start, check_model_name, check_model_source,
                                       field_names, load_model, resume_checkpoint)
-from logitless.recipes.options import load_config, option, option_error
+from logitless.recipes.options import load_config, option, option_error, with_default
 from logitless.rundir import RunDirectory, file_identity, write_text_atomically
 
 # method -> (trainer class name in logitless.grade, GradeConfig.method)
@@ -180,24 +180,42 @@ def step_prompts(records: list[dict], count: int, seed: int, step: int) -> list[
     return rng.sample(records, count) if count <= len(records) else rng.choices(records, k=count)
 
 
-def load_prompts(run: GradeRunConfig, field: str = "data") -> list[dict]:
-    """The training prompts (``field`` "data"), or the held-out ones ("eval_data"); errors name ``field``.
-    Without a file: the built-in prompts, each set disjoint from the other ([] for held-out prompts when
-    the training prompts come from a file: then only --eval-data names them)."""
+def load_prompts(run: GradeRunConfig) -> list[dict]:
+    """The training prompts: ``data``, or the built-in ones; errors name ``data``."""
+    from logitless.multichoice.data import synthetic_multichoice
+
+    if run.data is not None:
+        return _read_prompts(run, "data")
+    if run.reward == "judge":
+        return synthetic_multichoice(count=64, seed=run.grade.seed)
+    return [{"prompt": text} for text in DEFAULT_PROMPTS]
+
+
+def load_held_out_prompts(run: GradeRunConfig, training: list[dict]) -> list[dict]:
+    """The held-out prompts: ``eval_data``; without it, built-in ones none of ``training`` holds ([] when the
+    training prompts come from a file: then only ``eval_data`` names them). Errors name ``eval_data``."""
+    from logitless.multichoice.data import synthetic_multichoice
+
+    if run.eval_data is not None:
+        return _read_prompts(run, "eval_data")
+    if run.data is not None:
+        return []
+    if run.reward == "judge":  # another seed's draw, without the training questions
+        trained = {record["question"] for record in training}
+        return [record for record in synthetic_multichoice(count=64, seed=run.grade.seed + 1)
+                if record["question"] not in trained][:16]
+    return [{"prompt": text} for text in EVAL_PROMPTS]
+
+
+def _read_prompts(run: GradeRunConfig, field: str) -> list[dict]:
+    """The records of the file that option ``field`` names: multiple-choice questions for the judge reward,
+    else {"prompt": ...} lines."""
     from logitless.data import read_jsonl
-    from logitless.multichoice.data import load_multichoice, synthetic_multichoice
+    from logitless.multichoice.data import load_multichoice
 
     path = getattr(run, field)
-    held_out = field == "eval_data"
-    if path is None and held_out and run.data is not None:
-        return []
-    if run.reward == "judge":  # held-out questions: another seed's draw, without the training questions
-        if path is not None:
-            return load_multichoice(path, name=field)
-        records = synthetic_multichoice(count=64, seed=run.grade.seed + held_out)
-        return [r for r in records if r["question"] not in _training_questions(run)][:16] if held_out else records
-    if path is None:
-        return [{"prompt": text} for text in (EVAL_PROMPTS if held_out else DEFAULT_PROMPTS)]
+    if run.reward == "judge":
+        return load_multichoice(path, name=field)
     records = []
     for where, record in read_jsonl(path, field):
         if not isinstance(record.get("prompt"), str):
@@ -206,10 +224,6 @@ def load_prompts(run: GradeRunConfig, field: str = "data") -> list[dict]:
     if not records:
         raise ValueError(f"{field}: {path} holds no prompts")
     return records
-
-
-def _training_questions(run: GradeRunConfig) -> set[str]:
-    return {record["question"] for record in load_prompts(run)}
 
 
 def build_reward(run: GradeRunConfig, tokenizer, initial_policy):
@@ -324,7 +338,8 @@ def prepare_grade(run: GradeRunConfig) -> GradePlan:
     """Every check of every method that needs no model weights, and the run directory claimed. Raises
     ValueError naming the option at fault."""
     methods = run.methods
-    records, eval_records = load_prompts(run), load_prompts(run, "eval_data")
+    records = load_prompts(run)
+    eval_records = load_held_out_prompts(run, records)
     check_model_source("model", run.model)
     if run.reward_model is not None:
         check_model_source("reward_model", run.reward_model)
@@ -397,13 +412,6 @@ _GRADE_OPTIONS = {
 }
 
 
-def _with_default(text: str, value) -> str:
-    if "(default" in text:
-        return text
-    shown = "every one" if value is None else " ".join(map(str, value)) if isinstance(value, list) else value
-    return f"{text} (default: {shown})"
-
-
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``logitless grade`` on the CLI's subparsers."""
     run_defaults, grade_defaults = GradeRunConfig(), GradeConfig()
@@ -411,7 +419,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                "resumable from --output-dir")
     parser = subparsers.add_parser("grade", help=summary, description=__doc__.split("\n\n")[0])
     parser.add_argument("--method", choices=(*METHODS, "all"),
-                        help=_with_default("the trainer: gumbel or ste (memory-efficient, soft or straight-through "
+                        help=with_default("the trainer: gumbel or ste (memory-efficient, soft or straight-through "
                                            "tokens), their legacy dense versions, the GRPO baseline, or all five one "
                                            "after another", run_defaults.method))
     parser.add_argument("--config", metavar="FILE.yaml",
@@ -420,9 +428,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     for options, defaults in ((_RUN_OPTIONS, run_defaults), (_GRADE_OPTIONS, grade_defaults)):
         for name, (kind, text) in options.items():
             typed = dict(choices=kind) if isinstance(kind, tuple) else dict(type=kind, metavar=name.upper())
-            parser.add_argument(option(name), dest=name, help=_with_default(text, getattr(defaults, name)), **typed)
+            parser.add_argument(option(name), dest=name, help=with_default(text, getattr(defaults, name)), **typed)
     parser.add_argument("--reward-words", dest="reward_words", nargs="+", metavar="WORD",
-                        help=_with_default("reward words: single-token words", run_defaults.reward_words))
+                        help=with_default("reward words: single-token words", run_defaults.reward_words))
     parser.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_const",
                         const=False, help="keep each decode step's activations instead of recomputing them "
                                           "(default: checkpointing on)")

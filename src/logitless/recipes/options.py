@@ -59,10 +59,12 @@ def load_config(path: str | None) -> dict:
     return values
 
 
-def _default_text(value) -> str:
-    if isinstance(value, tuple):
-        return " ".join(map(str, value)) or "none"
-    return str(value)
+def with_default(text: str, default) -> str:
+    """An option's help ``text`` ending with "(default: X)", unless it states its default already."""
+    if "(default" in text:
+        return text
+    shown = " ".join(map(str, default)) or "none" if isinstance(default, (tuple, list)) else default
+    return f"{text} (default: {shown})"
 
 
 def add_config_options(parser: argparse.ArgumentParser, config_class, helps: dict[str, str]) -> None:
@@ -77,9 +79,7 @@ def add_config_options(parser: argparse.ArgumentParser, config_class, helps: dic
     for name in helps:  # in the order of ``helps``
         field = fields[name]
         default = field.default_factory() if field.default is dataclasses.MISSING else field.default
-        text = helps[field.name]
-        if "default" not in text:
-            text = f"{text} (default: {_default_text(default)})"
+        text = with_default(helps[field.name], default)
         if field.type == "bool":
             flag = option(field.name) if not default else "--no-" + field.name.replace("_", "-")
             parser.add_argument(flag, dest=field.name, action="store_const", const=not default, default=None,
