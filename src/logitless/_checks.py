@@ -150,6 +150,4 @@ def check_grpo_options(settings, has_ref_logprobs: bool, num_items_in_batch=None
     if settings.beta != 0 and not has_ref_logprobs:
         raise ValueError("ref_logprobs: required when beta != 0 (the KL penalty needs the reference log-probs)")
     if num_items_in_batch is not None:
-        value = float(num_items_in_batch)
-        if not math.isfinite(value) or value <= 0:
-            raise ValueError(f"num_items_in_batch: expected a finite number > 0, got {num_items_in_batch!r}")
+        check_finite_number("num_items_in_batch", float(num_items_in_batch))

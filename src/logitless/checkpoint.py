@@ -186,11 +186,6 @@ def has_checkpoint(directory: str | Path) -> bool:
     return checkpoint_problem(directory) is None
 
 
-def read_checkpoint_state(directory: str | Path) -> dict:
-    """The trainer state `save_checkpoint` saved at ``directory`` (without touching an optimizer)."""
-    return json.loads((Path(directory) / STATE_FILE).read_text())["trainer"]
-
-
 def load_checkpoint_state(directory: str | Path, optimizer: torch.optim.Optimizer) -> dict:
     """Restore the optimizer in place and return the trainer state saved with it."""
     directory = Path(directory)
