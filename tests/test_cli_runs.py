@@ -204,3 +204,17 @@ def test_an_sft_resume_needs_its_checkpoint_not_the_hub(tmp_path, monkeypatch):
     assert main([*sft, *hub_model, "--steps", "2", "--output-dir", str(tmp_path / "run")]) == 0
     with pytest.raises(SystemExit, match=r"^--model: 'some-org/not-cached' is not a local model directory"):
         main([*sft, *hub_model, "--steps", "1", "--output-dir", str(tmp_path / "new")])
+
+
+def test_an_interrupt_before_training_does_not_report_an_earlier_commands_run(tmp_path, monkeypatch, capsys):
+    """Two commands in one process: Ctrl-C while the second loaded its model reported the first one's step."""
+    sft = ["sft", "--batch-size", "2", "--save-every", "1", "--steps", "1"]
+    assert main([*sft, "--output-dir", str(tmp_path / "first")]) == 0
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("logitless.recipes.sft.load_model", interrupted)
+    capsys.readouterr()
+    assert main([*sft, "--output-dir", str(tmp_path / "second")]) == 130
+    assert capsys.readouterr().err.strip() == "logitless sft: interrupted before training started"

@@ -45,8 +45,11 @@ def _raise_terminated(signum, frame):
     raise Terminated()
 
 
-def install_sigterm_handler() -> None:
-    """SIGTERM raises `Terminated` in the main thread (by default it ends the process without a word)."""
+def begin_command() -> None:
+    """A command starts: no run is training yet (whatever an earlier command in this process reported), and
+    SIGTERM raises `Terminated` in the main thread (by default it ends the process without a word)."""
+    global _progress
+    _progress = _Progress()
     signal.signal(signal.SIGTERM, _raise_terminated)
 
 
