@@ -105,6 +105,22 @@ def test_every_op_runs_through_the_engine(name, monkeypatch):
     assert calls and all(sizes == BLOCKS for sizes in calls)
 
 
+@pytest.mark.parametrize("name", ["logprobs", "cross_entropy", "grpo"])
+def test_blocks_reuse_their_buffers(name):
+    """A step allocates a handful of block-sized buffers, however many blocks it visits: a fresh tensor per block
+    page-faults its memory in whenever the allocator has handed large blocks back to the operating system."""
+    from torch.profiler import ProfilerActivity, profile
+
+    blocks = BlockSizes(tokens=5, vocab=128)
+    t = _tensors(vocab=1000)  # 3 row chunks x 8 vocabulary blocks, visited once or twice
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        OPS[name](t, impl="chunked", block_sizes=blocks).backward()
+    block_bytes = blocks.tokens * blocks.vocab * 4
+    allocations = [event.cpu_memory_usage for event in prof.events()
+                   if not event.cpu_children and event.cpu_memory_usage >= block_bytes]
+    assert 0 < len(allocations) <= 8, allocations  # buffers, dW and db; not one per block
+
+
 @pytest.mark.parametrize("field, value", [("tokens", 0), ("vocab", -3), ("tokens", 2.0), ("vocab", True),
                                           ("tokens", "64")])
 def test_block_sizes_are_validated_by_field(field, value):

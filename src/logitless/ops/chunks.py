@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from logitless.ops.head import LinearHead
+from logitless.ops.scratch import Scratch
 
 
 class TokenStats(NamedTuple):
@@ -81,20 +82,30 @@ def targets_in_block(targets: torch.Tensor, start: int, width: int) -> tuple[tor
 
 
 def update_stats(stats: OnlineSoftmax, logits: torch.Tensor, start: int, targets: torch.Tensor,
-                 has_neg_inf: bool, keep: str | None = None) -> torch.Tensor:
+                 has_neg_inf: bool, keep: str | None = None, scratch: Scratch | None = None) -> torch.Tensor:
     """Add one block of logits (n, c) to the running sums; returns the shift m (n,) the block was measured from.
 
     ``keep``: None consumes ``logits``; "logits" leaves them as they are; "weights" overwrites them with
     ``exp(z - m)`` (what `block_grad_from_weights` turns into the gradient). ``has_neg_inf``: the block
-    may hold -inf logits, which must count as 0 * log 0 = 0.
+    may hold -inf logits, which must count as 0 * log 0 = 0. ``scratch`` holds the block's temporaries
+    (fresh tensors without it).
     """
+    scratch = scratch or Scratch()
     rows, columns = targets_in_block(targets, start, logits.shape[1])
     stats.target_logit[rows] = logits[rows, columns]
     if stats.logit_sum is not None:
         stats.logit_sum += logits.sum(dim=1)
     shift, _ = stats.rescale(logits.amax(dim=1))
-    shifted = logits.sub_(shift.unsqueeze(1)) if keep is None else logits - shift.unsqueeze(1)  # (n, c), <= 0
-    weights = torch.exp(shifted, out=logits) if keep == "weights" else shifted.exp()  # (n, c)
+    if keep is None:
+        shifted = logits.sub_(shift.unsqueeze(1))  # (n, c), <= 0
+    else:
+        shifted = torch.sub(logits, shift.unsqueeze(1), out=scratch.like("shifted", logits))
+    if keep == "weights":
+        weights = torch.exp(shifted, out=logits)
+    elif keep is None and stats.weighted is None:  # nothing reads the shifted logits again
+        weights = shifted.exp_()
+    else:
+        weights = torch.exp(shifted, out=scratch.like("weights", logits))  # (n, c)
     stats.total += weights.sum(dim=1)
     if stats.weighted is not None:
         if has_neg_inf:  # a -inf logit has weight 0 and adds 0 * log 0 = 0, not 0 * -inf = NaN
@@ -125,15 +136,19 @@ def stat_grads(head: LinearHead, grad_log_probs, grad_entropy, grad_mean_log_pro
 
 
 def block_logits_grad(head: LinearHead, logits: torch.Tensor, start: int, targets: torch.Tensor, lse: torch.Tensor,
-                      expected_logit: torch.Tensor | None, coefs: StatGrads, has_neg_inf: bool) -> torch.Tensor:
+                      expected_logit: torch.Tensor | None, coefs: StatGrads, has_neg_inf: bool,
+                      scratch: Scratch | None = None) -> torch.Tensor:
     """d loss / d (hidden @ W.T + b) for one block of logits (n, c), which is consumed; see the module docstring.
 
-    ``expected_logit`` is E_p[z] per token (lse - entropy), needed only with an entropy gradient.
+    ``expected_logit`` is E_p[z] per token (lse - entropy), needed only with an entropy gradient. ``scratch``
+    holds the block's temporaries (fresh tensors without it).
     """
-    slope_logits = logits.clone() if head.softcap is not None else None
+    scratch = scratch or Scratch()
+    slope_logits = scratch.like("slope", logits).copy_(logits) if head.softcap is not None else None
     centered = None
     if coefs.centered is not None:
-        centered = logits - expected_logit.unsqueeze(1)  # (n, c): z - E_p[z]
+        # (n, c): z - E_p[z]
+        centered = torch.sub(logits, expected_logit.unsqueeze(1), out=scratch.like("centered", logits))
         if has_neg_inf:  # where z = -inf, p = 0 and the term is 0 (not 0 * -inf = NaN)
             centered.masked_fill_(torch.isneginf(centered), 0.0)
     grad = logits.sub_(lse.unsqueeze(1)).exp_()  # (n, c): p

@@ -31,6 +31,7 @@ import torch
 from logitless.ops.blocks import BlockPlan
 from logitless.ops.head import LinearHead, stat_dtype
 from logitless.ops.input_grads import InputGrads
+from logitless.ops.scratch import Scratch
 
 
 class Accumulator(Protocol):
@@ -82,15 +83,30 @@ def _num_chunks(num_rows: int, plan: BlockPlan) -> int:
     return -(-num_rows // plan.sizes.tokens)
 
 
+def _block_logits(heads: Sequence[LinearHead], chunk_hiddens: list[torch.Tensor], start: int, columns: slice,
+                  scratch: Scratch) -> list[torch.Tensor]:
+    """Each head's logits (n, c) of one block. Where the matmul's own result is the logits (fp32 or fp64 operands),
+    it writes them into a buffer reused from block to block (see `scratch.py`); a low-precision matmul makes its
+    fp32 result itself."""
+    width = min(columns.stop, heads[0].vocab_size) - start
+    blocks = []
+    for index, (head, chunk) in enumerate(zip(heads, chunk_hiddens)):
+        dtype = stat_dtype(chunk.dtype)
+        direct = chunk.dtype == head.weight.dtype == dtype
+        out = scratch.get(f"logits{index}", (chunk.shape[0], width), dtype, chunk.device) if direct else None
+        blocks.append(head.logits(chunk, columns, out=out))
+    return blocks
+
+
 def two_pass_stats(heads: Sequence[LinearHead], hiddens: Sequence[torch.Tensor], plan: BlockPlan,
                    new_accumulator: NewAccumulator) -> NamedTuple:
     """Pass 1 of two: every token's statistics, hiddens (N, H_i) -> the accumulator's statistics, (N,) each."""
-    parts = []
+    parts, scratch = [], Scratch()
     for rows in row_chunks(hiddens[0].shape[0], plan):
         chunk_hiddens = [compute_operand(hidden[rows]) for hidden in hiddens]
         accumulator = new_accumulator(rows)
         for start, columns in vocab_blocks(heads[0].vocab_size, plan):
-            accumulator.update(start, [head.logits(chunk, columns) for head, chunk in zip(heads, chunk_hiddens)])
+            accumulator.update(start, _block_logits(heads, chunk_hiddens, start, columns, scratch))
         parts.append(accumulator.finish())
     return _concat(parts) if parts else new_accumulator(slice(0, 0)).finish()
 
@@ -101,13 +117,13 @@ def two_pass_grads(heads: Sequence[LinearHead], hiddens: Sequence[torch.Tensor],
     """Pass 2 of two: (grad_hidden, grad_weight, grad_bias) of the first head's inputs (None where not
     needed), from pass 1's ``stats`` and the loss's per-row gradients ``row_grads``, (N,) each."""
     head, num_rows = heads[0], hiddens[0].shape[0]
-    grads = InputGrads(head, hiddens[0], needs, _num_chunks(num_rows, plan))
+    grads, scratch = InputGrads(head, hiddens[0], needs, _num_chunks(num_rows, plan)), Scratch()
     for rows in row_chunks(num_rows, plan):
         chunk_hiddens = [compute_operand(hidden[rows]) for hidden in hiddens]
         accumulator, chunk_stats, chunk_grads = new_accumulator(rows), _rows_of(stats, rows), _rows_of(row_grads, rows)
         hidden_sum = grads.hidden_sum(chunk_hiddens[0])
         for start, columns in vocab_blocks(head.vocab_size, plan):
-            block = [h.logits(chunk, columns) for h, chunk in zip(heads, chunk_hiddens)]
+            block = _block_logits(heads, chunk_hiddens, start, columns, scratch)
             block_grad = accumulator.block_grad(start, block, chunk_stats, chunk_grads)
             grads.add_block(columns, block_grad, chunk_hiddens[0], hidden_sum, head.weight[columns])
         grads.finish_chunk(rows, hidden_sum)

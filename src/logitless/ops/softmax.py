@@ -19,6 +19,7 @@ from logitless.ops import chunks
 from logitless.ops.chunks import OnlineSoftmax, StatGrads, TokenStats
 from logitless.ops.engine import NewAccumulator
 from logitless.ops.head import LinearHead
+from logitless.ops.scratch import Scratch
 
 
 class KeptWeights(NamedTuple):
@@ -30,16 +31,18 @@ class SoftmaxAccumulator:
     """An `engine.Accumulator` of one row chunk: statistics `TokenStats`, per-row gradients `StatGrads`."""
 
     def __init__(self, head: LinearHead, targets: torch.Tensor, kernels: ModuleType, dtype: torch.dtype,
-                 has_neg_inf: bool, need_entropy: bool, need_mean_log_prob: bool, keep: str | None):
+                 has_neg_inf: bool, need_entropy: bool, need_mean_log_prob: bool, keep: str | None, scratch: Scratch):
         self.head, self.targets, self.kernels, self.has_neg_inf, self.keep = head, targets, kernels, has_neg_inf, keep
+        self.scratch = scratch
         self.online = OnlineSoftmax(targets.shape[0], dtype, targets.device, need_entropy, need_mean_log_prob)
 
     def update(self, start: int, logits: list[torch.Tensor]):
         (block,) = logits  # (n, c)
         if self.keep is None:
-            self.kernels.update_stats(self.online, block, start, self.targets, self.has_neg_inf)
+            self.kernels.update_stats(self.online, block, start, self.targets, self.has_neg_inf, scratch=self.scratch)
             return None
-        shift = chunks.update_stats(self.online, block, start, self.targets, self.has_neg_inf, keep=self.keep)
+        shift = chunks.update_stats(self.online, block, start, self.targets, self.has_neg_inf, keep=self.keep,
+                                    scratch=self.scratch)
         return KeptWeights(block, shift) if self.keep == "weights" else logits
 
     def finish(self) -> TokenStats:
@@ -51,13 +54,14 @@ class SoftmaxAccumulator:
         (logits,) = block
         expected_logit = None if coefs.centered is None else stats.lse - stats.entropy  # (n,): E_p[z]
         return self.kernels.block_logits_grad(self.head, logits, start, self.targets, stats.lse, expected_logit,
-                                              coefs, self.has_neg_inf)
+                                              coefs, self.has_neg_inf, scratch=self.scratch)
 
 
 def softmax_accumulators(head: LinearHead, targets: torch.Tensor, kernels: ModuleType, dtype: torch.dtype, *,
                          need_entropy: bool = False, need_mean_log_prob: bool = False,
                          keep: str | None = None) -> NewAccumulator:
-    """Row chunk -> its `SoftmaxAccumulator`, for the tokens' ``targets`` (N,) and statistics of ``dtype``."""
-    has_neg_inf = head.may_have_neg_inf_logits
+    """Row chunk -> its `SoftmaxAccumulator`, for the tokens' ``targets`` (N,) and statistics of ``dtype``. The
+    chunks, which the engine runs one after another, share one `Scratch` for their blocks' temporaries."""
+    has_neg_inf, scratch = head.may_have_neg_inf_logits, Scratch()
     return lambda rows: SoftmaxAccumulator(head, targets[rows], kernels, dtype, has_neg_inf, need_entropy,
-                                           need_mean_log_prob, keep)
+                                           need_mean_log_prob, keep, scratch)

@@ -17,6 +17,7 @@ import torch
 
 from logitless.ops.chunks import OnlineSoftmax, StatGrads
 from logitless.ops.head import LinearHead
+from logitless.ops.scratch import Scratch
 
 try:
     import triton
@@ -40,9 +41,10 @@ def _check_block(logits: torch.Tensor) -> None:
 
 
 def update_stats(stats: OnlineSoftmax, logits: torch.Tensor, start: int, targets: torch.Tensor,
-                 has_neg_inf: bool) -> torch.Tensor:
+                 has_neg_inf: bool, scratch: Scratch | None = None) -> torch.Tensor:
     """Add one block of logits (n, c) to the running sums of ``stats`` (the kernel handles -inf itself, and only
-    reads ``logits``); returns the shift the block was measured from, as the PyTorch twin does."""
+    reads ``logits``, so it needs no ``scratch``); returns the shift the block was measured from, as the
+    PyTorch twin does."""
     _check_block(logits)
     num_rows, num_columns = logits.shape
     if num_rows == 0:
@@ -59,8 +61,10 @@ def update_stats(stats: OnlineSoftmax, logits: torch.Tensor, start: int, targets
 
 
 def block_logits_grad(head: LinearHead, logits: torch.Tensor, start: int, targets: torch.Tensor, lse: torch.Tensor,
-                      expected_logit: torch.Tensor | None, coefs: StatGrads, has_neg_inf: bool) -> torch.Tensor:
-    """d loss / d (hidden @ W.T + b) for one block of logits (n, c), written over ``logits`` and returned."""
+                      expected_logit: torch.Tensor | None, coefs: StatGrads, has_neg_inf: bool,
+                      scratch: Scratch | None = None) -> torch.Tensor:
+    """d loss / d (hidden @ W.T + b) for one block of logits (n, c), written over ``logits`` and returned (no
+    temporaries: ``scratch`` is not needed)."""
     _check_block(logits)
     num_rows, num_columns = logits.shape
     if num_rows == 0:
