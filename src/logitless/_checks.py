@@ -65,6 +65,14 @@ def check_positive(name: str, value) -> float:
     return float(value)
 
 
+def check_positive_finite(name: str, value) -> float:
+    """A number > 0 that is not inf: an LM head's temperature, soft cap or logit scale."""
+    value = check_positive(name, value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: must be finite, got {value}")
+    return value
+
+
 def check_choice(name: str, value, choices: Sequence[str]) -> str:
     if value not in choices:
         raise ValueError(f"{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}")

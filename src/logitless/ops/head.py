@@ -12,12 +12,11 @@ the engine's accumulators send gradients back through `logit_factor` and `softca
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from logitless._checks import check_positive, check_tensor
+from logitless._checks import check_positive_finite, check_tensor
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -46,13 +45,6 @@ def matmul_stat(left: torch.Tensor, right: torch.Tensor, *, add_to: torch.Tensor
     return product if add_to is None else add_to.add_(product)
 
 
-def _check_finite_number(name: str, value) -> float:
-    value = check_positive(name, value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name}: must be finite, got {value}")
-    return value
-
-
 @dataclass(frozen=True, eq=False)
 class LinearHead:
     """An LM head: ``weight`` (V, H), optional ``bias`` (V,), and how its output becomes logits."""
@@ -73,10 +65,10 @@ class LinearHead:
             if bool(torch.isnan(self.bias).any() | torch.isposinf(self.bias).any()):
                 raise ValueError("bias: contains NaN or +inf (only -inf, for vocabulary rows that can never be "
                                  "sampled, is allowed)")
-        object.__setattr__(self, "temperature", _check_finite_number("temperature", self.temperature))
-        object.__setattr__(self, "scale", _check_finite_number("logit_scale", self.scale))
+        object.__setattr__(self, "temperature", check_positive_finite("temperature", self.temperature))
+        object.__setattr__(self, "scale", check_positive_finite("logit_scale", self.scale))
         if self.softcap is not None:
-            object.__setattr__(self, "softcap", _check_finite_number("softcap", self.softcap))
+            object.__setattr__(self, "softcap", check_positive_finite("softcap", self.softcap))
 
     @property
     def vocab_size(self) -> int:
