@@ -17,8 +17,9 @@ from jax.test_util import check_grads
 import logitless
 from logitless.jax import BlockSizes, fused_grpo_loss, fused_linear_logprobs
 from logitless.jax.blocks import jax_block_sizes
+from logitless.jax.head import Head
 from logitless.jax.reference import materialized_token_stats
-from logitless.jax.token_stats import Head, linear_token_stats
+from logitless.jax.token_stats import linear_token_stats
 
 B, T, H, V = 3, 7, 16, 61
 BLOCKS = BlockSizes(vocab=16, tokens=8)

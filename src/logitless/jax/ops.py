@@ -18,9 +18,10 @@ from logitless._checks import (check_advantages_shape, check_choice, check_grpo_
                                check_positive)
 from logitless.jax.checks import check_array, check_finite, check_mask, check_same_shape, check_token_ids, concrete
 from logitless.jax.grpo import grpo_loss_from_stats, token_weights
+from logitless.jax.head import Head
 from logitless.jax.reference import materialized_token_stats
 from logitless.jax.sharding import per_token_shard
-from logitless.jax.token_stats import Head, linear_token_stats
+from logitless.jax.token_stats import linear_token_stats
 from logitless.ops.blocks import BlockSizes
 from logitless.ops.grpo_settings import GRPOSettings
 

@@ -1,8 +1,8 @@
 """Per-token log p(target) and entropy of an LM head, streamed over vocabulary blocks (one custom_vjp).
 
 The logits of a block of ``vocab`` columns for a block of ``tokens`` rows,
-``z = cap(h @ W[cols].T + b[cols]) / temperature`` (fp32, ``(n, vocab)``), are the only logits that
-ever exist. ``cap(x) = c * tanh(x / c)`` with a ``softcap`` c, the identity without one.
+``z = head.logits(h[rows], W[cols], b[cols])`` (fp32, ``(n, vocab)``; `head.Head`), are the only logits
+that ever exist.
 
 Forward: for each token block, a scan over vocabulary blocks keeps an online log-sum-exp per row,
 relative to the running maximum m:
@@ -30,7 +30,6 @@ rows. No padded copy of the weight is made.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
@@ -40,21 +39,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from logitless.jax.blocks import jax_block_sizes
-from logitless.ops.blocks import BlockSizes
-
-
-@dataclass(frozen=True)
-class Head:
-    """The static part of an LM head's logits: temperature, soft cap, block sizes (None fields: `jax_block_sizes`)."""
-
-    temperature: float = 1.0
-    softcap: float | None = None
-    blocks: BlockSizes = BlockSizes()
-
-
-def stat_dtype(dtype) -> jnp.dtype:
-    """Logits, statistics and gradient sums are fp32, or fp64 for fp64 inputs (check_grads)."""
-    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+from logitless.jax.head import Head, stat_dtype
 
 
 class Block(NamedTuple):
@@ -103,15 +88,6 @@ def _refresh(operands):
     the conversion per block.
     """
     return lax.optimization_barrier(operands)
-
-
-def _block_logits(hidden_rows, weight_cols, bias_cols, head: Head, dtype) -> jax.Array:
-    """(n, H) x (v, H) -> (n, v) logits in ``dtype``: the matmul accumulates in fp32 whatever the inputs."""
-    raw = lax.dot_general(hidden_rows, weight_cols, (((1,), (1,)), ((), ())), preferred_element_type=dtype)
-    if bias_cols is not None:
-        raw = raw + bias_cols.astype(dtype)
-    logits = raw if head.softcap is None else head.softcap * jnp.tanh(raw / head.softcap)
-    return logits if head.temperature == 1.0 else logits / head.temperature
 
 
 class Online(NamedTuple):
@@ -163,7 +139,7 @@ def _forward(hidden, weight, bias, targets, head: Head):
             online, (hidden, weight, bias) = carry
             cols = Block.at(vocab_index, vocab_block, vocab_size)
             bias_cols = None if bias is None else _rows(bias, cols)
-            logits = _block_logits(_rows(hidden, rows), _rows(weight, cols), bias_cols, head, dtype)
+            logits = head.logits(_rows(hidden, rows), _rows(weight, cols), bias_cols, dtype)
             online = online.update(logits, cols, *_target_in(cols, row_targets))
             return (online, _refresh((hidden, weight, bias))), None
 
@@ -195,16 +171,6 @@ def _logits_grad(logits, lse, entropy, hit, local_target, grad_log_probs, grad_e
     return grad
 
 
-def _raw_grad(grad, logits, head: Head):
-    """Carry dLoss/dz through the temperature and the soft cap to h @ W.T + b."""
-    if head.temperature != 1.0:
-        grad = grad / head.temperature
-    if head.softcap is not None:
-        capped = logits * (head.temperature / head.softcap)  # tanh(raw / c)
-        grad = grad * (1.0 - capped * capped)
-    return grad
-
-
 def _backward(head: Head, residuals, cotangents):
     hidden, weight, bias, targets, lse, entropy = residuals
     grad_log_probs, grad_entropy = (None if isinstance(g, SymbolicZero) else g for g in cotangents)
@@ -222,11 +188,11 @@ def _backward(head: Head, residuals, cotangents):
             (grad_hidden, grad_weight_cols, grad_bias_cols), hidden = inner
             rows = Block.at(index, token_block, num_tokens)
             hidden_rows = _rows(hidden, rows)
-            logits = _block_logits(hidden_rows, weight_cols, bias_cols, head, dtype)
+            logits = head.logits(hidden_rows, weight_cols, bias_cols, dtype)
             grad = _logits_grad(logits, _rows(lse, rows), _rows(entropy, rows), *_target_in(cols, _rows(targets, rows)),
                                 *(None if g is None else _rows(g, rows).astype(dtype)
                                   for g in (grad_log_probs, grad_entropy)))
-            grad = rows.own(_raw_grad(grad, logits, head), axis=0, fill=0.0)  # (n, v)
+            grad = rows.own(head.raw_grad(grad, logits), axis=0, fill=0.0)  # (n, v)
             grad_in = grad.astype(hidden.dtype)  # matmuls in the inputs' dtype, fp32 accumulation
             rows_grad = lax.dot_general(cols.own(grad_in, axis=1, fill=0), weight_cols, (((1,), (0,)), ((), ())),
                                         preferred_element_type=dtype)  # (n, H)
