@@ -2,8 +2,9 @@
 
 Both take ``impl="fused"`` (default: `token_stats.linear_token_stats`, vocabulary blocks, no (N, V)
 array) or ``impl="materialized"`` (the plain-JAX baseline of `reference.py`). Both are jit-able:
-``temperature``, ``softcap``, ``logit_scale``, ``settings`` (and the GRPO options given as keywords), ``block_sizes``
-and ``impl`` are Python values (static); arrays, ``num_items_in_batch`` included, may be traced.
+``temperature``, ``softcap``, ``logit_scale``, ``settings`` (and the GRPO options given as keywords),
+``block_sizes`` and ``impl`` are Python values (static); arrays, ``num_items_in_batch`` included, may be
+traced.
 """
 
 from __future__ import annotations
