@@ -17,8 +17,9 @@ from jax.test_util import check_grads
 import logitless
 from logitless.jax import BlockSizes, fused_grpo_loss, fused_linear_logprobs
 from logitless.jax.blocks import jax_block_sizes
+from logitless.jax.head import Head
 from logitless.jax.reference import materialized_token_stats
-from logitless.jax.token_stats import Head, linear_token_stats
+from logitless.jax.token_stats import linear_token_stats
 
 B, T, H, V = 3, 7, 16, 61
 BLOCKS = BlockSizes(vocab=16, tokens=8)
@@ -80,6 +81,7 @@ GRPO_CASES = {
     "dapo": dict(loss_type="dapo", epsilon_high=0.28),
     "dapo-kl-old-items-accumulation": dict(loss_type="dapo", beta=0.04, num_items_in_batch=20,
                                            gradient_accumulation_steps=2, epsilon_low=0.1, temperature=1.1),
+    "grpo-kl-old-scale-softcap": dict(loss_type="grpo", beta=0.04, logit_scale=2.5, softcap=3.0, temperature=0.9),
 }
 
 
@@ -106,6 +108,11 @@ LOGPROB_CASES = {
     "batched-bias-mask-temperature": dict(temperature=0.7, bias=True, mask=True),
     "batched-softcap-bias": dict(softcap=2.0, bias=True),
     "flat-default-blocks": dict(flat=True),
+    "batched-scale": dict(logit_scale=0.4),
+    "batched-scale-bias-mask-temperature": dict(logit_scale=1.7, temperature=0.7, bias=True, mask=True),
+    "batched-scale-softcap-bias-temperature": dict(logit_scale=2.5, softcap=2.0, bias=True, temperature=1.3),
+    "materialized-scale-softcap-bias-temperature": dict(logit_scale=2.5, softcap=2.0, bias=True, temperature=1.3,
+                                                        jax_impl="materialized"),
 }
 
 
@@ -130,6 +137,7 @@ def test_logprobs_and_entropy_match_pytorch(case):
     if mask is None:
         targets = np.where(targets < 0, 0, targets)
     bias = rng.standard_normal(V).astype(np.float32) if options.pop("bias", False) else None
+    impl = options.pop("jax_impl", "fused")
     if options.pop("flat", False):
         hidden, targets = hidden.reshape(-1, H), targets.reshape(-1)
         blocks = None
@@ -145,7 +153,7 @@ def test_logprobs_and_entropy_match_pytorch(case):
 
     def loss(hidden, weight, bias):
         lp, ent = fused_linear_logprobs(hidden, weight, targets, bias=bias, return_entropy=True, mask=mask,
-                                        block_sizes=blocks, **options)
+                                        block_sizes=blocks, impl=impl, **options)
         return (lp * weights[0] + ent * weights[1]).sum(), (lp, ent)
 
     argnums = (0, 1) if bias is None else (0, 1, 2)
@@ -189,13 +197,21 @@ def test_minus_inf_logits_are_exact():
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-def test_check_grads_float64():
+CHECK_GRADS_HEADS = {
+    "softcap-temperature": dict(temperature=0.8, softcap=3.0),
+    "scale-temperature": dict(temperature=0.8, scale=1.6),
+    "scale-softcap": dict(softcap=1.5, scale=2.5),
+}
+
+
+@pytest.mark.parametrize("case", CHECK_GRADS_HEADS)
+def test_token_stats_check_grads_float64(case):
     rng = np.random.default_rng(3)
     with jax.enable_x64(True):
         hidden, weight = jnp.asarray(rng.standard_normal((5, 3))), jnp.asarray(rng.standard_normal((11, 3)))
         bias, targets = jnp.asarray(rng.standard_normal(11)), jnp.asarray([0, 10, 3, 4, 10])
         weights = jnp.asarray(rng.standard_normal((2, 5)))
-        head = Head(temperature=0.8, softcap=3.0, blocks=BlockSizes(vocab=4, tokens=2))
+        head = Head(**CHECK_GRADS_HEADS[case], blocks=BlockSizes(vocab=4, tokens=2))
 
         def stats_loss(hidden, weight, bias):
             log_probs, entropy = linear_token_stats(hidden, weight, bias, targets, head)
@@ -203,16 +219,22 @@ def test_check_grads_float64():
             return (log_probs * weights[0]).sum() + (entropy * weights[1]).sum()
 
         check_grads(jax.jit(stats_loss), (hidden, weight, bias), order=1, modes=["rev"])
+
+
+def test_grpo_loss_check_grads_float64():
+    head_options = dict(logit_scale=1.3, temperature=0.9)
+    with jax.enable_x64(True):
         inputs = {k: jnp.asarray(v.astype(np.float64)) if v.dtype == np.float32 else jnp.asarray(v)
                   for k, v in grpo_inputs(seed=4).items()}
         hidden, weight = inputs["hidden"][..., :4], inputs["weight"][:, :4]
-        log_probs = fused_linear_logprobs(hidden, weight, inputs["completion_ids"], mask=inputs["completion_mask"])
+        log_probs = fused_linear_logprobs(hidden, weight, inputs["completion_ids"], mask=inputs["completion_mask"],
+                                          **head_options)
         old = log_probs + 0.05 * inputs["per_token_advantages"]  # ratios near 1, away from the clip's kinks
 
         def grpo(hidden, weight):
             return fused_grpo_loss(hidden, weight, inputs["completion_ids"], inputs["completion_mask"],
                                    inputs["advantages"], old_logprobs=old, ref_logprobs=inputs["ref_logprobs"],
-                                   beta=0.04, block_sizes=BLOCKS)[0]
+                                   beta=0.04, block_sizes=BLOCKS, **head_options)[0]
 
         check_grads(jax.jit(grpo), (hidden, weight), order=1, modes=["rev"])
 
@@ -295,7 +317,8 @@ def _bad(**changes):
     (dict(beta=-1.0), ValueError, "beta: expected a finite number >= 0"),
     (dict(beta=float("nan")), ValueError, "beta: expected a finite number >= 0"),
     (dict(old_logprobs=np.full((B, T), np.nan, np.float32)), ValueError, "old_logprobs: NaN"),
-    (dict(temperature=0.0), ValueError, "temperature: must be > 0"),
+    (dict(temperature=0.0), ValueError, "temperature: expected a finite number > 0"),
+    (dict(logit_scale=-2.0), ValueError, "logit_scale: expected a finite number > 0"),
     (dict(bias=np.zeros(V + 1, np.float32)), ValueError, "bias: length 62"),
     (dict(block_sizes=BlockSizes), TypeError, "block_sizes: expected a BlockSizes"),
     (dict(impl="triton"), ValueError, "impl: expected one of"),
@@ -307,6 +330,22 @@ def test_bad_input_names_the_argument(changes, error, match):
     with pytest.raises(error, match=match):
         fused_grpo_loss(args.pop("hidden"), args.pop("weight"), args.pop("completion_ids"), args.pop("completion_mask"),
                         args.pop("advantages"), **args)
+
+
+@pytest.mark.parametrize("options", [
+    dict(logit_scale=0.0), dict(logit_scale=float("inf")), dict(logit_scale="2"), dict(temperature=float("inf")),
+    dict(softcap=-3.0), dict(softcap=float("nan")),
+])
+def test_head_options_are_checked_as_the_pytorch_ops_check_them(options):
+    inputs = grpo_inputs()
+    targets = np.where(inputs["completion_ids"] < 0, 0, inputs["completion_ids"])
+    with pytest.raises((TypeError, ValueError)) as expected:
+        logitless.fused_linear_logprobs(*(torch.tensor(inputs[k]) for k in ("hidden", "weight")), torch.tensor(targets),
+                                        **options)
+    with pytest.raises(expected.type) as got:
+        fused_linear_logprobs(inputs["hidden"], inputs["weight"], targets, **options)
+    assert str(got.value) == str(expected.value)
+    assert str(got.value).startswith(f"{next(iter(options))}: ")  # names the argument
 
 
 def test_block_sizes_are_the_pytorch_class_with_jax_defaults():

@@ -65,6 +65,11 @@ def check_positive(name: str, value) -> float:
     return float(value)
 
 
+def check_positive_finite(name: str, value) -> float:
+    """A finite number > 0 as a float: an LM head's temperature, soft cap or logit scale."""
+    return float(check_finite_number(name, value))
+
+
 def check_choice(name: str, value, choices: Sequence[str]) -> str:
     if value not in choices:
         raise ValueError(f"{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from logitless._checks import check_finite_number, check_tensor
+from logitless._checks import check_positive_finite, check_tensor
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -45,10 +45,6 @@ def matmul_stat(left: torch.Tensor, right: torch.Tensor, *, add_to: torch.Tensor
     return product if add_to is None else add_to.add_(product)
 
 
-def _finite(name: str, value) -> float:
-    return float(check_finite_number(name, value))
-
-
 @dataclass(frozen=True, eq=False)
 class LinearHead:
     """An LM head: ``weight`` (V, H), optional ``bias`` (V,), and how its output becomes logits."""
@@ -69,10 +65,10 @@ class LinearHead:
             if bool(torch.isnan(self.bias).any() | torch.isposinf(self.bias).any()):
                 raise ValueError("bias: contains NaN or +inf (only -inf, for vocabulary rows that can never be "
                                  "sampled, is allowed)")
-        object.__setattr__(self, "temperature", _finite("temperature", self.temperature))
-        object.__setattr__(self, "scale", _finite("logit_scale", self.scale))
+        object.__setattr__(self, "temperature", check_positive_finite("temperature", self.temperature))
+        object.__setattr__(self, "scale", check_positive_finite("logit_scale", self.scale))
         if self.softcap is not None:
-            object.__setattr__(self, "softcap", _finite("softcap", self.softcap))
+            object.__setattr__(self, "softcap", check_positive_finite("softcap", self.softcap))
 
     @property
     def vocab_size(self) -> int:
