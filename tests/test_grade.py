@@ -155,6 +155,37 @@ def test_grpo_baseline_step_logs_every_metric_and_moves_the_policy():
         GRPOBaseline(byte_model(), TokenSetReward([1]), GradeConfig(batch_size=4, grpo_group_size=3), tokenizer=BYTES)
 
 
+def test_grpo_baseline_gradient_is_the_materialized_grpo_gradient():
+    """With the KL penalty off and one update per sample (ratio 1), the baseline's loss is the mean over
+    completions of the mean over tokens of -A * log p(token): its gradient, from full logits, must match."""
+    from logitless.grade.rollout import sample_tokens
+    from logitless.grade.trainer import microbatch_generator
+    from logitless.losses import compute_group_normalized_rewards
+
+    config = GradeConfig(max_new_tokens=4, batch_size=4, grpo_group_size=2, kl_coef=0.0)
+    reward = TokenSetReward(list(range(97, 123)))
+    trainer = GRPOBaseline(byte_model(seed=3), reward, config, tokenizer=BYTES)
+    prompt = _prompt()
+    trainer.microbatch(prompt, None, microbatch_generator(config.seed, 0, 0, trainer.device))
+    got = [p.grad.clone() for p in trainer.policy.model.parameters()]
+    trainer.policy.model.zero_grad(set_to_none=True)
+
+    rows = [0, 0, 1, 1]  # the first two prompts, each once per member of its group
+    grouped = PromptBatch(prompt.input_ids[rows], prompt.attention_mask[rows], [prompt.records[i] for i in rows])
+    completion = sample_tokens(trainer.policy, grouped, 4, microbatch_generator(config.seed, 0, 0, trainer.device))
+    rewards = reward(RewardInputs(grouped, SoftTokens.hard(completion))).float()
+    assert rewards.std() > 0  # the advantages are not all zero
+    advantages, _, _ = compute_group_normalized_rewards(lambda i, _: {"reward": float(rewards[i])}, list(range(4)),
+                                                        [None] * 4, 2, advantage_eps=1e-6, normalize_by_std=True)
+    sequence = torch.cat([grouped.input_ids, completion], dim=1)
+    attention = torch.cat([grouped.attention_mask, torch.ones_like(completion)], dim=1)
+    logits = trainer.policy.model(input_ids=sequence[:, :-1], attention_mask=attention[:, :-1]).logits[:, -4:]
+    log_probs = torch.log_softmax(logits.float(), dim=-1).gather(-1, completion[..., None]).squeeze(-1)  # (B, T)
+    (-(advantages[:, None] * log_probs).mean(dim=1).mean()).backward()
+    for mine, want in zip(got, (p.grad for p in trainer.policy.model.parameters())):
+        torch.testing.assert_close(mine, want, rtol=1e-4, atol=1e-6)
+
+
 def test_metrics_of_a_grade_step():
     config = GradeConfig(max_new_tokens=3, batch_size=4, gumbel_topk=5, tau_start=2.0, tau_end=1.0)
     trainer = GumbelTrainerMemoryEfficient(byte_model(), TokenSetReward(list(range(97, 123))), config, tokenizer=BYTES)

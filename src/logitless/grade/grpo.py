@@ -5,10 +5,11 @@ Per microbatch of ``batch_size`` completions: the first ``batch_size / grpo_grou
 ``max_new_tokens`` hard tokens at temperature 1 (`sample_tokens`), the same reward scores them as
 one-hot soft tokens, and the KL penalty enters the reward as in classic RLHF:
 ``r - kl_coef * sum_t log(pi / pi_ref)(sampled token)`` (its REINFORCE gradient is that of
-E[r] - kl_coef * KL). Advantages are group-normalized (`compute_group_normalized_rewards`), log-probs
-come from `get_response_log_probs` (fused, no logits) and the step is `grpo_microbatch_train_step`
-(grpo_clip, one update per sample so the ratio is 1). The logged ``kl`` is the exact KL of the
-sampled prefixes (`fused_linear_kl`), comparable with GRADE's.
+E[r] - kl_coef * KL). Advantages are group-normalized (`compute_group_normalized_rewards`) and the loss
+is `fused_grpo_loss` (no logits) with `BASELINE_SETTINGS`: TRL's "grpo" loss, clipped at 0.2, no KL
+term of its own (the penalty is in the reward), one update per sample so the ratio is 1. One policy
+forward serves both the loss and the KL. The logged ``kl`` is the exact KL of the sampled prefixes
+(`fused_linear_kl`), comparable with GRADE's.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from logitless.grade.rollout import sample_tokens
 from logitless.grade.soft_tokens import PromptBatch, SoftTokens
 from logitless.grade.trainer import _Trainer
 from logitless.hf import final_hidden_states
-from logitless.logprobs import get_response_log_probs
-from logitless.losses import compute_group_normalized_rewards, grpo_microbatch_train_step
-from logitless.ops.fused import head_logprobs
+from logitless.losses import compute_group_normalized_rewards
+from logitless.ops.fused import fused_grpo_loss, head_logprobs
+from logitless.ops.grpo_settings import GRPOSettings
+
+BASELINE_SETTINGS = GRPOSettings(loss_type="grpo", beta=0.0, epsilon_low=0.2, epsilon_high=0.2)
 
 
 class GRPOBaseline(_Trainer):
@@ -44,28 +47,28 @@ class GRPOBaseline(_Trainer):
             rewards = self.reward(RewardInputs(grouped, SoftTokens.hard(completion_ids))).float()  # (B,)
         sequence = torch.cat([grouped.input_ids, completion_ids], dim=1)  # (B, P + T)
         attention = torch.cat([grouped.attention_mask, torch.ones_like(completion_ids)], dim=1)
-        input_ids, labels, attention = sequence[:, :-1], sequence[:, 1:], attention[:, :-1]
-        response_mask = torch.zeros_like(labels, dtype=torch.bool)
-        response_mask[:, grouped.input_ids.shape[1] - 1:] = True  # labels that are completion tokens
-        log_probs = get_response_log_probs(self.policy.model, input_ids, labels, attention_mask=attention)["log_probs"]
-        kl, log_ratio = self._kl(input_ids, labels, attention, log_probs.detach())
+        input_ids, attention = sequence[:, :-1], attention[:, :-1]  # each position predicts the next token
+        # (B, T, H): the positions whose next token is a completion token, with the graph for the loss
+        hidden = final_hidden_states(self.policy.model, input_ids, attention)[:, -config.max_new_tokens:]
+        kl, log_ratio = self._kl(hidden.detach(), input_ids, attention, completion_ids)
         shaped = rewards - config.kl_coef * log_ratio  # (B,)
         advantages, _, _ = compute_group_normalized_rewards(
             lambda index, _: {"reward": float(shaped[index])}, list(range(size)), [None] * size, group,
             advantage_eps=1e-6, normalize_by_std=True)  # responses are their row numbers: scored above, in one batch
-        loss, _ = grpo_microbatch_train_step(log_probs, response_mask, config.gradient_accumulation_steps, "grpo_clip",
-                                             advantages=advantages[:, None].to(log_probs.dtype),
-                                             old_log_probs=log_probs.detach(), cliprange=0.2)
-        return {"reward": float(rewards.mean()), "kl": float(kl.mean()),
-                "loss": float(loss.detach()) * config.gradient_accumulation_steps}
+        head = self.policy.head
+        loss, _ = fused_grpo_loss(hidden, head.weight, completion_ids, torch.ones_like(completion_ids),
+                                  advantages.to(hidden.device), bias=head.bias, settings=BASELINE_SETTINGS,
+                                  temperature=head.temperature, softcap=head.softcap, logit_scale=head.scale)
+        (loss / config.gradient_accumulation_steps).backward()
+        return {"reward": float(rewards.mean()), "kl": float(kl.mean()), "loss": float(loss.detach())}
 
     @torch.no_grad()
-    def _kl(self, input_ids, labels, attention, log_probs):
-        """(exact KL(policy || reference) summed over the completion (B,), sum of log pi/pi_ref at the samples (B,))."""
-        steps = self.config.max_new_tokens
-        policy_hidden = final_hidden_states(self.policy.model, input_ids, attention)[:, -steps:]  # (B, T, H)
+    def _kl(self, policy_hidden, input_ids, attention, completion_ids):
+        """(exact KL(policy || reference) summed over the completion (B,), sum of log pi/pi_ref at the samples (B,)),
+        from the policy's hidden states at the completion positions (B, T, H)."""
+        steps = completion_ids.shape[1]
         reference_hidden = final_hidden_states(self.reference.model, input_ids, attention)[:, -steps:]
         kl = self.policy.kl_to(policy_hidden, self.reference, reference_hidden).sum(dim=1)
-        head = self.reference.head
-        reference_log_probs = head_logprobs(head, reference_hidden, labels[:, -steps:])
-        return kl, (log_probs[:, -steps:] - reference_log_probs).sum(dim=1)
+        log_probs = head_logprobs(self.policy.head, policy_hidden, completion_ids)
+        reference_log_probs = head_logprobs(self.reference.head, reference_hidden, completion_ids)
+        return kl, (log_probs - reference_log_probs).sum(dim=1)
