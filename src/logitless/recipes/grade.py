@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from logitless._checks import check_choice, check_positive_int, check_positive_ints, check_strings
-from logitless.grade.config import GradeConfig
+from logitless.grade import GradeConfig, GRPOBaseline, GumbelTrainer, GumbelTrainerMemoryEfficient
 from logitless.nonfinite import POLICIES
 from logitless.recipes import interrupts
 from logitless.recipes.common import (RUN_CONTROL_HELP, announce_start, check_model_name, check_model_source,
@@ -35,10 +35,12 @@ from logitless.recipes.common import (RUN_CONTROL_HELP, announce_start, check_mo
 from logitless.recipes.options import load_config, option, option_error, with_default
 from logitless.rundir import RunDirectory, file_identity, write_text_atomically
 
-# method -> (trainer class name in logitless.grade, GradeConfig.method)
-METHODS = {"gumbel": ("GumbelTrainerMemoryEfficient", "gumbel"), "ste": ("GumbelTrainerMemoryEfficient", "ste"),
-           "gumbel_legacy": ("GumbelTrainer", "gumbel"), "ste_legacy": ("GumbelTrainer", "ste"),
-           "grpo": ("GRPOBaseline", "gumbel")}
+# method -> (its trainer, the GradeConfig settings it fixes)
+METHODS = {"gumbel": (GumbelTrainerMemoryEfficient, {"straight_through": False}),
+           "ste": (GumbelTrainerMemoryEfficient, {"straight_through": True}),
+           "gumbel_legacy": (GumbelTrainer, {"straight_through": False}),
+           "ste_legacy": (GumbelTrainer, {"straight_through": True}),
+           "grpo": (GRPOBaseline, {})}
 REWARDS = ("capitalized", "words", "token", "classifier", "judge")
 DEFAULT_PROMPTS = ["Once upon a time", "The weather today is", "My favourite food is", "Yesterday I went to",
                    "The best way to learn is", "In the morning", "A good friend", "The city at night",
@@ -88,9 +90,9 @@ class GradeRunConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> GradeRunConfig:
-        """Flat keys: GradeRunConfig's own fields and GradeConfig's (``method`` is the run's)."""
+        """Flat keys: GradeRunConfig's own fields and GradeConfig's (but ``straight_through``: the method's)."""
         own = {f.name for f in dataclasses.fields(cls)} - {"grade"}
-        grade_fields = {f.name for f in dataclasses.fields(GradeConfig)} - {"method"}
+        grade_fields = {f.name for f in dataclasses.fields(GradeConfig)} - {"straight_through"}
         unknown = sorted(set(values) - own - grade_fields)
         if unknown:
             raise ValueError(f"config: unknown key(s) {unknown}; known: {sorted(own | grade_fields)}")
@@ -130,7 +132,8 @@ class GradeRunConfig:
     def recorded_options(self) -> dict:
         """Every option by its flat name, as the run directory records and compares them."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "grade"}
-        values.update((f.name, getattr(self.grade, f.name)) for f in dataclasses.fields(GradeConfig) if f.name != "method")
+        values.update((f.name, getattr(self.grade, f.name)) for f in dataclasses.fields(GradeConfig)
+                      if f.name != "straight_through")
         values["data"] = file_identity(self.data)
         return json.loads(json.dumps(values))
 
@@ -263,7 +266,6 @@ def run_method(run: GradeRunConfig, method: str, plan: GradePlan, *, progress: b
     from tqdm.auto import tqdm
     from transformers.utils import logging as hf_logging
 
-    from logitless import grade
     from logitless.checkpoint import load_checkpoint_state, save_checkpoint
     from logitless.grade.lora import load_adapter
 
@@ -274,10 +276,9 @@ def run_method(run: GradeRunConfig, method: str, plan: GradePlan, *, progress: b
     lora = run.grade.lora_rank > 0  # a LoRA checkpoint holds the adapters only: loaded after wrapping
     policy = (load_model("model", str(checkpoint), seed)[0] if checkpoint is not None and not lora
               else copy.deepcopy(reference))
-    trainer_name, grade_method = METHODS[method]
-    trainer = getattr(grade, trainer_name)(policy, build_reward(run, tokenizer, reference),
-                                           dataclasses.replace(run.grade, method=grade_method), tokenizer=tokenizer,
-                                           reference=reference)
+    trainer_class, settings = METHODS[method]
+    trainer = trainer_class(policy, build_reward(run, tokenizer, reference), dataclasses.replace(run.grade, **settings),
+                            tokenizer=tokenizer, reference=reference)
     history: list[dict] = []
     if checkpoint is not None:
         state = load_checkpoint_state(checkpoint, trainer.optimizer)
