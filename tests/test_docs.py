@@ -37,16 +37,14 @@ def _grade_defaults_table() -> dict[str, str]:
 
 def test_grade_doc_defaults_are_the_librarys_and_the_commands():
     """The table in docs/grade.md shows GradeConfig's defaults, which are what `logitless grade` runs with
-    (GradeRunConfig, its `.grade` flattened) and what its --help prints."""
+    (GradeRunConfig, whose fields are GradeConfig's and the run's) and what its --help prints."""
     import ast
     import dataclasses
 
     from logitless.grade import GradeConfig
     from logitless.recipes.grade import GradeRunConfig
 
-    run = GradeRunConfig()
-    command = {**dataclasses.asdict(run.grade),
-               **{f.name: getattr(run, f.name) for f in dataclasses.fields(run) if f.name != "grade"}}
+    command = dataclasses.asdict(GradeRunConfig())
     library = dataclasses.asdict(GradeConfig())
     table = _grade_defaults_table()
     assert set(table) == set(library), "docs/grade.md: the table's fields are GradeConfig's"

@@ -138,12 +138,12 @@ def train_grade_demo(config: DemoConfig, directory: Path, *, progress: bool = Tr
     """Step 3: `logitless grade`'s default run, shortened; the reward's first- and last-quarter means."""
     if not config.grade_steps:
         return None
-    from logitless.recipes.grade import GradeRunConfig, run_grade
+    from logitless.recipes.grade import GradeRunConfig, train_grade
 
     print(f"logitless demo 3/4: {config.grade_steps} GRADE steps (Gumbel-softmax, top-k soft tokens, exact KL from "
           "hidden states) of an untrained tiny-qwen2; reward: the fraction of capitalized words it writes")
     run = GradeRunConfig(output_dir=str(directory / "grade"), steps=config.grade_steps, save_every=config.grade_steps)
-    rewards = [row["reward"] for row in run_grade(run, progress=progress)["gumbel"]]
+    rewards = [row["reward"] for row in train_grade(run, progress=progress)["gumbel"]]
     print(f"plot: {directory / 'grade' / 'gumbel' / 'reward.png'}")
     return quarter_means(rewards)
 
