@@ -32,9 +32,10 @@ from logitless.logprobs import get_response_log_probs
 from logitless.models import load_model_and_tokenizer
 from logitless.multichoice.data import synthetic_multichoice
 from logitless.multichoice.reward import find_answer_position
+from logitless.multichoice.warm_start import multichoice_sft_pairs, warm_start_policy
+from logitless.plots import plot_curve
 from logitless.recipes.grpo import MultichoiceGRPOConfig, train_grpo_multichoice
 from logitless.recipes.options import option_error
-from logitless.recipes.warm_start import multichoice_sft_pairs, warm_start_policy
 from logitless.rundir import RunDirectory
 
 TASK = ("sorted_largest",)  # "Which number is the largest?", options in increasing order
@@ -108,6 +109,8 @@ def train_demo(config: DemoConfig, directory: Path, *, progress: bool = True) ->
           "(vocabulary 151,936): the answer format ' ANSWER: <ordinal> <letter>', on sums it cannot solve")
     sft, policy_dir = warm_start_policy(directory / "sft", steps=config.steps, progress=progress,
                                         data_file=directory / "warm_start.jsonl")
+    plot_curve(sft["loss"], directory / "sft" / "loss.png", title="SFT loss (mean token NLL on responses)",
+               ylabel="loss (nats/token)")
     print(f"SFT loss {sft['loss'][0]:.3f} -> {sft['loss'][-1]:.3f} nats/token in {sft['seconds']:.0f}s; "
           f"plot: {directory / 'sft' / 'loss.png'}")
 
