@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from logitless.checkpoint import last_complete_checkpoint
 from logitless.cli import build_parser, main
 from logitless.grade import METRIC_NAMES
-from logitless.recipes.grade import DEFAULT_PROMPTS, EVAL_PROMPTS, VALIDATION, GradeRunConfig, train_grade
+from logitless.recipes.grade import (DEFAULT_PROMPTS, EVAL_PROMPTS, STEERING_OPTIONS, VALIDATION, GradeRunConfig,
+                                     train_grade)
 
 TINY = dict(max_new_tokens=2, batch_size=2, gumbel_topk=16, save_every=2)
 
@@ -113,13 +114,24 @@ def test_lora_run_resumes_from_its_adapter_checkpoint(tmp_path):
 
 
 def test_the_default_config_file_spells_out_the_commands_defaults():
-    """configs/grade.yaml says it is the default run: each of its values is the one `logitless grade` uses."""
+    """configs/grade.yaml says it is the default run: each of its values is the one `logitless grade` uses, and
+    it names every option that changes that run's result."""
     import yaml
 
     values = yaml.safe_load((Path(__file__).parents[1] / "configs" / "grade.yaml").read_text())
     defaults = GradeRunConfig()
     assert len(values) >= 15 and {name: getattr(defaults, name) for name in values} == values
     assert GradeRunConfig.from_dict(values) == defaults
+
+    def used(name):  # by the default run (refuse_unused refuses the others)
+        try:
+            defaults.refuse_unused([name])
+        except ValueError:
+            return False
+        return True
+
+    result = [field.name for field in dataclasses.fields(GradeRunConfig) if field.name not in STEERING_OPTIONS]
+    assert [name for name in result if used(name) and name not in values] == []
 
 
 def test_method_all_ends_with_a_table_and_a_plot_of_every_methods_held_out_reward(tmp_path, capsys):
