@@ -29,7 +29,7 @@ def warm_policy(tmp_path_factory):
     from logitless.checkpoint import last_complete_checkpoint
     from logitless.cli import main
     from logitless.multichoice.data import synthetic_multichoice
-    from logitless.recipes.warm_start import multichoice_sft_pairs
+    from logitless.multichoice.warm_start import multichoice_sft_pairs
 
     root = tmp_path_factory.mktemp("warm")
     pairs = multichoice_sft_pairs(synthetic_multichoice(count=16, seed=0), end=qwen_tokenizer().eos_token)

@@ -22,10 +22,10 @@ def test_every_usage_page_has_an_example():
     assert {p.name for p, _, _ in BLOCKS} >= usage_pages
 
 
-def _grade_defaults_table() -> dict[str, str]:
-    """docs/grade.md's defaults table: field -> its default cell."""
+def _grade_defaults_table(header_start: str = "| field | default") -> dict[str, str]:
+    """The defaults table of docs/grade.md whose header starts with ``header_start``: field -> its default cell."""
     lines = (ROOT / "docs" / "grade.md").read_text().splitlines()
-    header = next(i for i, line in enumerate(lines) if line.startswith("| field | default"))
+    header = next(i for i, line in enumerate(lines) if line.startswith(header_start))
     rows = {}
     for line in lines[header + 2:]:
         if not line.startswith("|"):
@@ -37,16 +37,14 @@ def _grade_defaults_table() -> dict[str, str]:
 
 def test_grade_doc_defaults_are_the_librarys_and_the_commands():
     """The table in docs/grade.md shows GradeConfig's defaults, which are what `logitless grade` runs with
-    (GradeRunConfig, its `.grade` flattened) and what its --help prints."""
+    (GradeRunConfig, whose fields are GradeConfig's and the run's) and what its --help prints."""
     import ast
     import dataclasses
 
     from logitless.grade import GradeConfig
     from logitless.recipes.grade import GradeRunConfig
 
-    run = GradeRunConfig()
-    command = {**dataclasses.asdict(run.grade),
-               **{f.name: getattr(run, f.name) for f in dataclasses.fields(run) if f.name != "grade"}}
+    command = dataclasses.asdict(GradeRunConfig())
     library = dataclasses.asdict(GradeConfig())
     table = _grade_defaults_table()
     assert set(table) == set(library), "docs/grade.md: the table's fields are GradeConfig's"
@@ -54,6 +52,35 @@ def test_grade_doc_defaults_are_the_librarys_and_the_commands():
         value = ast.literal_eval(cell.strip("`"))
         assert value == library[name] == command[name] and type(value) is type(library[name]), \
             f"docs/grade.md: {name} shows {cell}; GradeConfig's default is {library[name]!r}, the command's {command[name]!r}"
+
+
+def test_grade_doc_shows_the_commands_own_defaults_and_its_help_the_same():
+    """docs/grade.md's second table holds every option of `logitless grade` that is neither GradeConfig's nor run
+    control, with the command's default; --help shows the defaults of both tables."""
+    import ast
+    import dataclasses
+
+    from logitless.cli import build_parser
+    from logitless.grade import GradeConfig
+    from logitless.recipes.common import RecipeConfig
+    from logitless.recipes.grade import HELP, GradeRunConfig
+
+    def names(config_class):
+        return {field.name for field in dataclasses.fields(config_class)}
+
+    own = {name: ast.literal_eval(cell.strip("`"))
+           for name, cell in _grade_defaults_table("| option | default").items()}
+    assert set(own) == names(GradeRunConfig) - names(GradeConfig) - names(RecipeConfig) | {"model"}
+    assert own == {name: getattr(GradeRunConfig(), name) for name in own}
+    library = {name: ast.literal_eval(cell.strip("`")) for name, cell in _grade_defaults_table().items()}
+    grade = build_parser()._subparsers._group_actions[0].choices["grade"]
+    helps = {action.dest: action.help for action in grade._actions}
+    shown = [name for name in {**library, **own} if name in HELP and "(default" not in HELP[name]]  # not by hand
+    assert len(shown) >= 20
+    for name in shown:
+        value = {**library, **own}[name]
+        text = " ".join(value) if isinstance(value, tuple) else value
+        assert helps[name].endswith(f"(default: {text})"), f"--help of {name}: {helps[name]!r}; docs: {value!r}"
 
 
 def test_user_docs_and_docstrings_speak_to_users():

@@ -41,7 +41,7 @@ def test_tau_anneals_geometrically_and_config_errors_name_the_field():
     assert [config.tau_at(s) for s in (0, 2, 4, 9)] == pytest.approx([1.0, 0.5, 0.25, 0.25])
     assert GradeConfig(tau_anneal_steps=0, tau_end=0.3).tau_at(0) == pytest.approx(0.3)
     for field, value in [("gumbel_topk", 0), ("tau_start", 0.0), ("tau_end", -1.0), ("max_new_tokens", 0),
-                         ("method", "reinforce"), ("kl_coef", -0.1), ("batch_size", 0), ("learning_rate", 0),
+                         ("straight_through", "yes"), ("kl_coef", -0.1), ("batch_size", 0), ("learning_rate", 0),
                          ("learning_rate", math.inf), ("tau_start", math.nan), ("on_nonfinite", "ignore"),
                          ("tau_anneal_steps", -1), ("gradient_accumulation_steps", 1.5)]:
         with pytest.raises((ValueError, TypeError), match=f"^{field}:"):

@@ -32,9 +32,9 @@ def _noise(batch, steps, seed):
     return gumbel_noise((batch, steps, BYTE_VOCAB), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("method", ["gumbel", "ste"])
-def test_efficient_with_full_vocabulary_equals_legacy_over_three_steps(tokenizer, method):
-    config = GradeConfig(method=method, gumbel_topk=BYTE_VOCAB, max_new_tokens=3, batch_size=2,
+@pytest.mark.parametrize("straight_through", [False, True])
+def test_efficient_with_full_vocabulary_equals_legacy_over_three_steps(tokenizer, straight_through):
+    config = GradeConfig(straight_through=straight_through, gumbel_topk=BYTE_VOCAB, max_new_tokens=3, batch_size=2,
                          gradient_accumulation_steps=2, kl_coef=0.5, tau_start=0.9, tau_end=0.5, tau_anneal_steps=2,
                          max_grad_norm=1e6)
     trainers, grads = [], []

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from logitless.checkpoint import last_complete_checkpoint
 from logitless.cli import build_parser, main
 from logitless.grade import METRIC_NAMES
-from logitless.recipes.grade import DEFAULT_PROMPTS, EVAL_PROMPTS, VALIDATION, GradeRunConfig, run_grade
+from logitless.recipes.grade import (DEFAULT_PROMPTS, EVAL_PROMPTS, STEERING_OPTIONS, VALIDATION, GradeRunConfig,
+                                     train_grade)
 
 TINY = dict(max_new_tokens=2, batch_size=2, gumbel_topk=16, save_every=2)
 
@@ -28,7 +29,7 @@ def _weights(directory):
 def test_reward_rises_over_a_short_cpu_run(tmp_path):
     run = GradeRunConfig.from_dict(dict(output_dir=str(tmp_path), steps=12, max_new_tokens=4, batch_size=4,
                                         save_every=12, seed=0))
-    rewards = [row["reward"] for row in run_grade(run, progress=False)["gumbel"]]
+    rewards = [row["reward"] for row in train_grade(run, progress=False)["gumbel"]]
     quarter = len(rewards) // 4
     assert sum(rewards[-quarter:]) / quarter > sum(rewards[:quarter]) / quarter + 0.03, rewards
     rows = [json.loads(line) for line in (tmp_path / "gumbel" / "metrics.jsonl").read_text().splitlines()]
@@ -100,10 +101,10 @@ def test_command_line_errors_name_the_option(argv, message, tmp_path):
 def test_lora_run_resumes_from_its_adapter_checkpoint(tmp_path):
     pytest.importorskip("peft")  # in the dev extra
     settings = dict(reward="words", max_new_tokens=2, batch_size=2, gumbel_topk=8, lora_rank=2, save_every=1)
-    run_grade(GradeRunConfig.from_dict(dict(output_dir=str(tmp_path / "split"), steps=1, **settings)), progress=False)
-    resumed = run_grade(GradeRunConfig.from_dict(dict(output_dir=str(tmp_path / "split"), steps=2, **settings)),
+    train_grade(GradeRunConfig.from_dict(dict(output_dir=str(tmp_path / "split"), steps=1, **settings)), progress=False)
+    resumed = train_grade(GradeRunConfig.from_dict(dict(output_dir=str(tmp_path / "split"), steps=2, **settings)),
                         progress=False)["gumbel"]
-    whole = run_grade(GradeRunConfig.from_dict(dict(output_dir=str(tmp_path / "whole"), steps=2, **settings)),
+    whole = train_grade(GradeRunConfig.from_dict(dict(output_dir=str(tmp_path / "whole"), steps=2, **settings)),
                       progress=False)["gumbel"]
     assert [row["step"] for row in resumed] == [1, 2]
     assert [row["loss"] for row in resumed] == [row["loss"] for row in whole]
@@ -113,15 +114,24 @@ def test_lora_run_resumes_from_its_adapter_checkpoint(tmp_path):
 
 
 def test_the_default_config_file_spells_out_the_commands_defaults():
-    """configs/grade.yaml says it is the default run: each of its values is the one `logitless grade` uses."""
+    """configs/grade.yaml says it is the default run: each of its values is the one `logitless grade` uses, and
+    it names every option that changes that run's result."""
     import yaml
 
     values = yaml.safe_load((Path(__file__).parents[1] / "configs" / "grade.yaml").read_text())
     defaults = GradeRunConfig()
-    flat = {**dataclasses.asdict(defaults.grade), **{k: v for k, v in dataclasses.asdict(defaults).items()
-                                                      if k != "grade"}}
-    assert len(values) >= 15 and {name: flat[name] for name in values} == values
+    assert len(values) >= 15 and {name: getattr(defaults, name) for name in values} == values
     assert GradeRunConfig.from_dict(values) == defaults
+
+    def used(name):  # by the default run (refuse_unused refuses the others)
+        try:
+            defaults.refuse_unused([name])
+        except ValueError:
+            return False
+        return True
+
+    result = [field.name for field in dataclasses.fields(GradeRunConfig) if field.name not in STEERING_OPTIONS]
+    assert [name for name in result if used(name) and name not in values] == []
 
 
 def test_method_all_ends_with_a_table_and_a_plot_of_every_methods_held_out_reward(tmp_path, capsys):
@@ -142,3 +152,23 @@ def test_eval_every_without_held_out_prompts_is_refused(tmp_path):
     data.write_text(json.dumps({"prompt": "Hello"}) + "\n")
     with pytest.raises(SystemExit, match=r"^--eval-every: has no effect on this run \(there are no held-out prompts"):
         main(["grade", "--data", str(data), "--eval-every", "2", "--output-dir", str(tmp_path / "run")])
+
+
+def test_config_file_keys_that_are_no_options_keep_their_names_in_errors(tmp_path):
+    """straight_through is each method's (ste, ste_legacy); a --config error lists the keys as the file spells them."""
+    config = tmp_path / "grade.yaml"
+    config.write_text("straight_through: true\n")
+    with pytest.raises(SystemExit, match=r"^straight_through: has no effect on this run \(each --method fixes it"):
+        main(["grade", "--config", str(config), "--output-dir", str(tmp_path / "run")])
+    config.write_text("topk: 3\n")
+    with pytest.raises(SystemExit, match=r"^--config: unknown key\(s\) \['topk'\]; known: \[.*'batch_size', 'data'"):
+        main(["grade", "--config", str(config), "--output-dir", str(tmp_path / "run")])
+
+
+def test_a_reward_model_that_cannot_be_loaded_is_named_in_one_line(tmp_path):
+    (tmp_path / "not_a_model").mkdir()
+    with pytest.raises(SystemExit) as stopped:
+        main(["grade", "--reward", "token", "--reward-model", str(tmp_path / "not_a_model"), "--steps", "1",
+              "--output-dir", str(tmp_path / "run")])
+    assert str(stopped.value).startswith(f"--reward-model: cannot load '{tmp_path / 'not_a_model'}'")
+    assert "\n" not in str(stopped.value)

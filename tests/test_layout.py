@@ -1,27 +1,57 @@
 """The library stays apart from the programs built on it: nothing in it imports recipes/, bench/, the demo or the
-CLI; the demo sits above the recipes and the benchmarks, and the recipes never import a benchmark."""
+CLI. The recipes and the benchmarks never import each other, nor the demo, which uses both, nor the CLI. Since the
+library imports no program, no program reaches another through it: the direct imports are the whole story."""
 
-import re
+import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "logitless"
-PROGRAMS = ("recipes", "bench", "demo.py", "cli.py", "__main__.py")  # __main__.py: `python -m logitless`, the CLI
+PROGRAMS = {"recipes", "bench", "demo", "cli", "__main__"}  # __main__: `python -m logitless`, the CLI
 
 
-def test_the_recipes_and_the_benchmarks_do_not_import_the_demo_which_uses_both():
-    offenders = [f"{path.relative_to(PACKAGE)}: {line.strip()}" for folder in ("recipes", "bench")
-                 for path in (PACKAGE / folder).rglob("*.py") for line in path.read_text().splitlines()
-                 if re.match(r"\s*(from|import) logitless(\.demo\b| import demo\b)", line)
-                 or (folder == "recipes" and re.match(r"\s*(from|import) logitless\.bench\b", line))]
-    assert offenders == []
+def _imported(path: Path, root: Path = PACKAGE) -> set[str]:
+    """The parts of logitless (in ``root``) that the module at ``path`` imports anywhere in it (at the top or
+    inside a function), by their name below logitless: {"recipes", "multichoice", ...}."""
+    package = path.relative_to(root.parent).parent.parts  # ("logitless", "bench") for logitless/bench/x.py
+    modules = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules += [alias.name.split(".") for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = [*package[:len(package) - node.level + 1]] if node.level else []
+            module = base + (node.module.split(".") if node.module else [])
+            modules += [module + [alias.name] for alias in node.names]  # `from logitless import bench` names bench
+    return {module[1] for module in modules if module[0] == "logitless" and len(module) > 1}
+
+
+def _offenders(files, forbidden: set[str]) -> list[str]:
+    return [f"{path.relative_to(PACKAGE)} imports logitless.{name}" for path in sorted(files)
+            for name in sorted(_imported(path) & forbidden)]
+
+
+def test_the_recipes_and_the_benchmarks_import_neither_each_other_nor_the_programs_above_them():
+    recipes, bench = list((PACKAGE / "recipes").rglob("*.py")), list((PACKAGE / "bench").rglob("*.py"))
+    assert len(recipes) > 3 and len(bench) > 3
+    assert _offenders(recipes, PROGRAMS - {"recipes"}) == []
+    assert _offenders(bench, PROGRAMS - {"bench"}) == []
 
 
 def test_the_library_imports_no_program():
-    offenders = []
-    for path in PACKAGE.rglob("*.py"):
-        if path.relative_to(PACKAGE).parts[0] in PROGRAMS:
-            continue
-        for line in path.read_text().splitlines():
-            if re.match(r"\s*(from|import) logitless\.(recipes|bench|demo|cli)\b", line):
-                offenders.append(f"{path.relative_to(PACKAGE)}: {line.strip()}")
-    assert offenders == []
+    library = [path for path in PACKAGE.rglob("*.py") if path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+               not in PROGRAMS]
+    assert len(library) > 30 and _offenders(library, PROGRAMS) == []
+
+
+def test_imports_are_found_in_every_spelling(tmp_path):
+    """What the checks above read: absolute and relative imports, of a module or from a package, anywhere."""
+    spellings = {"a.py": "import logitless.recipes.sft", "b.py": "from logitless import bench",
+                 "c.py": "def f():\n    from logitless.demo import run", "d.py": "from ..cli import main",
+                 "e.py": "from . import worker", "f.py": "import torch\nfrom logitless.ops import fused"}
+    folder = tmp_path / "logitless" / "bench"
+    folder.mkdir(parents=True)
+    found = {}
+    for name, code in spellings.items():
+        (folder / name).write_text(code + "\n")
+        found[name] = _imported(folder / name, tmp_path / "logitless")
+    assert found == {"a.py": {"recipes"}, "b.py": {"bench"}, "c.py": {"demo"}, "d.py": {"cli"}, "e.py": {"bench"},
+                     "f.py": {"ops"}}

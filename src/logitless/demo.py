@@ -32,9 +32,10 @@ from logitless.logprobs import get_response_log_probs
 from logitless.models import load_model_and_tokenizer
 from logitless.multichoice.data import synthetic_multichoice
 from logitless.multichoice.reward import find_answer_position
+from logitless.multichoice.warm_start import multichoice_sft_pairs, warm_start_policy
+from logitless.plots import plot_curve
 from logitless.recipes.grpo import MultichoiceGRPOConfig, train_grpo_multichoice
 from logitless.recipes.options import option_error
-from logitless.recipes.warm_start import multichoice_sft_pairs, warm_start_policy
 from logitless.rundir import RunDirectory
 
 TASK = ("sorted_largest",)  # "Which number is the largest?", options in increasing order
@@ -108,6 +109,8 @@ def train_demo(config: DemoConfig, directory: Path, *, progress: bool = True) ->
           "(vocabulary 151,936): the answer format ' ANSWER: <ordinal> <letter>', on sums it cannot solve")
     sft, policy_dir = warm_start_policy(directory / "sft", steps=config.steps, progress=progress,
                                         data_file=directory / "warm_start.jsonl")
+    plot_curve(sft["loss"], directory / "sft" / "loss.png", title="SFT loss (mean token NLL on responses)",
+               ylabel="loss (nats/token)")
     print(f"SFT loss {sft['loss'][0]:.3f} -> {sft['loss'][-1]:.3f} nats/token in {sft['seconds']:.0f}s; "
           f"plot: {directory / 'sft' / 'loss.png'}")
 
@@ -138,12 +141,12 @@ def train_grade_demo(config: DemoConfig, directory: Path, *, progress: bool = Tr
     """Step 3: `logitless grade`'s default run, shortened; the reward's first- and last-quarter means."""
     if not config.grade_steps:
         return None
-    from logitless.recipes.grade import GradeRunConfig, run_grade
+    from logitless.recipes.grade import GradeRunConfig, train_grade
 
     print(f"logitless demo 3/4: {config.grade_steps} GRADE steps (Gumbel-softmax, top-k soft tokens, exact KL from "
           "hidden states) of an untrained tiny-qwen2; reward: the fraction of capitalized words it writes")
     run = GradeRunConfig(output_dir=str(directory / "grade"), steps=config.grade_steps, save_every=config.grade_steps)
-    rewards = [row["reward"] for row in run_grade(run, progress=progress)["gumbel"]]
+    rewards = [row["reward"] for row in train_grade(run, progress=progress)["gumbel"]]
     print(f"plot: {directory / 'grade' / 'gumbel' / 'reward.png'}")
     return quarter_means(rewards)
 

@@ -23,7 +23,7 @@ from logitless.bench.ratios import add_ratios, format_ratio
 from logitless.bench.worker import run_worker_process, worker_main
 
 VARIANTS = ("legacy", "efficient")
-METHODS = ("gumbel", "ste")  # GradeConfig.method
+METHODS = ("gumbel", "ste")  # ste: GradeConfig(straight_through=True)
 PROMPTS = ["Once upon a time", "The weather today is", "My favourite food is", "Yesterday I went to",
            "The best way to learn is", "In the morning", "A good friend", "The city at night"]
 
@@ -43,9 +43,9 @@ def _trainer(variant: str, config: GradeBenchConfig):
     from logitless.models import load_model_and_tokenizer
 
     policy, tokenizer = load_model_and_tokenizer("tiny-qwen2", seed=0)
-    grade = GradeConfig(method=config.method, gumbel_topk=config.gumbel_topk, max_new_tokens=config.max_new_tokens,
-                        batch_size=config.batch_size, learning_rate=1e-2, kl_coef=0.02,
-                        activation_checkpointing=config.activation_checkpointing)
+    grade = GradeConfig(straight_through=config.method == "ste", gumbel_topk=config.gumbel_topk,
+                        max_new_tokens=config.max_new_tokens, batch_size=config.batch_size, learning_rate=1e-2,
+                        kl_coef=0.02, activation_checkpointing=config.activation_checkpointing)
     trainer_class = GumbelTrainer if variant == "legacy" else GumbelTrainerMemoryEfficient
     return trainer_class(policy, TokenSetReward.capitalized_words(tokenizer), grade, tokenizer=tokenizer)
 

@@ -152,7 +152,7 @@ def run(config: GradeVarianceConfig, progress: bool = True) -> dict:
                                          tokenizer)
     results = {}
     for method in tqdm(METHODS, desc="bench grade-variance", disable=not progress):
-        grade = GradeConfig(method="ste" if method == "ste" else "gumbel", gumbel_topk=config.gumbel_topk,
+        grade = GradeConfig(straight_through=method == "ste", gumbel_topk=config.gumbel_topk,
                             max_new_tokens=config.max_new_tokens, batch_size=config.batch_size, kl_coef=0.0,
                             tau_start=config.tau, tau_end=config.tau,
                             grpo_group_size=config.batch_size // len(PROMPTS))

@@ -94,7 +94,7 @@ def run_worker(variant: str, policy_dir: str, config: RewardBenchConfig) -> dict
 def run(config: RewardBenchConfig, progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
-    from logitless.recipes.warm_start import warm_start_policy
+    from logitless.multichoice.warm_start import warm_start_policy
 
     results = {}
     with tempfile.TemporaryDirectory() as scratch:

@@ -8,15 +8,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from logitless._checks import check_choice, check_finite_numbers, check_positive, check_positive_ints, check_strings, dataclass_from_dict
+from logitless._checks import (check_choice, check_finite_numbers, check_positive, check_positive_ints, check_strings,
+                               dataclass_from_dict)
 from logitless.nonfinite import POLICIES
-
-METHODS = ("gumbel", "ste")
 
 
 @dataclass
 class GradeConfig:
-    method: str = "gumbel"  # gumbel: soft samples forward and backward; ste: hard forward, soft backward
+    straight_through: bool = False  # False: soft samples forward and backward; True: hard forward, soft backward
     gumbel_topk: int = 1024  # tokens kept per step by the memory-efficient trainer (the vocabulary size = all)
     tau_start: float = 1.0  # Gumbel-softmax temperature at step 0 ...
     tau_end: float = 0.5  # ... annealed geometrically to this ...
@@ -36,7 +35,6 @@ class GradeConfig:
     on_nonfinite: str = "stop"  # a NaN/inf loss or gradient: "stop" (NonFiniteError before the update) or "skip"
 
     def __post_init__(self):
-        check_choice("method", self.method, METHODS)
         check_choice("on_nonfinite", self.on_nonfinite, POLICIES)
         check_positive_ints(self, ("gumbel_topk", "max_new_tokens", "batch_size", "gradient_accumulation_steps",
                                    "grpo_group_size"))
@@ -53,8 +51,9 @@ class GradeConfig:
         check_positive("lora_alpha", self.lora_alpha)
         if not isinstance(self.lora_target_modules, str):
             check_strings("lora_target_modules", self.lora_target_modules)
-        if not isinstance(self.activation_checkpointing, bool):
-            raise TypeError(f"activation_checkpointing: expected a bool, got {self.activation_checkpointing!r}")
+        for name in ("straight_through", "activation_checkpointing"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
 
     def check_grpo_group(self) -> None:
         """What the GRPO baseline needs: groups of ``grpo_group_size`` >= 2 completions filling each microbatch."""
@@ -65,10 +64,6 @@ class GradeConfig:
     @classmethod
     def from_dict(cls, values: dict) -> GradeConfig:
         return dataclass_from_dict(cls, values)
-
-    @property
-    def hard(self) -> bool:
-        return self.method == "ste"
 
     def tau_at(self, step: int) -> float:
         """Geometric annealing: tau_start * (tau_end / tau_start) ** min(step / tau_anneal_steps, 1)."""

@@ -150,7 +150,7 @@ class GumbelTrainer(_GradeTrainer):
 
     def rollout(self, prompt, noise, tau):
         return dense_rollout(self.policy, self.reference, prompt, noise, steps=self.config.max_new_tokens, tau=tau,
-                             hard=self.config.hard)
+                             hard=self.config.straight_through)
 
 
 class GumbelTrainerMemoryEfficient(_GradeTrainer):
@@ -164,5 +164,5 @@ class GumbelTrainerMemoryEfficient(_GradeTrainer):
     def rollout(self, prompt, noise, tau):
         config = self.config
         return sparse_rollout(self.policy, self.reference, prompt, noise, steps=config.max_new_tokens,
-                              k=config.gumbel_topk, tau=tau, hard=config.hard,
+                              k=config.gumbel_topk, tau=tau, hard=config.straight_through,
                               checkpointing=config.activation_checkpointing)

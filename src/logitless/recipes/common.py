@@ -4,7 +4,6 @@ command's course (options -> checks before any model -> training -> one-line err
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import socket
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from logitless._checks import check_choice, check_positive_int, dataclass_from_d
 from logitless.checkpoint import checkpoint_step, last_complete_checkpoint
 from logitless.models import EMBEDDED_DEFAULT, EMBEDDED_MODELS, load_model_and_tokenizer
 from logitless.nonfinite import POLICIES, NonFiniteError
-from logitless.recipes.options import config_from_args, option_error
+from logitless.recipes.options import config_from_args, option_error, option_fields
 
 # Options that steer the run, not its result: never compared on resume.
 RUN_CONTROL_HELP = {
@@ -47,6 +46,8 @@ class RecipeConfig:
     save_total_limit: int | None = None
 
     CHOICES = {"on_nonfinite": POLICIES}  # options with a fixed set of values, shown in the usage line
+    METAVARS = {"allow_changed": "OPTION"}  # what an option's value is called in --help (default: FIELD_NAME)
+    MODEL_OPTIONS = ("model",)  # options naming a model that training loads: errors that name them are the user's
 
     def __post_init__(self):
         check_model_name("model", self.model)
@@ -150,9 +151,10 @@ def load_model(field: str, name: str, seed: int):
 def run_recipe(command: str, args: argparse.Namespace, config_class, prepare, train):
     """(plan, history) of ``train(prepare(config))`` for ``logitless COMMAND``, where ``prepare`` makes every
     check that needs no model. Bad options, data, output directories and models, and a non-finite
-    step, end the command with one line that names the option (or says what stopped)."""
+    step, end the command with one line that names the option (or says what stopped): at training, the
+    errors of models that cannot be loaded or do not fit, which name one of the config's ``MODEL_OPTIONS``."""
     config = config_from_args(config_class, args)
-    names = [field.name for field in dataclasses.fields(config_class)]
+    names = option_fields(config_class, args)
     try:
         plan = prepare(config)
     except (TypeError, ValueError) as err:
@@ -161,8 +163,8 @@ def run_recipe(command: str, args: argparse.Namespace, config_class, prepare, tr
         return plan, train(plan)
     except NonFiniteError as err:
         raise SystemExit(f"logitless {command}: {err}") from None
-    except ValueError as err:  # from `load_model`; any other is a bug, with its traceback
-        if str(err).startswith(("model: ", "judge: ")):
+    except ValueError as err:  # any other is a bug, with its traceback
+        if str(err).partition(": ")[0] in config_class.MODEL_OPTIONS:
             raise option_error(err, names) from None
         raise
 

@@ -23,22 +23,23 @@ import copy
 import dataclasses
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from logitless._checks import check_choice, check_positive_int, check_positive_ints, check_strings
-from logitless.grade.config import GradeConfig
-from logitless.nonfinite import POLICIES
+from logitless._checks import check_choice, check_positive_ints, check_strings, dataclass_from_dict
+from logitless.grade import GradeConfig, GRPOBaseline, GumbelTrainer, GumbelTrainerMemoryEfficient
 from logitless.recipes import interrupts
-from logitless.recipes.common import (RUN_CONTROL_HELP, announce_start, check_model_name, check_model_source,
-                                      field_names, load_model, resume_checkpoint)
-from logitless.recipes.options import load_config, option, option_error, with_default
+from logitless.recipes.common import (RUN_CONTROL_HELP, RecipeConfig, announce_start, check_model_name,
+                                      check_model_source, load_model, resume_checkpoint, run_recipe)
+from logitless.recipes.options import add_config_parser
 from logitless.rundir import RunDirectory, file_identity, write_text_atomically
 
-# method -> (trainer class name in logitless.grade, GradeConfig.method)
-METHODS = {"gumbel": ("GumbelTrainerMemoryEfficient", "gumbel"), "ste": ("GumbelTrainerMemoryEfficient", "ste"),
-           "gumbel_legacy": ("GumbelTrainer", "gumbel"), "ste_legacy": ("GumbelTrainer", "ste"),
-           "grpo": ("GRPOBaseline", "gumbel")}
+# method -> (its trainer, the GradeConfig settings it fixes)
+METHODS = {"gumbel": (GumbelTrainerMemoryEfficient, {"straight_through": False}),
+           "ste": (GumbelTrainerMemoryEfficient, {"straight_through": True}),
+           "gumbel_legacy": (GumbelTrainer, {"straight_through": False}),
+           "ste_legacy": (GumbelTrainer, {"straight_through": True}),
+           "grpo": (GRPOBaseline, {})}
 REWARDS = ("capitalized", "words", "token", "classifier", "judge")
 DEFAULT_PROMPTS = ["Once upon a time", "The weather today is", "My favourite food is", "Yesterday I went to",
                    "The best way to learn is", "In the morning", "A good friend", "The city at night",
@@ -49,12 +50,14 @@ EVAL_PROMPTS = ["Last summer we", "The library opens", "My brother said", "On th
 
 
 @dataclass
-class GradeRunConfig:
-    method: str = "gumbel"  # gumbel | ste | gumbel_legacy | ste_legacy | grpo | all
-    model: str = "tiny-qwen2"  # hub id, local directory, or the embedded default
-    reward: str = "capitalized"  # capitalized | words | token | classifier | judge
-    reward_model: str | None = None  # token/judge: a causal LM (default: a frozen copy of the initial policy); classifier: required
-    reward_words: list[str] = field(default_factory=lambda: [" good", " great"])  # reward "words"
+class GradeRunConfig(RecipeConfig, GradeConfig):
+    """`logitless grade`'s options, one flat set of names: the run's (RecipeConfig's and those below) and the
+    trainers' settings (GradeConfig's, the same for every method; ``straight_through`` is the method's)."""
+
+    method: str = "gumbel"  # a key of METHODS, or "all": every one in turn
+    reward: str = "capitalized"  # one of REWARDS
+    reward_model: str | None = None  # token, judge: a causal LM (None: a copy of the initial policy); classifier
+    reward_words: tuple[str, ...] = (" good", " great")  # reward "words"
     reward_token: str = " yes"  # reward "token": its log-probability after the completion ...
     reward_suffix: str = "\nIs this a good answer?"  # ... and this text
     data: str | None = None  # jsonl of {"prompt": ...} (judge: question/choices/answer); None: built-in prompts
@@ -63,39 +66,30 @@ class GradeRunConfig:
     output_dir: str = "runs/grade"
     steps: int = 20
     save_every: int = 10
-    resume: bool = True
-    overwrite: bool = False  # write into a non-empty directory no logitless run claimed
-    allow_changed: tuple[str, ...] = ()  # options a resume may change (recorded in the run directory)
-    save_total_limit: int | None = None  # checkpoints kept per method (None: every one)
-    grade: GradeConfig = field(default_factory=GradeConfig)
+
+    CHOICES = {**RecipeConfig.CHOICES, "method": (*METHODS, "all"), "reward": REWARDS}
+    METAVARS = {**RecipeConfig.METAVARS, "reward_words": "WORD"}
+    MODEL_OPTIONS = ("model", "reward_model")
 
     def __post_init__(self):
+        RecipeConfig.__post_init__(self)
+        GradeConfig.__post_init__(self)
         check_choice("method", self.method, (*METHODS, "all"))
         check_choice("reward", self.reward, REWARDS)
         check_positive_ints(self, ("steps", "save_every"))
         if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
             raise ValueError(f"eval_every: expected an int >= 0 (0: no evaluation), got {self.eval_every!r}")
-        check_strings("reward_words", self.reward_words)
-        check_model_name("model", self.model)
+        self.reward_words = tuple(check_strings("reward_words", self.reward_words))
         if self.reward_model is not None:
             check_model_name("reward_model", self.reward_model)
-        self.allow_changed = field_names("allow_changed", self.allow_changed)
-        if self.save_total_limit is not None:
-            check_positive_int("save_total_limit", self.save_total_limit)
         if self.reward == "classifier" and not self.reward_model:
             raise ValueError("reward_model: a sequence classifier (hub id or directory) is required for reward "
                              "'classifier'")
 
     @classmethod
     def from_dict(cls, values: dict) -> GradeRunConfig:
-        """Flat keys: GradeRunConfig's own fields and GradeConfig's (``method`` is the run's)."""
-        own = {f.name for f in dataclasses.fields(cls)} - {"grade"}
-        grade_fields = {f.name for f in dataclasses.fields(GradeConfig)} - {"method"}
-        unknown = sorted(set(values) - own - grade_fields)
-        if unknown:
-            raise ValueError(f"config: unknown key(s) {unknown}; known: {sorted(own | grade_fields)}")
-        grade = GradeConfig(**{k: v for k, v in values.items() if k in grade_fields})
-        run = cls(**{k: v for k, v in values.items() if k in own}, grade=grade)
+        """The config of these options by field name; an option this run would not use is refused."""
+        run = dataclass_from_dict(cls, values)
         run.refuse_unused(values)
         return run
 
@@ -103,12 +97,19 @@ class GradeRunConfig:
     def methods(self) -> list[str]:
         return list(METHODS) if self.method == "all" else [self.method]
 
+    def trainer_config(self, method: str) -> GradeConfig:
+        """The settings of ``method``'s trainer: this run's, and those the method fixes."""
+        settings = {field.name: getattr(self, field.name) for field in dataclasses.fields(GradeConfig)}
+        return GradeConfig(**{**settings, **METHODS[method][1]})
+
     def refuse_unused(self, given) -> None:
         """A ValueError naming the first option in ``given`` that this run would not use (it would do nothing)."""
-        methods, lora = set(self.methods), self.grade.lora_rank > 0
+        methods, lora = set(self.methods), self.lora_rank > 0
         words, token = ("used with --reward words only", "pass --reward words"), ("used with --reward token only",
                                                                                  "pass --reward token")
         unused = {  # option -> (why it does nothing here, what would make it count), for this run only
+            "straight_through": ("each --method fixes it: ste and ste_legacy are straight-through",
+                                 "pass --method ste"),
             "reward_words": self.reward != "words" and words,
             "reward_token": self.reward != "token" and token,
             "reward_suffix": self.reward != "token" and token,
@@ -127,13 +128,6 @@ class GradeRunConfig:
                 why, hint = unused[name]
                 raise ValueError(f"{name}: has no effect on this run ({why}); leave it out, or {hint}")
 
-    def recorded_options(self) -> dict:
-        """Every option by its flat name, as the run directory records and compares them."""
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "grade"}
-        values.update((f.name, getattr(self.grade, f.name)) for f in dataclasses.fields(GradeConfig) if f.name != "method")
-        values["data"] = file_identity(self.data)
-        return json.loads(json.dumps(values))
-
 
 # Options that change a method's trained weights: a resume refuses a change unless allowed. Not among them:
 # method (each has its own directory), steps (the learning rate is constant and tau follows its own
@@ -143,13 +137,21 @@ STEERING_OPTIONS = ("method", "output_dir", "steps", "save_every", "resume", "ov
 FIXED_OPTIONS = ("model",)  # a resume continues the checkpoint's weights: a new model cannot take effect
 
 
+def _recorded_options(run: GradeRunConfig) -> dict:
+    """Every option by name, as the run directory records and compares them (``straight_through`` is the
+    method's, not an option)."""
+    options = {**dataclasses.asdict(run), "data": file_identity(run.data)}
+    del options["straight_through"]
+    return json.loads(json.dumps(options))
+
+
 def claim_run_directory(run: GradeRunConfig, methods: list[str]) -> dict[str, Path | None]:
     """Claim OUTPUT_DIR, find each method's checkpoint to resume from (None: it starts at step 0) and record
     this run's options (refusing changed ones on a resume): before any model loads."""
     directory = RunDirectory.claim(run.output_dir, "grade", outputs=(*METHODS, "reward_by_method.png"),
                                    overwrite=run.overwrite)
     checkpoints = {method: resume_checkpoint("grade", directory.path / method, run) for method in methods}
-    options = run.recorded_options()
+    options = _recorded_options(run)
     directory.start(options, resume=any(checkpoints.values()),
                     result_options=[n for n in options if n not in STEERING_OPTIONS],
                     fixed_options=FIXED_OPTIONS, allow_changed=run.allow_changed)
@@ -163,9 +165,9 @@ def check_methods(run: GradeRunConfig, methods: list[str]) -> None:
     from logitless.ops.gumbel import check_topk
 
     if "grpo" in methods:
-        run.grade.check_grpo_group()
+        run.check_grpo_group()
     if {"gumbel", "ste"} & set(methods):
-        check_topk(run.grade.gumbel_topk, model_vocab_size(run.model), "gumbel_topk")
+        check_topk(run.gumbel_topk, model_vocab_size(run.model), "gumbel_topk")
     if run.reward in ("words", "token"):
         tokenizer = load_tokenizer(run.model)
         if run.reward == "words":
@@ -187,7 +189,7 @@ def load_prompts(run: GradeRunConfig) -> list[dict]:
     if run.data is not None:
         return _read_prompts(run, "data")
     if run.reward == "judge":
-        return synthetic_multichoice(count=64, seed=run.grade.seed)
+        return synthetic_multichoice(count=64, seed=run.seed)
     return [{"prompt": text} for text in DEFAULT_PROMPTS]
 
 
@@ -202,7 +204,7 @@ def load_held_out_prompts(run: GradeRunConfig, training: list[dict]) -> list[dic
         return []
     if run.reward == "judge":  # another seed's draw, without the training questions
         trained = {record["question"] for record in training}
-        return [record for record in synthetic_multichoice(count=64, seed=run.grade.seed + 1)
+        return [record for record in synthetic_multichoice(count=64, seed=run.seed + 1)
                 if record["question"] not in trained][:16]
     return [{"prompt": text} for text in EVAL_PROMPTS]
 
@@ -250,46 +252,43 @@ def build_reward(run: GradeRunConfig, tokenizer, initial_policy):
 class GradePlan:
     """What `prepare_grade` checked and claimed, before any model is loaded."""
 
-    methods: list[str]
+    config: GradeRunConfig
     records: list[dict]  # training prompts
     eval_records: list[dict]  # held-out prompts ([]: no evaluation)
     checkpoints: dict[str, Path | None]  # each method's checkpoint to resume from
 
 
-def run_method(run: GradeRunConfig, method: str, plan: GradePlan, *, progress: bool = True) -> list[dict]:
-    """Train one method for ``run.steps`` optimizer steps, from its checkpoint in ``plan`` if any; returns the
-    metric rows (the trainer's, and ``val/reward_mean``: the held-out score at evaluation steps, else None).
-    ``run.output_dir`` must be claimed."""
+def run_method(plan: GradePlan, method: str, *, progress: bool = True) -> list[dict]:
+    """Train one method for ``steps`` optimizer steps, from its checkpoint in ``plan`` if any; returns the
+    metric rows (the trainer's, and ``val/reward_mean``: the held-out score at evaluation steps, else None)."""
     from tqdm.auto import tqdm
     from transformers.utils import logging as hf_logging
 
-    from logitless import grade
     from logitless.checkpoint import load_checkpoint_state, save_checkpoint
     from logitless.grade.lora import load_adapter
 
     hf_logging.disable_progress_bar()
-    directory, checkpoint = Path(run.output_dir) / method, plan.checkpoints.get(method)
-    seed = run.grade.seed
-    reference, tokenizer = load_model("model", run.model, seed)
-    lora = run.grade.lora_rank > 0  # a LoRA checkpoint holds the adapters only: loaded after wrapping
-    policy = (load_model("model", str(checkpoint), seed)[0] if checkpoint is not None and not lora
+    run = plan.config
+    directory, checkpoint = Path(run.output_dir) / method, plan.checkpoints[method]
+    reference, tokenizer = load_model("model", run.model, run.seed)
+    lora = run.lora_rank > 0  # a LoRA checkpoint holds the adapters only: loaded after wrapping
+    policy = (load_model("model", str(checkpoint), run.seed)[0] if checkpoint is not None and not lora
               else copy.deepcopy(reference))
-    trainer_name, grade_method = METHODS[method]
-    trainer = getattr(grade, trainer_name)(policy, build_reward(run, tokenizer, reference),
-                                           dataclasses.replace(run.grade, method=grade_method), tokenizer=tokenizer,
-                                           reference=reference)
+    trainer_class, _ = METHODS[method]
+    trainer = trainer_class(policy, build_reward(run, tokenizer, reference), run.trainer_config(method),
+                            tokenizer=tokenizer, reference=reference)
     history: list[dict] = []
     if checkpoint is not None:
         state = load_checkpoint_state(checkpoint, trainer.optimizer)
         for group in trainer.optimizer.param_groups:  # the value now in force (equal, or a change that was allowed)
-            group["lr"] = run.grade.learning_rate
+            group["lr"] = run.learning_rate
         trainer.step, history = state["step"], state["history"]
         if lora:
             load_adapter(trainer.model, checkpoint)
     directory.mkdir(parents=True, exist_ok=True)
     metrics_path = directory / "metrics.jsonl"  # rows past the checkpoint (from a crashed run) are dropped
     write_text_atomically(metrics_path, "".join(json.dumps(row) + "\n" for row in history))
-    per_step = run.grade.batch_size * run.grade.gradient_accumulation_steps
+    per_step = run.batch_size * run.gradient_accumulation_steps
     reward_name = getattr(trainer.reward, "description", run.reward)
     announce_start("grade", checkpoint, run.steps)
     interrupts.track(f"logitless grade ({method})", directory, trainer.step, run.steps)
@@ -297,10 +296,10 @@ def run_method(run: GradeRunConfig, method: str, plan: GradePlan, *, progress: b
                unit="step", disable=not progress)
     with metrics_path.open("a") as metrics_file:
         for step in bar:
-            row = trainer.train_step(step_prompts(plan.records, per_step, seed, step))
+            row = trainer.train_step(step_prompts(plan.records, per_step, run.seed, step))
             evaluated = plan.eval_records and run.eval_every and (
                 trainer.step % run.eval_every == 0 or trainer.step == run.steps)
-            row[VALIDATION] = trainer.evaluate(plan.eval_records, seed=seed) if evaluated else None
+            row[VALIDATION] = trainer.evaluate(plan.eval_records, seed=run.seed) if evaluated else None
             history.append(row)
             metrics_file.write(json.dumps(row) + "\n")
             metrics_file.flush()
@@ -337,23 +336,24 @@ def _plot_method(directory: Path, method: str, reward: str, history: list[dict])
 def prepare_grade(run: GradeRunConfig) -> GradePlan:
     """Every check of every method that needs no model weights, and the run directory claimed. Raises
     ValueError naming the option at fault."""
-    methods = run.methods
     records = load_prompts(run)
     eval_records = load_held_out_prompts(run, records)
     check_model_source("model", run.model)
     if run.reward_model is not None:
         check_model_source("reward_model", run.reward_model)
-    check_methods(run, methods)
-    return GradePlan(methods, records, eval_records, claim_run_directory(run, methods))
+    check_methods(run, run.methods)
+    return GradePlan(run, records, eval_records, claim_run_directory(run, run.methods))
 
 
-def train_grade(run: GradeRunConfig, plan: GradePlan, *, progress: bool = True) -> dict[str, list[dict]]:
-    """Every method of ``plan`` in turn; with several, the plots of every method's reward (and held-out
-    score) side by side in OUTPUT_DIR."""
+def train_grade(config: GradeRunConfig | GradePlan, *, progress: bool = True) -> dict[str, list[dict]]:
+    """Train ``method`` (every method in turn for "all"); returns each method's metric rows. With several,
+    the plots of every method's reward (and held-out score) side by side in OUTPUT_DIR."""
     from logitless.plots import plot_curves
 
-    histories = {method: run_method(run, method, plan, progress=progress) for method in plan.methods}
-    if len(plan.methods) > 1:
+    plan = config if isinstance(config, GradePlan) else prepare_grade(config)
+    run = plan.config
+    histories = {method: run_method(plan, method, progress=progress) for method in run.methods}
+    if len(histories) > 1:
         plot_curves({m: [row["reward"] for row in h] for m, h in histories.items()},
                     Path(run.output_dir) / "reward_by_method.png",
                     title="reward per step (gumbel, gumbel_legacy: of the soft samples)", ylabel="mean reward")
@@ -364,110 +364,63 @@ def train_grade(run: GradeRunConfig, plan: GradePlan, *, progress: bool = True) 
     return histories
 
 
-def run_grade(run: GradeRunConfig, *, progress: bool = True) -> dict[str, list[dict]]:
-    """Run ``run.method`` (or every method for "all"); returns each method's metric rows."""
-    return train_grade(run, prepare_grade(run), progress=progress)
+# -- the `logitless grade` command -----------------------------------------------------------------
 
-
-# ---- command line ------------------------------------------------------------------------------------------
-
-_RUN_OPTIONS = {  # option -> (type or choices, help); defaults come from the dataclasses
-    "model": (str, "hub id, local model directory, or 'tiny-qwen2'"),
-    "reward": (REWARDS, "what the rollouts are rewarded for: capitalized words, the --reward-words, the "
-                        "log-probability of --reward-token under --reward-model, a sequence classifier's score, or a "
-                        "multiple-choice judge"),
-    "reward_model": (str, "reward token or judge: a causal LM (default: a frozen copy of the initial policy); "
-                          "reward classifier: a sequence classifier, required"),
-    "reward_token": (str, "reward token: the token whose log-probability is the reward"),
-    "reward_suffix": (str, "reward token: text appended after the completion"),
-    "data": (str, "jsonl with a 'prompt' per line (reward judge: question/choices/answer) (default: built-in "
-                  "prompts)"),
-    "eval_data": (str, "held-out prompts, as --data; scored with ordinary sampled completions and the same reward "
-                       "(default: built-in held-out prompts, or none when --data is a file)"),
-    "eval_every": (int, "steps between held-out evaluations, logged as val/reward_mean (and one at the end); 0: "
-                        "none"),
-    "output_dir": (str, "each method writes OUTPUT_DIR/METHOD"),
-    "steps": (int, "optimizer steps (a resume continues up to this number)"),
-    "save_every": (int, "write a checkpoint-STEP every this many steps (and at the end)"),
-    "save_total_limit": (int, RUN_CONTROL_HELP["save_total_limit"].replace("checkpoint-STEP", "checkpoint-STEP per "
-                                                                           "method")),
-}
-_GRADE_OPTIONS = {
-    "gumbel_topk": (int, "tokens kept per step by the memory-efficient methods gumbel and ste (at most the "
-                         "vocabulary size)"),
-    "tau_start": (float, "Gumbel-softmax temperature at step 0"),
-    "tau_end": (float, "temperature reached after tau_anneal_steps (geometric annealing)"),
-    "tau_anneal_steps": (int, "steps to anneal tau over"),
-    "max_new_tokens": (int, "tokens per rollout"),
-    "batch_size": (int, "rollouts per microbatch"),
-    "gradient_accumulation_steps": (int, "microbatches per optimizer step"),
-    "kl_coef": (float, "weight of KL(policy || reference) in the loss"),
-    "learning_rate": (float, "AdamW learning rate"),
-    "max_grad_norm": (float, "gradient clipping norm"),
-    "grpo_group_size": (int, "method grpo: completions per prompt (at least 2, dividing --batch-size)"),
-    "lora_rank": (int, "> 0: train LoRA adapters of this rank (needs peft) instead of every weight; 0: off"),
-    "lora_alpha": (float, "LoRA scaling alpha"),
-    "seed": (int, "seed of the model, the prompts and the Gumbel noise"),
-    "on_nonfinite": (POLICIES, RUN_CONTROL_HELP["on_nonfinite"]),
+HELP = {
+    "method": "the trainer: gumbel or ste (memory-efficient, soft or straight-through tokens), their legacy dense "
+              "versions, the GRPO baseline, or all five one after another",
+    "model": "hub id, local model directory, or 'tiny-qwen2'",
+    "reward": "what the rollouts are rewarded for: capitalized words, the --reward-words, the log-probability of "
+              "--reward-token under --reward-model, a sequence classifier's score, or a multiple-choice judge",
+    "reward_model": "reward token or judge: a causal LM (default: a frozen copy of the initial policy); reward "
+                    "classifier: a sequence classifier, required",
+    "reward_words": "reward words: single-token words",
+    "reward_token": "reward token: the token whose log-probability is the reward",
+    "reward_suffix": "reward token: text appended after the completion",
+    "data": "jsonl with a 'prompt' per line (reward judge: question/choices/answer) (default: built-in prompts)",
+    "eval_data": "held-out prompts, as --data; scored with ordinary sampled completions and the same reward "
+                 "(default: built-in held-out prompts, or none when --data is a file)",
+    "eval_every": "steps between held-out evaluations, logged as val/reward_mean (and one at the end); 0: none",
+    "output_dir": "each method writes OUTPUT_DIR/METHOD",
+    "steps": "optimizer steps (a resume continues up to this number)",
+    "save_every": "write a checkpoint-STEP every this many steps (and at the end)",
+    "gumbel_topk": "tokens kept per step by the memory-efficient methods gumbel and ste (at most the vocabulary "
+                   "size)",
+    "tau_start": "Gumbel-softmax temperature at step 0",
+    "tau_end": "temperature reached after tau_anneal_steps (geometric annealing)",
+    "tau_anneal_steps": "steps to anneal tau over",
+    "max_new_tokens": "tokens per rollout",
+    "batch_size": "rollouts per microbatch",
+    "gradient_accumulation_steps": "microbatches per optimizer step",
+    "kl_coef": "weight of KL(policy || reference) in the loss",
+    "learning_rate": "AdamW learning rate",
+    "max_grad_norm": "gradient clipping norm",
+    "grpo_group_size": "method grpo: completions per prompt (at least 2, dividing --batch-size)",
+    "lora_rank": "> 0: train LoRA adapters of this rank (needs peft) instead of every weight; 0: off",
+    "lora_alpha": "LoRA scaling alpha",
+    "activation_checkpointing": "keep each decode step's activations instead of recomputing them (default: "
+                                "checkpointing on)",
+    "seed": "seed of the model, the prompts and the Gumbel noise",
+    **RUN_CONTROL_HELP,
+    "resume": "start over: every method's earlier outputs in OUTPUT_DIR are replaced (default: resume each method "
+              "from its checkpoint)",
+    "save_total_limit": RUN_CONTROL_HELP["save_total_limit"].replace("checkpoint-STEP", "checkpoint-STEP per method"),
 }
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``logitless grade`` on the CLI's subparsers."""
-    run_defaults, grade_defaults = GradeRunConfig(), GradeConfig()
-    summary = ("GRADE: backprop a differentiable reward through Gumbel-softmax rollouts (and the GRPO baseline), "
-               "resumable from --output-dir")
-    parser = subparsers.add_parser("grade", help=summary, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--method", choices=(*METHODS, "all"),
-                        help=with_default("the trainer: gumbel or ste (memory-efficient, soft or straight-through "
-                                           "tokens), their legacy dense versions, the GRPO baseline, or all five one "
-                                           "after another", run_defaults.method))
-    parser.add_argument("--config", metavar="FILE.yaml",
-                        help="YAML file of these options by field name, e.g. 'learning_rate: 1e-3'; options given "
-                             "on the command line win (default: none)")
-    for options, defaults in ((_RUN_OPTIONS, run_defaults), (_GRADE_OPTIONS, grade_defaults)):
-        for name, (kind, text) in options.items():
-            typed = dict(choices=kind) if isinstance(kind, tuple) else dict(type=kind, metavar=name.upper())
-            parser.add_argument(option(name), dest=name, help=with_default(text, getattr(defaults, name)), **typed)
-    parser.add_argument("--reward-words", dest="reward_words", nargs="+", metavar="WORD",
-                        help=with_default("reward words: single-token words", run_defaults.reward_words))
-    parser.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_const",
-                        const=False, help="keep each decode step's activations instead of recomputing them "
-                                          "(default: checkpointing on)")
-    parser.add_argument("--no-resume", dest="resume", action="store_const", const=False,
-                        help="start over: every method's earlier outputs in OUTPUT_DIR are replaced (default: resume "
-                             "each method from its checkpoint)")
-    parser.add_argument("--overwrite", action="store_const", const=True, help=RUN_CONTROL_HELP["overwrite"])
-    parser.add_argument("--allow-changed", dest="allow_changed", nargs="+", metavar="OPTION",
-                        help=RUN_CONTROL_HELP["allow_changed"])
-    parser.set_defaults(handler=main)
-    return parser
+def add_parser(subcommands) -> argparse.ArgumentParser:
+    return add_config_parser(subcommands, "grade", "GRADE: backprop a differentiable reward through Gumbel-softmax "
+                             "rollouts (and the GRPO baseline), resumable from --output-dir", GradeRunConfig, HELP,
+                             run_command, __doc__.split("\n\n")[0])
 
 
-def main(args: argparse.Namespace) -> int:
-    from logitless.nonfinite import NonFiniteError
-
-    names = ("method", *_RUN_OPTIONS, *_GRADE_OPTIONS, "reward_words", "activation_checkpointing", "resume",
-             "overwrite", "allow_changed")
-    overrides = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
-    try:
-        run = GradeRunConfig.from_dict({**load_config(args.config), **overrides})
-        plan = prepare_grade(run)
-    except (TypeError, ValueError) as err:
-        raise option_error(err, ["config", *names]) from None
-    try:
-        histories = train_grade(run, plan)
-    except NonFiniteError as err:
-        raise SystemExit(f"logitless grade: {err}") from None
-    except ValueError as err:  # a model that cannot be loaded (`load_model`); any other is a bug, with its traceback
-        if str(err).startswith(("model: ", "reward_model: ")):
-            raise option_error(err, names) from None
-        raise
+def run_command(args: argparse.Namespace) -> int:
+    plan, histories = run_recipe("grade", args, GradeRunConfig, prepare_grade, train_grade)
+    output_dir, several = Path(plan.config.output_dir), len(histories) > 1
     print(summary_table(histories))
-    method_dir = Path(run.output_dir) / (plan.methods[0] if len(plan.methods) == 1 else "METHOD")
-    print(f"{method_dir}/: metrics.jsonl, reward.png, kl.png"
-          + (f"; every method: {Path(run.output_dir)}/reward_by_method.png" if len(histories) > 1 else "")
-          + (", val_reward_by_method.png" if len(histories) > 1 and plan.eval_records and run.eval_every else ""))
+    print(f"{output_dir / (plan.config.method if not several else 'METHOD')}/: metrics.jsonl, reward.png, kl.png"
+          + (f"; every method: {output_dir}/reward_by_method.png" if several else "")
+          + (", val_reward_by_method.png" if several and plan.eval_records and plan.config.eval_every else ""))
     return 0
 
 

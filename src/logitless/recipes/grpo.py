@@ -64,6 +64,7 @@ class MultichoiceGRPOConfig(RecipeConfig):
     save_every: int = 2
 
     CHOICES = {**RecipeConfig.CHOICES, "loss_type": LOSS_TYPES}
+    MODEL_OPTIONS = ("model", "judge")
 
     def __post_init__(self):
         super().__post_init__()

@@ -2,8 +2,10 @@
 
 A recipe lists the fields a user may set with a help text (``HELP``); `add_config_options` turns each
 into ``--field-name`` whose help ends with the dataclass default (and whose usage lists the values of a
-field in the config class's ``CHOICES``), plus ``--config FILE.yaml`` taking the same fields by name. `config_from_args` merges the two (the command line wins) and builds the config;
-every problem becomes a one-line ``SystemExit`` that starts with the option at fault (`option_error`).
+field in the config class's ``CHOICES``, or names its value as the class's ``METAVARS`` say), plus
+``--config FILE.yaml`` taking the same fields by name. `config_from_args` merges the two (the command
+line wins) and builds the config; every problem becomes a one-line ``SystemExit`` that starts with the
+option at fault (`option_error`).
 """
 
 from __future__ import annotations
@@ -33,14 +35,21 @@ def option(name: str) -> str:
 def option_error(err: Exception, names) -> SystemExit:
     """A one-line SystemExit for a ValueError/TypeError whose message starts with ``field: ``: the field is
     spelled as its option when it is one of ``names``, and so are the other fields of ``names`` with an
-    underscore that the message mentions ("must divide batch_size 2" -> "must divide --batch-size 2")."""
+    underscore that the message mentions ("must divide batch_size 2" -> "must divide --batch-size 2"), except
+    in an error of ``config`` (a --config file), which names its keys as the file spells them."""
     name, separator, message = str(err).partition(": ")
     if not (separator and name in set(names)):
         return SystemExit(str(err))
-    for other in names:
+    for other in names if name != "config" else ():
         if "_" in other:
             message = re.sub(rf"(?<![\w-]){other}(?!\w)", option(other), message)
     return SystemExit(f"{option(name)}: {message}")
+
+
+def option_fields(config_class, args: argparse.Namespace) -> list[str]:
+    """The fields of ``config_class`` that are options of the command ``args`` was parsed for; errors spell
+    them as options (a field only a --config file sets keeps its name)."""
+    return [field.name for field in dataclasses.fields(config_class) if hasattr(args, field.name)]
 
 
 def load_config(path: str | None) -> dict:
@@ -76,6 +85,7 @@ def add_config_options(parser: argparse.ArgumentParser, config_class, helps: dic
                              "on the command line win (default: none)")
     fields = {field.name: field for field in dataclasses.fields(config_class)}
     choices = getattr(config_class, "CHOICES", {})  # field -> its values, shown in the usage line
+    metavars = getattr(config_class, "METAVARS", {})  # field -> its value's name in --help
     for name in helps:  # in the order of ``helps``
         field = fields[name]
         default = field.default_factory() if field.default is dataclasses.MISSING else field.default
@@ -85,12 +95,14 @@ def add_config_options(parser: argparse.ArgumentParser, config_class, helps: dic
             parser.add_argument(flag, dest=field.name, action="store_const", const=not default, default=None,
                                 help=text)
         elif field.type.startswith("tuple"):
-            parser.add_argument(option(field.name), dest=field.name, nargs="+", metavar="OPTION", help=text)
+            parser.add_argument(option(field.name), dest=field.name, nargs="+",
+                                metavar=metavars.get(field.name, field.name.upper()), help=text)
         elif field.name in choices:
             parser.add_argument(option(field.name), dest=field.name, choices=choices[field.name], help=text)
         else:
             kind = {"int": int, "float": float}.get(field.type.split(" |")[0], str)
-            parser.add_argument(option(field.name), dest=field.name, type=kind, metavar=field.name.upper(), help=text)
+            parser.add_argument(option(field.name), dest=field.name, type=kind,
+                                metavar=metavars.get(field.name, field.name.upper()), help=text)
 
 
 def add_config_parser(subcommands, name: str, summary: str, config_class, helps: dict[str, str], handler,
@@ -107,9 +119,7 @@ def config_from_args(config_class, args: argparse.Namespace):
     names = [field.name for field in dataclasses.fields(config_class)]
     values = load_config(args.config)
     given = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
-    if "allow_changed" in given:
-        given["allow_changed"] = tuple(given["allow_changed"])
     try:
         return config_class.from_dict({**values, **given})
     except (TypeError, ValueError) as err:
-        raise option_error(err, ["config", *names]) from None  # config: its unknown keys
+        raise option_error(err, ["config", *option_fields(config_class, args)]) from None  # config: its unknown keys

@@ -1,9 +1,8 @@
 """`logitless sft`: supervised fine-tuning on (prompt, response) pairs, logit-free, resumable, crash-safe.
 
-Each optimizer step takes ``gradient_accumulation_steps`` microbatches; each microbatch is tokenized
-with `tokenize_prompt_and_output`, scored on its response tokens only (`fused_linear_logprobs` with
-the response mask: no (B, T, V) logits, and the prompt's positions never reach the LM head) and
-trained with `sft_microbatch_train_step`.
+Each optimizer step (`logitless.sft.sft_step`) takes ``gradient_accumulation_steps`` microbatches, each
+scored on its response tokens only: no (B, T, V) logits, and the prompt's positions never reach the LM
+head.
 
 Before any model is loaded (`prepare_sft`): the data is read and checked, and the output directory
 is claimed (`logitless.rundir`: never a directory another run or the user filled). A checkpoint
@@ -28,18 +27,14 @@ from tqdm.auto import tqdm
 from logitless._checks import check_finite_numbers, check_positive_ints
 from logitless.checkpoint import (CHECKPOINT_STAGING, checkpoint_step, last_complete_checkpoint, load_checkpoint_state,
                                   save_checkpoint)
-from logitless.data import arithmetic_sft_examples, iterate_batches, load_jsonl, tokenize_prompt_and_output
-from logitless.hf import final_hidden_states, lm_head_of
-from logitless.losses import sft_microbatch_train_step
-from logitless.masked import masked_mean
-from logitless.nonfinite import check_step
-from logitless.ops.fused import head_logprobs
+from logitless.data import arithmetic_sft_examples, iterate_batches, load_jsonl
 from logitless.plots import plot_curve
 from logitless.recipes import interrupts
 from logitless.recipes.common import (NONFINITE_ADVICE, RUN_CONTROL_HELP, RecipeConfig, announce_start,
                                       check_model_source, load_model, resume_checkpoint, run_recipe, skipped_note)
 from logitless.recipes.options import add_config_parser
 from logitless.rundir import RunDirectory, file_identity, write_json_atomically
+from logitless.sft import sft_step
 
 
 @dataclass
@@ -132,13 +127,6 @@ def prepare_sft(config: SFTConfig) -> SFTPlan:
     return SFTPlan(config, examples, run, checkpoint)
 
 
-def _response_log_probs(model, input_ids, labels, response_mask) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p(label), entropy), each (B, T), at the response positions (0 elsewhere), logit-free."""
-    head = lm_head_of(model)
-    hidden = final_hidden_states(model, input_ids)  # (B, T, H)
-    return head_logprobs(head, hidden, labels, return_entropy=True, mask=response_mask)
-
-
 def train_sft(config: SFTConfig | SFTPlan, *, progress: bool = True) -> dict:
     """Run SFT; returns the history {"loss": [...], "entropy": [...], "step", "seconds", "skipped": [...]}."""
     from transformers.utils import logging as hf_logging
@@ -167,25 +155,13 @@ def train_sft(config: SFTConfig | SFTPlan, *, progress: bool = True) -> dict:
     bar = tqdm(range(history["step"], config.steps), initial=history["step"], total=config.steps,
                desc="sft", disable=not progress, unit="step")
     for step in bar:
-        losses, entropies = [], []
-        for _ in range(config.gradient_accumulation_steps):
-            batch = next(batches)
-            tensors = tokenize_prompt_and_output([e["prompt"] for e in batch], [e["response"] for e in batch], tokenizer)
-            mask = tensors["response_mask"]
-            log_probs, entropy = _response_log_probs(model, tensors["input_ids"], tensors["labels"], mask)
-            tokens_per_sequence = float(mask.sum(dim=-1).mean())
-            _, meta = sft_microbatch_train_step(log_probs, mask, config.gradient_accumulation_steps,
-                                                normalize_constant=tokens_per_sequence)
-            losses.append(meta["mean_token_nll"].item())
-            entropies.append(masked_mean(entropy.detach(), mask).item())
-        if check_step(step + 1, model, losses, policy=config.on_nonfinite, advice=NONFINITE_ADVICE):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-            optimizer.step()
-        else:
+        done = sft_step(model, tokenizer, optimizer, [next(batches) for _ in range(config.gradient_accumulation_steps)],
+                        step=step + 1, max_grad_norm=config.max_grad_norm, on_nonfinite=config.on_nonfinite,
+                        advice=NONFINITE_ADVICE)
+        if not done.applied:
             history["skipped"].append(step + 1)
-        optimizer.zero_grad(set_to_none=True)
-        history["loss"].append(sum(losses) / len(losses))
-        history["entropy"].append(sum(entropies) / len(entropies))
+        history["loss"].append(done.loss)
+        history["entropy"].append(done.entropy)
         history["step"] = step + 1
         history["seconds"] = time.perf_counter() - started
         bar.set_postfix(loss=f"{history['loss'][-1]:.3f}", entropy=f"{history['entropy'][-1]:.2f}")

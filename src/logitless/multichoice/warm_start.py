@@ -1,6 +1,6 @@
 """A tiny policy that already answers multiple-choice questions in the form "ANSWER: fourth D".
 
-A short SFT (`logitless.recipes.sft`) of the embedded tiny Qwen2 on synthetic questions
+A short SFT (`logitless.sft.sft_step`) of the embedded tiny Qwen2 on synthetic questions
 (`multichoice.data`), so that GRPO and `logitless bench reward` generate completions with an
 answer letter to read. By default the questions are sums ("What is a + b?"), which the tiny model
 cannot solve in a few dozen steps: it learns the format, not the answers.
@@ -16,16 +16,16 @@ function of that word alone: the sampled ordinal is the decision. With untied em
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import tempfile
+import time
 from pathlib import Path
 
-from logitless.checkpoint import last_complete_checkpoint
-from logitless.models import qwen_tokenizer
-from logitless.multichoice.data import synthetic_multichoice
-from logitless.recipes.sft import SFTConfig, train_sft
+import torch
 
+from logitless.data import iterate_batches
+from logitless.models import load_model_and_tokenizer, save_model_and_tokenizer
+from logitless.multichoice.data import synthetic_multichoice
+from logitless.sft import sft_step
 
 ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth")
 
@@ -51,27 +51,34 @@ def warm_start_policy(output_dir: str | Path, steps: int = 60, seed: int = 0, pr
                       model: str = "tiny-qwen2-untied", kinds: tuple[str, ...] = ("sum",), learning_rate: float = 1e-2,
                       cooldown_steps: int | None = None, batch_size: int = 8,
                       data_file: str | Path | None = None) -> tuple[dict, Path]:
-    """SFT ``model`` on 256 synthetic questions of ``kinds``; returns SFT's history and the checkpoint
-    directory of the warmed-up model (the one checkpoint kept in ``output_dir``).
+    """SFT ``model`` on 256 synthetic questions of ``kinds`` (AdamW, gradients clipped to norm 1) and save it
+    with its tokenizer in ``output_dir``; returns the history {"loss": [...], "entropy": [...], "seconds"} (the
+    seconds of training) and ``output_dir``, which `load_model_and_tokenizer` and every ``--model`` load.
 
     ``steps`` at ``learning_rate``, then ``cooldown_steps`` (default: a tenth of ``steps``) at a tenth of
-    it: a resume that is allowed to change the learning rate. The large steps leave the answer prior
-    swinging with the last few batches' letters; the small ones settle it near uniform (the sums'
-    letters are uniform), so that GRPO starts from an unbiased policy. The training pairs are written
-    to ``data_file`` (kept) or to a temporary file.
+    it. The large steps leave the answer prior swinging with the last few batches' letters; the small ones
+    settle it near uniform (the sums' letters are uniform), so that GRPO starts from an unbiased policy.
+    The training pairs are also written to ``data_file`` when one is given.
     """
+    from tqdm.auto import tqdm
+
     cooldown_steps = steps // 10 if cooldown_steps is None else cooldown_steps
-    pairs = multichoice_sft_pairs(synthetic_multichoice(count=256, seed=seed, kinds=kinds),
-                                  end=qwen_tokenizer().eos_token)
-    with tempfile.TemporaryDirectory() as scratch:
-        data_path = Path(data_file) if data_file is not None else Path(scratch) / "warm_start.jsonl"
-        data_path.write_text("\n".join(json.dumps(pair) for pair in pairs) + "\n")
-        config = SFTConfig(model=model, data=str(data_path), output_dir=str(output_dir), steps=steps, save_every=steps,
-                           seed=seed, learning_rate=learning_rate, batch_size=batch_size, resume=False,
-                           save_total_limit=1)
-        history = train_sft(config, progress=progress)
-        if cooldown_steps:
-            history = train_sft(dataclasses.replace(config, steps=steps + cooldown_steps, save_every=steps + cooldown_steps,
-                                                    learning_rate=learning_rate / 10, resume=True,
-                                                    allow_changed=("learning_rate",)), progress=progress)
-        return history, last_complete_checkpoint(output_dir)[0]
+    torch.manual_seed(seed)
+    policy, tokenizer = load_model_and_tokenizer(model, seed=seed)
+    policy.train()
+    pairs = multichoice_sft_pairs(synthetic_multichoice(count=256, seed=seed, kinds=kinds), end=tokenizer.eos_token)
+    if data_file is not None:
+        Path(data_file).write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=learning_rate, weight_decay=0.0, fused=True)
+    batches = iterate_batches(pairs, batch_size, seed=seed)
+    history = {"loss": [], "entropy": []}
+    started = time.perf_counter()
+    for step in tqdm(range(steps + cooldown_steps), desc="warm start", disable=not progress, unit="step"):
+        if step == steps:
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate / 10
+        done = sft_step(policy, tokenizer, optimizer, [next(batches)], step=step + 1, max_grad_norm=1.0)
+        history["loss"].append(done.loss)
+        history["entropy"].append(done.entropy)
+    history["seconds"] = time.perf_counter() - started
+    return history, save_model_and_tokenizer(policy, tokenizer, output_dir)
