@@ -76,15 +76,10 @@ def test_a_bad_impl_is_named(name):
 
 
 @pytest.mark.skipif(TRITON_RUNS_HERE, reason="triton can run here")
-@pytest.mark.parametrize("name", ["logprobs", "cross_entropy", "grpo"])
+@pytest.mark.parametrize("name", OPS)
 def test_triton_where_it_cannot_run_is_named(name):
     with pytest.raises(ValueError, match="impl: 'triton' needs a CUDA device with triton installed .* got cpu"):
         OPS[name](_tensors(), impl="triton")
-
-
-def test_the_kl_has_no_triton_kernel():
-    with pytest.raises(ValueError, match="impl: 'triton' has no KL kernel"):
-        _kl(_tensors(), impl="triton")
 
 
 @pytest.mark.parametrize("name", OPS)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from logitless.ops import chunks  # noqa: E402
+from logitless.ops import chunks, kl_blocks  # noqa: E402
 from logitless.ops import triton as triton_ops  # noqa: E402
 from logitless.ops.head import LinearHead  # noqa: E402
 
@@ -83,6 +83,75 @@ if INTERPRETED or torch.cuda.is_available():
         got = triton_ops.block_logits_grad(head, block.clone(), 0, targets, lse, expected, coefs, softcap is None)
         assert torch.isfinite(want).all()
         _assert_close(got, want, "block gradient")
+
+    @pytest.mark.parametrize("neg_inf", [False, True])
+    @pytest.mark.parametrize("num_rows,width", SHAPES)
+    def test_kl_update_stats(num_rows, width, neg_inf):
+        blocks_p, _ = _blocks(num_rows, width, 3, neg_inf)
+        blocks_q = [block * 0.5 - 1.0 + torch.randn_like(block) for block in blocks_p]  # -inf where p's are
+        sums = [kl_blocks.KLSums(num_rows, torch.float32, torch.device(DEVICE)) for _ in range(2)]
+        for block_p, block_q in zip(blocks_p, blocks_q):
+            kl_blocks.kl_update_stats(sums[0], block_p.clone(), block_q.clone(), neg_inf)
+            triton_ops.kl_update_stats(sums[1], block_p.clone(), block_q.clone(), neg_inf)
+        for side in ("p", "q"):
+            for name in ("max", "shift", "total"):
+                _assert_close(getattr(getattr(sums[1], side), name), getattr(getattr(sums[0], side), name),
+                              f"{side}.{name}")
+        _assert_close(sums[1].gap, sums[0].gap, "gap")
+        want = torch.distributions.kl_divergence(*(torch.distributions.Categorical(logits=torch.cat(b, 1))
+                                                   for b in (blocks_p, blocks_q)))
+        _assert_close(kl_blocks.kl_stats(sums[1]).kl, want, "kl")
+
+    @pytest.mark.parametrize("softcap", [None, 3.0])
+    @pytest.mark.parametrize("num_rows,width", SHAPES)
+    def test_kl_block_logits_grad(num_rows, width, softcap):
+        (block_p,), _ = _blocks(num_rows, width, 1, neg_inf=softcap is None)
+        block_q = block_p * 0.5 + torch.randn_like(block_p)
+        if softcap is not None:
+            block_p = softcap * torch.tanh(block_p / softcap) / 0.7  # logits of a capped head at temperature 0.7
+        head = LinearHead(torch.zeros(width, 2, device=DEVICE), temperature=0.7, softcap=softcap, scale=1.5)
+        lse_p, lse_q = torch.logsumexp(block_p, 1), torch.logsumexp(block_q, 1)
+        log_p, log_q = block_p - lse_p[:, None], block_q - lse_q[:, None]
+        kl = (log_p.exp() * (log_p - log_q).nan_to_num(nan=0.0)).sum(1)
+        stats = kl_blocks.KLStats(lse_p, lse_q, kl)
+        grad_kl = torch.randn(num_rows, device=DEVICE)
+        want = kl_blocks.kl_block_logits_grad(head, block_p.clone(), block_q.clone(), stats, grad_kl)
+        got = triton_ops.kl_block_logits_grad(head, block_p.clone(), block_q.clone(), stats, grad_kl)
+        assert torch.isfinite(want).all() and (width == 1 or want.abs().max() > 0)  # one column: p = q = 1
+        _assert_close(got, want, "KL block gradient")
+
+    @pytest.mark.parametrize("softcap", [None, 2.0])
+    def test_fused_kl_on_triton_matches_the_pytorch_blocks(softcap):
+        """fused_linear_kl with impl="triton" (both passes on the kernels) against impl="chunked" and the
+        materialized KL: odd shapes (rows not a multiple of the chunk, a prime vocabulary), a -inf bias,
+        different hidden sizes, a mask, a soft cap."""
+        from logitless.ops import BlockSizes, fused_linear_kl
+
+        generator = torch.Generator().manual_seed(7)
+        vocab = 1009
+        hidden_p = (torch.randn(3, 7, 8, generator=generator) * 0.6).to(DEVICE).requires_grad_()
+        weight_p = (torch.randn(vocab, 8, generator=generator) * 0.6).to(DEVICE).requires_grad_()
+        bias_p = torch.randn(vocab, generator=generator).to(DEVICE).requires_grad_()
+        hidden_q = (torch.randn(3, 7, 5, generator=generator) * 0.6).to(DEVICE)
+        weight_q = (torch.randn(vocab, 5, generator=generator) * 0.6).to(DEVICE)
+        bias_q = torch.randn(vocab, generator=generator).to(DEVICE)
+        bias_q[::11] = float("-inf")  # q's padded rows; p never puts mass there only if its bias does too
+        with torch.no_grad():
+            bias_p[::11] = float("-inf")
+        mask = torch.rand(3, 7, generator=generator) > 0.25
+        inputs = (hidden_p, weight_p, bias_p)
+
+        def kl_and_grads(**options):
+            kl = fused_linear_kl(hidden_p, weight_p, hidden_q, weight_q, bias_p=bias_p, bias_q=bias_q,
+                                 temperature=0.8, softcap=softcap, logit_scale=1.3, mask=mask.to(DEVICE), **options)
+            weights = torch.linspace(0.5, 1.5, kl.numel(), device=DEVICE).reshape(kl.shape)
+            return [kl, *torch.autograd.grad((kl * weights).sum(), inputs)]
+
+        got = kl_and_grads(impl="triton", block_sizes=BlockSizes(4, 300))
+        for want in (kl_and_grads(impl="chunked", block_sizes=BlockSizes(4, 300)), kl_and_grads(impl="reference")):
+            for name, g, w in zip(("kl", "grad hidden", "grad weight", "grad bias"), got, want):
+                assert torch.isfinite(w).all(), name
+                torch.testing.assert_close(g.cpu(), w.cpu(), rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
     def test_fused_ops_end_to_end_on_triton(monkeypatch):
         """The fused ops with the Triton kernels forced, several blocks and chunks, against the oracles."""

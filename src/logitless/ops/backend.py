@@ -1,10 +1,11 @@
 """Which implementation of an op runs (``impl``), and for the block engine, which block kernels: Triton or PyTorch.
 
-``impl`` is one of `IMPLS`: "reference" materializes the logits (`ops/reference.py`), "chunked" runs the
-PyTorch block math of `ops/chunks.py`, "triton" the Triton kernels of `ops/triton.py`, and "auto" picks:
-Triton for fp32 block logits on CUDA when triton works, PyTorch everywhere else. ``LOGITLESS_TRITON``
-sets what "auto" picks: ``0`` turns Triton off; ``1`` asks for it wherever it can run (with
-TRITON_INTERPRET=1 that includes the CPU, which is how the tests check the kernels end to end).
+``impl`` is one of `IMPLS`: "reference" materializes the logits (`ops/reference.py`), "chunked" runs
+the PyTorch block math (`ops/chunks.py`, and `ops/kl_blocks.py` for the KL), "triton" the Triton
+kernels of `ops/triton.py`, and "auto" picks: Triton for fp32 block logits on CUDA when triton works,
+PyTorch everywhere else. ``LOGITLESS_TRITON`` sets what "auto" picks: ``0`` turns Triton off; ``1``
+asks for it wherever it can run (with TRITON_INTERPRET=1 that includes the CPU, which is how the
+tests check the kernels end to end).
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ IMPLS = ("auto", "reference", "chunked", "triton")
 BLOCK_IMPLS = ("auto", "chunked", "triton")  # the implementations that run the block engine
 
 
-def chunk_kernels(device: torch.device, stat_dtype: torch.dtype, impl: str = "auto") -> ModuleType:
-    """A module with ``update_stats`` and ``block_logits_grad`` for blocks of this device and dtype under ``impl``."""
+def chunk_kernels(device: torch.device, stat_dtype: torch.dtype, impl: str = "auto",
+                  pytorch: ModuleType = chunks) -> ModuleType:
+    """The block math for blocks of this device and dtype under ``impl``: the module ``pytorch`` (`chunks` for the
+    softmax accumulator, `kl_blocks` for the KL's) or `triton`, which has every kernel those modules have."""
     check_choice("impl", impl, BLOCK_IMPLS)
     if impl == "chunked":
-        return chunks
+        return pytorch
     if impl == "triton":
         return _triton_kernels(device, stat_dtype)
     setting = os.environ.get("LOGITLESS_TRITON", "auto")
@@ -33,10 +36,10 @@ def chunk_kernels(device: torch.device, stat_dtype: torch.dtype, impl: str = "au
         raise ValueError(f"LOGITLESS_TRITON: expected auto, 0 or 1, got {setting!r}")
     wanted = setting == "1" or (setting == "auto" and device.type == "cuda")
     if setting == "0" or not wanted or stat_dtype != torch.float32:
-        return chunks
+        return pytorch
     from logitless.ops import triton as triton_kernels
 
-    return triton_kernels if triton_kernels.available() else chunks
+    return triton_kernels if triton_kernels.available() else pytorch
 
 
 def _triton_kernels(device: torch.device, stat_dtype: torch.dtype) -> ModuleType:

@@ -10,6 +10,8 @@ size. Over the full vocabulary,
 `KLAccumulator` plugs this into the two-pass schedule of the block engine (`engine.py`): pass 1 runs an
 online softmax for each head and the p-weighted sum of z_p - z_q, keeping three numbers per token
 (lse_p, lse_q, KL); pass 2 (backward) recomputes both heads' blocks and turns them into p's logits gradient.
+The block math is `kl_blocks.py` (PyTorch) or the KL kernels of `triton.py`, chosen by ``impl`` as for
+the other ops (`backend.py`).
 
 -inf logits are exact: a vocabulary entry with p = 0 adds 0 whatever q is (0 * log 0 = 0); one with
 p > 0 and q = 0 makes the KL +inf (and its gradient NaN, as the materialized formula's), which is the
@@ -18,23 +20,18 @@ true value: q cannot explain what p does.
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
 
 from logitless._checks import check_choice, check_mask, check_tensor
-from logitless.ops import reference
-from logitless.ops.backend import IMPLS
+from logitless.ops import kl_blocks, reference
+from logitless.ops.backend import IMPLS, chunk_kernels
 from logitless.ops.blocks import BlockPlan, BlockSizes, plan_blocks
-from logitless.ops.chunks import OnlineSoftmax
 from logitless.ops.engine import NewAccumulator, two_pass_grads, two_pass_stats
 from logitless.ops.head import LinearHead, stat_dtype
-
-
-class KLStats(NamedTuple):
-    lse_p: torch.Tensor
-    lse_q: torch.Tensor
-    kl: torch.Tensor
+from logitless.ops.kl_blocks import KLStats, KLSums, kl_stats
 
 
 class KLGrads(NamedTuple):
@@ -42,77 +39,52 @@ class KLGrads(NamedTuple):
 
 
 class KLAccumulator:
-    """An `engine.Accumulator` of one row chunk over blocks of both heads' logits (p's first): an online softmax
-    per head (shifts m_p, m_q; totals s_p, s_q) and ``g = sum exp(z_p - m_p) ((z_p - m_p) - (z_q - m_q))``, so
-    that KL = g / s_p - log s_p + log s_q comes from numbers of its own size (no cancellation between large
-    log-sum-exps). Statistics `KLStats`, per-row gradients `KLGrads`."""
+    """An `engine.Accumulator` of one row chunk over blocks of both heads' logits (p's first), with the block math
+    of ``kernels`` (`kl_blocks` or `triton`): statistics `KLStats`, per-row gradients `KLGrads`."""
 
-    def __init__(self, head_p: LinearHead, num_rows: int, dtype: torch.dtype, device: torch.device,
-                 has_neg_inf: bool):
-        self.head_p, self.has_neg_inf = head_p, has_neg_inf
-        self.p = OnlineSoftmax(num_rows, dtype, device, need_entropy=False, need_logit_sum=False)
-        self.q = OnlineSoftmax(num_rows, dtype, device, need_entropy=False, need_logit_sum=False)
-        self.gap = torch.zeros(num_rows, dtype=dtype, device=device)
+    def __init__(self, head_p: LinearHead, kernels: ModuleType, num_rows: int, dtype: torch.dtype,
+                 device: torch.device, has_neg_inf: bool):
+        self.head_p, self.kernels, self.has_neg_inf = head_p, kernels, has_neg_inf
+        self.sums = KLSums(num_rows, dtype, device)
 
     def update(self, start: int, logits: list[torch.Tensor]) -> None:
         """Fold in one block of both heads' logits (n, c); both are consumed."""
-        logits_p, logits_q = logits
-        old_shift_p, old_shift_q, old_total_p = self.p.shift, self.q.shift, self.p.total
-        shift_q, _ = self.q.rescale(logits_q.amax(dim=1))
-        shift_p, factor = self.p.rescale(logits_p.amax(dim=1))
-        # the gap measured from the new shifts: each term moves by (m_p - m_p') - (m_q - m_q')
-        self.gap = factor * (self.gap + ((old_shift_p - shift_p) - (old_shift_q - shift_q)) * old_total_p)
-        shifted_q = logits_q.sub_(shift_q.unsqueeze(1))  # (n, c)
-        self.q.total += shifted_q.exp().sum(dim=1)
-        shifted_p = logits_p.sub_(shift_p.unsqueeze(1))
-        weights = shifted_p.exp()  # (n, c): exp(z_p - m_p)
-        self.p.total += weights.sum(dim=1)
-        gap = shifted_p.sub_(shifted_q)
-        if self.has_neg_inf:  # where p = 0 the term is 0, whatever q is
-            gap.masked_fill_(weights == 0, 0.0)
-        self.gap += weights.mul_(gap).sum(dim=1)
+        self.kernels.kl_update_stats(self.sums, *logits, self.has_neg_inf)
 
     def finish(self) -> KLStats:
-        log_total_p, log_total_q = self.p.total.log(), self.q.total.log()
-        kl = self.gap / self.p.total - log_total_p + log_total_q
-        return KLStats(self.p.shift + log_total_p, self.q.shift + log_total_q, kl)
+        return kl_stats(self.sums)
 
     def block_grad(self, start: int, block: list[torch.Tensor], stats: KLStats, row_grads: KLGrads) -> torch.Tensor:
         """g * p * (log p - log q - KL) for one block (n, c), carried back to hidden_p @ W_p.T + b_p."""
-        logits_p, logits_q = block
-        head_p = self.head_p
-        slope_logits = logits_p.clone() if head_p.softcap is not None else None
-        log_p = logits_p.sub_(stats.lse_p.unsqueeze(1))  # (n, c)
-        probs = log_p.exp()
-        coef = log_p.sub_(logits_q.sub_(stats.lse_q.unsqueeze(1))).sub_(stats.kl.unsqueeze(1))
-        coef.masked_fill_(probs == 0, 0.0)  # 0 * log 0 = 0, also where q = 0 too
-        grad = probs.mul_(coef).mul_((row_grads.kl * head_p.logit_factor).unsqueeze(1))
-        return head_p.softcap_slope_(grad, slope_logits)
+        return self.kernels.kl_block_logits_grad(self.head_p, *block, stats, row_grads.kl)
 
 
-def _kl_accumulators(head_p: LinearHead, head_q: LinearHead, hidden_p: torch.Tensor) -> NewAccumulator:
+def _kl_accumulators(head_p: LinearHead, head_q: LinearHead, hidden_p: torch.Tensor,
+                     kernels: ModuleType) -> NewAccumulator:
     has_neg_inf = head_p.may_have_neg_inf_logits or head_q.may_have_neg_inf_logits
     dtype = stat_dtype(hidden_p.dtype)
-    return lambda rows: KLAccumulator(head_p, rows.stop - rows.start, dtype, hidden_p.device, has_neg_inf)
+    return lambda rows: KLAccumulator(head_p, kernels, rows.stop - rows.start, dtype, hidden_p.device, has_neg_inf)
 
 
 class LinearKL(torch.autograd.Function):
     """(N, H_p), (N, H_q) and two heads -> KL(p || q) (N,); gradients for the p side only."""
 
     @staticmethod
-    def forward(ctx, hidden_p, weight_p, bias_p, hidden_q, head_p: LinearHead, head_q: LinearHead, plan: BlockPlan):
-        stats = two_pass_stats((head_p, head_q), (hidden_p, hidden_q), plan, _kl_accumulators(head_p, head_q, hidden_p))
+    def forward(ctx, hidden_p, weight_p, bias_p, hidden_q, head_p: LinearHead, head_q: LinearHead, plan: BlockPlan,
+                kernels: ModuleType):
+        stats = two_pass_stats((head_p, head_q), (hidden_p, hidden_q), plan,
+                               _kl_accumulators(head_p, head_q, hidden_p, kernels))
         ctx.save_for_backward(hidden_p, weight_p, bias_p, hidden_q, *stats)
-        ctx.heads, ctx.plan = (head_p, head_q), plan
+        ctx.heads, ctx.plan, ctx.kernels = (head_p, head_q), plan, kernels
         return stats.kl
 
     @staticmethod
     def backward(ctx, grad_kl):
         hidden_p, _, _, hidden_q, *stats = ctx.saved_tensors
         heads, stats = ctx.heads, KLStats(*stats)
-        grads = two_pass_grads(heads, (hidden_p, hidden_q), ctx.plan, _kl_accumulators(*heads, hidden_p), stats,
-                               KLGrads(grad_kl.to(stats.kl.dtype)), ctx.needs_input_grad[:3])
-        return (*grads, None, None, None, None)
+        grads = two_pass_grads(heads, (hidden_p, hidden_q), ctx.plan, _kl_accumulators(*heads, hidden_p, ctx.kernels),
+                               stats, KLGrads(grad_kl.to(stats.kl.dtype)), ctx.needs_input_grad[:3])
+        return (*grads, None, None, None, None, None)
 
 
 def heads_kl(hidden_p: torch.Tensor, head_p: LinearHead, hidden_q: torch.Tensor, head_q: LinearHead, *,
@@ -121,11 +93,9 @@ def heads_kl(hidden_p: torch.Tensor, head_p: LinearHead, hidden_q: torch.Tensor,
     """KL(p || q) per token of flat hidden_p (N, H_p) and hidden_q (N, H_q) under two `LinearHead`s (each with its
     own bias, logit scale, soft cap and temperature: e.g. `logitless.hf.lm_head_of` of two models).
 
-    ``impl``: "auto" and "chunked" run the PyTorch blocks, "reference" the materialized logits; there is
-    no Triton kernel for the KL."""
+    ``impl``: "reference" materializes the logits, "chunked" runs the PyTorch blocks, "triton" the Triton
+    kernels, "auto" picks as for the other fused ops (`backend.py`)."""
     check_choice("impl", impl, IMPLS)
-    if impl == "triton":
-        raise ValueError("impl: 'triton' has no KL kernel; use 'auto', 'chunked' or 'reference'")
     sizes = BlockSizes.of(block_sizes, chunk_size, vocab_block_size)
     if head_q.vocab_size != head_p.vocab_size:
         raise ValueError(f"weight_q: vocabulary of {head_q.vocab_size} rows, weight_p has {head_p.vocab_size}")
@@ -134,8 +104,9 @@ def heads_kl(hidden_p: torch.Tensor, head_p: LinearHead, hidden_q: torch.Tensor,
     if impl == "reference":
         return reference.kl_from_log_probs(torch.log_softmax(head_p.logits(hidden_p), dim=-1),
                                            torch.log_softmax(fixed_q.logits(hidden_q.detach()), dim=-1))
+    kernels = chunk_kernels(hidden_p.device, stat_dtype(hidden_p.dtype), impl, pytorch=kl_blocks)
     plan = plan_blocks(hidden_p.shape[0], head_p, hidden_p.device, sizes)
-    return LinearKL.apply(hidden_p, head_p.weight, head_p.bias, hidden_q.detach(), head_p, fixed_q, plan)
+    return LinearKL.apply(hidden_p, head_p.weight, head_p.bias, hidden_q.detach(), head_p, fixed_q, plan, kernels)
 
 
 def _check_side(side: str, hidden, weight, bias) -> None:
@@ -166,8 +137,8 @@ def fused_linear_kl(hidden_p: torch.Tensor, weight_p: torch.Tensor, hidden_q: to
     ``logit_scale`` and ``temperature``, as in `fused_linear_logprobs`. Returns the KL with hidden's leading
     dims, fp32 (fp64 for fp64 input); tokens where ``mask`` is 0 are skipped and get 0. Differentiable with
     respect to hidden_p, weight_p and bias_p; the q side is a fixed target and gets no gradient.
-    ``block_sizes`` (or ``chunk_size`` and ``vocab_block_size``) as in `fused_linear_logprobs`; ``impl`` is
-    "auto" | "reference" | "chunked" ("triton" has no KL kernel and is refused). For heads that differ in
+    ``block_sizes`` (or ``chunk_size`` and ``vocab_block_size``) and ``impl`` ("auto" | "reference" |
+    "chunked" | "triton") as in `fused_linear_logprobs`. For heads that differ in
     their logit scale, soft cap or temperature, use `heads_kl`.
     """
     _check_side("p", hidden_p, weight_p, bias_p)

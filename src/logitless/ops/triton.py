@@ -1,12 +1,13 @@
-"""Triton versions of `chunks.update_stats` and `chunks.block_logits_grad`, for fp32 blocks on GPUs.
+"""Triton versions of the block math, for fp32 blocks on GPUs: `update_stats` and `block_logits_grad` (the
+softmax accumulator's, twins of `chunks.py`), `kl_update_stats` and `kl_block_logits_grad` (the KL's, twins
+of `kl_blocks.py`).
 
-Same signatures and results as the PyTorch twins in `chunks.py`. Both kernels tile rows and
-vocabulary: `update_stats` gives each program ``BLOCK_ROWS`` tokens and streams the block's columns
-in tiles (two passes over the block: its max, then the sums); `block_logits_grad` is elementwise
-over a 2-D grid of (rows, columns) tiles and writes the gradient over the logits it read. The
-block's logits themselves come from cuBLAS (`LinearHead.logits`). Tile sizes are reasonable
-defaults, not yet tuned on hardware. Optional: without triton this module still imports and
-`available()` is False.
+Same signatures and results as the PyTorch twins. Every kernel tiles tokens and vocabulary with a
+`BlockSizes` tile: the statistics kernels give each program ``tokens`` rows and stream the block's
+columns in tiles (two passes over the block: its max, then the sums); the gradient kernels are
+elementwise over a 2-D grid of tiles and write the gradient over the logits they read. The block's
+logits themselves come from cuBLAS (`LinearHead.logits`). Tile sizes are reasonable defaults, not
+yet tuned on hardware. Optional: without triton this module still imports and `available()` is False.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import os
 
 import torch
 
+from logitless.ops.blocks import BlockSizes
 from logitless.ops.chunks import OnlineSoftmax, StatGrads
 from logitless.ops.head import LinearHead
+from logitless.ops.kl_blocks import KLStats, KLSums
 from logitless.ops.scratch import Scratch
 
 try:
@@ -25,8 +28,12 @@ try:
 except ImportError:
     triton = None
 
-STATS_TILE = dict(BLOCK_ROWS=16, BLOCK_V=256)
-GRAD_TILE = dict(BLOCK_ROWS=32, BLOCK_V=256)
+STATS_TILE = BlockSizes(tokens=16, vocab=256)  # one program of a statistics kernel: 16 rows, columns 256 at a time
+GRAD_TILE = BlockSizes(tokens=32, vocab=256)  # one program of a gradient kernel
+
+
+def _tile(sizes: BlockSizes) -> dict[str, int]:
+    return dict(BLOCK_TOKENS=sizes.tokens, BLOCK_VOCAB=sizes.vocab)
 
 
 def available() -> bool:
@@ -34,10 +41,15 @@ def available() -> bool:
     return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def _check_block(logits: torch.Tensor) -> None:
+def _check_block(logits: torch.Tensor, name: str = "logits") -> None:
     if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
-        raise ValueError(f"logits: expected an (n, c) float32 block with contiguous rows, got {logits.dtype} "
+        raise ValueError(f"{name}: expected an (n, c) float32 block with contiguous rows, got {logits.dtype} "
                          f"of shape {tuple(logits.shape)} and strides {logits.stride()}")
+
+
+def _row_vector(values: torch.Tensor) -> torch.Tensor:
+    """(n,) fp32 and contiguous (autograd may hand out expanded, stride 0, gradients)."""
+    return values.to(torch.float32).contiguous()
 
 
 def update_stats(stats: OnlineSoftmax, logits: torch.Tensor, start: int, targets: torch.Tensor,
@@ -50,13 +62,13 @@ def update_stats(stats: OnlineSoftmax, logits: torch.Tensor, start: int, targets
     if num_rows == 0:
         return stats.shift
     placeholder = stats.total  # for a sum not kept, whose HAS_* flag keeps the kernel from touching it
-    grid = (triton.cdiv(num_rows, STATS_TILE["BLOCK_ROWS"]),)
+    grid = (triton.cdiv(num_rows, STATS_TILE.tokens),)
     _update_stats_kernel[grid](
         logits, num_rows, num_columns, logits.stride(0), targets.contiguous(), start,
         stats.max, stats.shift, stats.total,
         placeholder if stats.weighted is None else stats.weighted,
         placeholder if stats.logit_sum is None else stats.logit_sum, stats.target_logit,
-        HAS_WEIGHTED=stats.weighted is not None, HAS_LOGIT_SUM=stats.logit_sum is not None, **STATS_TILE)
+        HAS_WEIGHTED=stats.weighted is not None, HAS_LOGIT_SUM=stats.logit_sum is not None, **_tile(STATS_TILE))
     return stats.shift
 
 
@@ -69,17 +81,52 @@ def block_logits_grad(head: LinearHead, logits: torch.Tensor, start: int, target
     num_rows, num_columns = logits.shape
     if num_rows == 0:
         return logits
-    # (n,) fp32 each; autograd may hand out expanded (stride 0) gradients, hence contiguous()
-    row_vectors = [None if v is None else v.to(torch.float32).contiguous()
-                   for v in (*coefs, expected_logit)]
+    row_vectors = [None if v is None else _row_vector(v) for v in (*coefs, expected_logit)]
     placeholder = lse
-    grid = (triton.cdiv(num_rows, GRAD_TILE["BLOCK_ROWS"]), triton.cdiv(num_columns, GRAD_TILE["BLOCK_V"]))
+    grid = (triton.cdiv(num_rows, GRAD_TILE.tokens), triton.cdiv(num_columns, GRAD_TILE.vocab))
     _block_grad_kernel[grid](
         logits, num_rows, num_columns, logits.stride(0), targets.contiguous(), start, lse.contiguous(),
         *(placeholder if v is None else v for v in row_vectors),
         1.0 if head.softcap is None else head.temperature / head.softcap,
-        *(v is not None for v in row_vectors[:4]), HAS_SOFTCAP=head.softcap is not None, **GRAD_TILE)
+        *(v is not None for v in row_vectors[:4]), HAS_SOFTCAP=head.softcap is not None, **_tile(GRAD_TILE))
     return logits
+
+
+def _check_pair(logits_p: torch.Tensor, logits_q: torch.Tensor) -> None:
+    _check_block(logits_p, "logits_p")
+    _check_block(logits_q, "logits_q")
+    if logits_q.shape != logits_p.shape:
+        raise ValueError(f"logits_q: shape {tuple(logits_q.shape)} differs from logits_p's {tuple(logits_p.shape)}")
+
+
+def kl_update_stats(sums: KLSums, logits_p: torch.Tensor, logits_q: torch.Tensor, has_neg_inf: bool) -> None:
+    """Fold one block of both heads' logits (n, c) into ``sums`` in place (the kernel handles -inf itself and
+    only reads the blocks)."""
+    _check_pair(logits_p, logits_q)
+    num_rows, num_columns = logits_p.shape
+    if num_rows == 0:
+        return
+    _kl_update_stats_kernel[(triton.cdiv(num_rows, STATS_TILE.tokens),)](
+        logits_p, logits_q, num_rows, num_columns, logits_p.stride(0), logits_q.stride(0),
+        sums.p.max, sums.p.shift, sums.p.total, sums.q.max, sums.q.shift, sums.q.total, sums.gap,
+        **_tile(STATS_TILE))
+
+
+def kl_block_logits_grad(head_p: LinearHead, logits_p: torch.Tensor, logits_q: torch.Tensor, stats: KLStats,
+                         grad_kl: torch.Tensor) -> torch.Tensor:
+    """grad_kl * p * (log p - log q - KL) for one block (n, c), carried back to hidden_p @ W_p.T + b_p, written
+    over ``logits_p`` and returned."""
+    _check_pair(logits_p, logits_q)
+    num_rows, num_columns = logits_p.shape
+    if num_rows == 0:
+        return logits_p
+    grid = (triton.cdiv(num_rows, GRAD_TILE.tokens), triton.cdiv(num_columns, GRAD_TILE.vocab))
+    _kl_block_grad_kernel[grid](
+        logits_p, logits_q, num_rows, num_columns, logits_p.stride(0), logits_q.stride(0),
+        *(_row_vector(v) for v in (*stats, grad_kl * head_p.logit_factor)),
+        1.0 if head_p.softcap is None else head_p.temperature / head_p.softcap,
+        HAS_SOFTCAP=head_p.softcap is not None, **_tile(GRAD_TILE))
+    return logits_p
 
 
 if triton is not None:
@@ -90,16 +137,16 @@ if triton is not None:
         targets_ptr, start,  # (n,) target ids; the block's first column
         max_ptr, shift_ptr, total_ptr, weighted_ptr, logit_sum_ptr, target_logit_ptr,  # (n,) running sums
         HAS_WEIGHTED: tl.constexpr, HAS_LOGIT_SUM: tl.constexpr,
-        BLOCK_ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+        BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
     ):
-        rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        rows = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
         in_rows = rows < num_rows
         row_logits = logits_ptr + rows.to(tl.int64)[:, None] * row_stride
-        cols = tl.arange(0, BLOCK_V)
+        cols = tl.arange(0, BLOCK_VOCAB)
 
         # pass over the block: its max
-        block_max = tl.full((BLOCK_ROWS,), float("-inf"), tl.float32)
-        for c0 in range(0, num_columns, BLOCK_V):
+        block_max = tl.full((BLOCK_TOKENS,), float("-inf"), tl.float32)
+        for c0 in range(0, num_columns, BLOCK_VOCAB):
             tile = in_rows[:, None] & (c0 + cols[None, :] < num_columns)
             z = tl.load(row_logits + c0 + cols[None, :], mask=tile, other=float("-inf"))
             block_max = tl.maximum(block_max, tl.max(z, axis=1))
@@ -116,12 +163,12 @@ if triton is not None:
 
         # pass over the block: the sums, and the target's logit
         target_column = tl.load(targets_ptr + rows, mask=in_rows, other=-1) - start
-        block_total = tl.zeros((BLOCK_ROWS, BLOCK_V), tl.float32)
-        block_weighted = tl.zeros((BLOCK_ROWS, BLOCK_V), tl.float32)
-        block_logit_sum = tl.zeros((BLOCK_ROWS, BLOCK_V), tl.float32)
-        target_logit = tl.zeros((BLOCK_ROWS,), tl.float32)
-        found = tl.zeros((BLOCK_ROWS,), tl.int32)
-        for c0 in range(0, num_columns, BLOCK_V):
+        block_total = tl.zeros((BLOCK_TOKENS, BLOCK_VOCAB), tl.float32)
+        block_weighted = tl.zeros((BLOCK_TOKENS, BLOCK_VOCAB), tl.float32)
+        block_logit_sum = tl.zeros((BLOCK_TOKENS, BLOCK_VOCAB), tl.float32)
+        target_logit = tl.zeros((BLOCK_TOKENS,), tl.float32)
+        found = tl.zeros((BLOCK_TOKENS,), tl.int32)
+        for c0 in range(0, num_columns, BLOCK_VOCAB):
             tile = in_rows[:, None] & (c0 + cols[None, :] < num_columns)
             z = tl.load(row_logits + c0 + cols[None, :], mask=tile, other=float("-inf"))
             shifted = z - new_shift[:, None]
@@ -152,17 +199,17 @@ if triton is not None:
         onehot_ptr, probs_coef_ptr, centered_coef_ptr, uniform_ptr, expected_ptr,  # (n,) fp32, read if HAS_*
         temperature_over_softcap,
         HAS_ONEHOT: tl.constexpr, HAS_PROBS: tl.constexpr, HAS_CENTERED: tl.constexpr, HAS_UNIFORM: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
     ):
         # grad = onehot * g_lp - p * (g_lp + g_m + g_H * (z - E_p[z])) + g_m / V, times the soft cap's slope
-        rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        rows = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+        cols = tl.program_id(1) * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB)
         in_rows = rows < num_rows
         tile = in_rows[:, None] & (cols[None, :] < num_columns)
         pointers = logits_ptr + rows.to(tl.int64)[:, None] * row_stride + cols[None, :]
         z = tl.load(pointers, mask=tile, other=0.0)
         probs = tl.exp(z - tl.load(lse_ptr + rows, mask=in_rows, other=0.0)[:, None])
-        coef = tl.zeros((BLOCK_ROWS, BLOCK_V), tl.float32)
+        coef = tl.zeros((BLOCK_TOKENS, BLOCK_VOCAB), tl.float32)
         if HAS_PROBS:
             coef += tl.load(probs_coef_ptr + rows, mask=in_rows, other=0.0)[:, None]
         if HAS_CENTERED:
@@ -180,3 +227,86 @@ if triton is not None:
             capped = z * temperature_over_softcap
             grad *= 1.0 - capped * capped
         tl.store(pointers, grad, mask=tile)
+
+    @triton.jit
+    def _kl_update_stats_kernel(
+        p_ptr, q_ptr, num_rows, num_columns, p_row_stride, q_row_stride,  # the two heads' blocks (n, c), fp32
+        max_p_ptr, shift_p_ptr, total_p_ptr, max_q_ptr, shift_q_ptr, total_q_ptr, gap_ptr,  # (n,) running sums
+        BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+        in_rows = rows < num_rows
+        p_rows = p_ptr + rows.to(tl.int64)[:, None] * p_row_stride
+        q_rows = q_ptr + rows.to(tl.int64)[:, None] * q_row_stride
+        cols = tl.arange(0, BLOCK_VOCAB)
+
+        # pass over the block: each head's max
+        block_max_p = tl.full((BLOCK_TOKENS,), float("-inf"), tl.float32)
+        block_max_q = tl.full((BLOCK_TOKENS,), float("-inf"), tl.float32)
+        for c0 in range(0, num_columns, BLOCK_VOCAB):
+            tile = in_rows[:, None] & (c0 + cols[None, :] < num_columns)
+            block_max_p = tl.maximum(block_max_p, tl.max(tl.load(p_rows + c0 + cols[None, :], mask=tile,
+                                                                 other=float("-inf")), axis=1))
+            block_max_q = tl.maximum(block_max_q, tl.max(tl.load(q_rows + c0 + cols[None, :], mask=tile,
+                                                                 other=float("-inf")), axis=1))
+
+        # move the running sums to the new shifts (chunks.OnlineSoftmax.rescale, for both heads, and the gap)
+        old_shift_p = tl.load(shift_p_ptr + rows, mask=in_rows, other=0.0)
+        old_shift_q = tl.load(shift_q_ptr + rows, mask=in_rows, other=0.0)
+        total_p = tl.load(total_p_ptr + rows, mask=in_rows, other=0.0)
+        total_q = tl.load(total_q_ptr + rows, mask=in_rows, other=0.0)
+        new_max_p = tl.maximum(tl.load(max_p_ptr + rows, mask=in_rows, other=float("-inf")), block_max_p)
+        new_max_q = tl.maximum(tl.load(max_q_ptr + rows, mask=in_rows, other=float("-inf")), block_max_q)
+        shift_p = tl.where(new_max_p == float("-inf"), 0.0, new_max_p)
+        shift_q = tl.where(new_max_q == float("-inf"), 0.0, new_max_q)
+        factor_p = tl.where(total_p > 0, tl.exp(old_shift_p - shift_p), 0.0)
+        factor_q = tl.where(total_q > 0, tl.exp(old_shift_q - shift_q), 0.0)
+        gap = factor_p * (tl.load(gap_ptr + rows, mask=in_rows, other=0.0)
+                          + ((old_shift_p - shift_p) - (old_shift_q - shift_q)) * total_p)
+
+        # pass over the block: the sums
+        block_total_p = tl.zeros((BLOCK_TOKENS, BLOCK_VOCAB), tl.float32)
+        block_total_q = tl.zeros((BLOCK_TOKENS, BLOCK_VOCAB), tl.float32)
+        block_gap = tl.zeros((BLOCK_TOKENS, BLOCK_VOCAB), tl.float32)
+        for c0 in range(0, num_columns, BLOCK_VOCAB):
+            tile = in_rows[:, None] & (c0 + cols[None, :] < num_columns)
+            shifted_p = tl.load(p_rows + c0 + cols[None, :], mask=tile, other=float("-inf")) - shift_p[:, None]
+            shifted_q = tl.load(q_rows + c0 + cols[None, :], mask=tile, other=float("-inf")) - shift_q[:, None]
+            weights = tl.exp(shifted_p)  # 0 outside the tile and where p = 0
+            block_total_p += weights
+            block_total_q += tl.exp(shifted_q)
+            block_gap += tl.where(weights == 0, 0.0, weights * (shifted_p - shifted_q))  # p = 0: the term is 0
+
+        tl.store(max_p_ptr + rows, new_max_p, mask=in_rows)
+        tl.store(max_q_ptr + rows, new_max_q, mask=in_rows)
+        tl.store(shift_p_ptr + rows, shift_p, mask=in_rows)
+        tl.store(shift_q_ptr + rows, shift_q, mask=in_rows)
+        tl.store(total_p_ptr + rows, factor_p * total_p + tl.sum(block_total_p, axis=1), mask=in_rows)
+        tl.store(total_q_ptr + rows, factor_q * total_q + tl.sum(block_total_q, axis=1), mask=in_rows)
+        tl.store(gap_ptr + rows, gap + tl.sum(block_gap, axis=1), mask=in_rows)
+
+    @triton.jit
+    def _kl_block_grad_kernel(
+        p_ptr, q_ptr, num_rows, num_columns, p_row_stride, q_row_stride,  # blocks (n, c), fp32; the gradient over p
+        lse_p_ptr, lse_q_ptr, kl_ptr, row_grad_ptr,  # (n,) fp32; row_grad: d loss / d KL times the logit factor
+        temperature_over_softcap,
+        HAS_SOFTCAP: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
+    ):
+        # grad = row_grad * p * (log p - log q - KL), 0 where p = 0, times the soft cap's slope
+        rows = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+        cols = tl.program_id(1) * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB)
+        in_rows = rows < num_rows
+        tile = in_rows[:, None] & (cols[None, :] < num_columns)
+        p_pointers = p_ptr + rows.to(tl.int64)[:, None] * p_row_stride + cols[None, :]
+        z_p = tl.load(p_pointers, mask=tile, other=0.0)
+        z_q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * q_row_stride + cols[None, :], mask=tile, other=0.0)
+        log_p = z_p - tl.load(lse_p_ptr + rows, mask=in_rows, other=0.0)[:, None]
+        probs = tl.exp(log_p)
+        coef = (log_p - (z_q - tl.load(lse_q_ptr + rows, mask=in_rows, other=0.0)[:, None])
+                - tl.load(kl_ptr + rows, mask=in_rows, other=0.0)[:, None])
+        coef = tl.where(probs == 0, 0.0, coef)  # 0 * log 0 = 0, also where q = 0 too
+        grad = coef * probs * tl.load(row_grad_ptr + rows, mask=in_rows, other=0.0)[:, None]
+        if HAS_SOFTCAP:  # 1 - tanh^2, tanh = z * T / c
+            capped = z_p * temperature_over_softcap
+            grad *= 1.0 - capped * capped
+        tl.store(p_pointers, grad, mask=tile)

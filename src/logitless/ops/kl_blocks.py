@@ -1,0 +1,77 @@
+"""The math of one block of two heads' logits behind the KL accumulator (`kl.py`): the PyTorch twins of
+the KL kernels in `triton.py`.
+
+A block holds the logits ``z_p`` and ``z_q`` of the same tokens (rows) over the same vocabulary entries
+(columns), fp32. `kl_update_stats` folds it into `KLSums`: an online softmax per head (shifts m_p,
+m_q; totals s_p, s_q) and ``g = sum exp(z_p - m_p) ((z_p - m_p) - (z_q - m_q))``, so that
+
+    KL = g / s_p - log s_p + log s_q
+
+comes from numbers of its own size (no cancellation between large log-sum-exps).
+`kl_block_logits_grad` turns a block into d KL / d z_p = p (log p - log q - KL), times the per-row
+gradient of the loss, carried back through the soft cap and logit factor of p's head.
+
+-inf logits are exact: an entry with p = 0 adds 0 whatever q is (0 * log 0 = 0); one with p > 0 and
+q = 0 makes the KL +inf, the true value.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from logitless.ops.chunks import OnlineSoftmax
+from logitless.ops.head import LinearHead
+
+
+class KLSums:
+    """One row chunk's running sums: an online softmax per head and the gap g (see the module docstring)."""
+
+    def __init__(self, num_rows: int, dtype: torch.dtype, device: torch.device):
+        self.p = OnlineSoftmax(num_rows, dtype, device, need_entropy=False, need_logit_sum=False)
+        self.q = OnlineSoftmax(num_rows, dtype, device, need_entropy=False, need_logit_sum=False)
+        self.gap = torch.zeros(num_rows, dtype=dtype, device=device)
+
+
+class KLStats(NamedTuple):
+    lse_p: torch.Tensor
+    lse_q: torch.Tensor
+    kl: torch.Tensor
+
+
+def kl_stats(sums: KLSums) -> KLStats:
+    log_total_p, log_total_q = sums.p.total.log(), sums.q.total.log()
+    kl = sums.gap / sums.p.total - log_total_p + log_total_q
+    return KLStats(sums.p.shift + log_total_p, sums.q.shift + log_total_q, kl)
+
+
+def kl_update_stats(sums: KLSums, logits_p: torch.Tensor, logits_q: torch.Tensor, has_neg_inf: bool) -> None:
+    """Fold in one block of both heads' logits (n, c); both are consumed."""
+    old_shift_p, old_shift_q, old_total_p = sums.p.shift, sums.q.shift, sums.p.total
+    shift_q, _ = sums.q.rescale(logits_q.amax(dim=1))
+    shift_p, factor = sums.p.rescale(logits_p.amax(dim=1))
+    # the gap measured from the new shifts: each term moves by (m_p - m_p') - (m_q - m_q')
+    sums.gap = factor * (sums.gap + ((old_shift_p - shift_p) - (old_shift_q - shift_q)) * old_total_p)
+    shifted_q = logits_q.sub_(shift_q.unsqueeze(1))  # (n, c)
+    sums.q.total += shifted_q.exp().sum(dim=1)
+    shifted_p = logits_p.sub_(shift_p.unsqueeze(1))
+    weights = shifted_p.exp()  # (n, c): exp(z_p - m_p)
+    sums.p.total += weights.sum(dim=1)
+    gap = shifted_p.sub_(shifted_q)
+    if has_neg_inf:  # where p = 0 the term is 0, whatever q is
+        gap.masked_fill_(weights == 0, 0.0)
+    sums.gap += weights.mul_(gap).sum(dim=1)
+
+
+def kl_block_logits_grad(head_p: LinearHead, logits_p: torch.Tensor, logits_q: torch.Tensor, stats: KLStats,
+                         grad_kl: torch.Tensor) -> torch.Tensor:
+    """grad_kl * p * (log p - log q - KL) for one block (n, c), carried back to hidden_p @ W_p.T + b_p; both
+    blocks are consumed and the gradient is written over ``logits_p``."""
+    slope_logits = logits_p.clone() if head_p.softcap is not None else None
+    log_p = logits_p.sub_(stats.lse_p.unsqueeze(1))  # (n, c)
+    probs = log_p.exp()
+    coef = log_p.sub_(logits_q.sub_(stats.lse_q.unsqueeze(1))).sub_(stats.kl.unsqueeze(1))
+    coef.masked_fill_(probs == 0, 0.0)  # 0 * log 0 = 0, also where q = 0 too
+    grad = coef.mul_(probs).mul_((grad_kl * head_p.logit_factor).unsqueeze(1))
+    return head_p.softcap_slope_(grad, slope_logits)
