@@ -11,8 +11,8 @@ def test_bench_lmhead_small_shape(tmp_path, capsys):
                  "--masked-fraction", "0.25", "--json", str(out_json), "--plot", str(out_png)]) == 0
     report = json.loads(out_json.read_text())
     assert report["shape"] == {"batch": 2, "seq": 16, "hidden": 8, "vocab": 1009, "dtype": "float32", "device": "cpu",
-                               "masked_fraction": 0.25}
-    assert report["tokens"] == 24 and report["flops_6NHV"] == 6 * 24 * 8 * 1009
+                               "masked_fraction": 0.25, "loss": "grpo"}
+    assert report["tokens"] == 24 and report["flops"] == 6 * 24 * 8 * 1009
     assert set(report["results"]) == {"materialized", "materialized_minimal", "gemm", "torch_chunked", "liger", "trl",
                                       "logitless"}
     for name, result in report["results"].items():
@@ -25,7 +25,22 @@ def test_bench_lmhead_small_shape(tmp_path, capsys):
     assert "logitless" in capsys.readouterr().out
 
 
+def test_bench_lmhead_kl(tmp_path, capsys):
+    out_json = tmp_path / "kl.json"
+    assert main(["bench", "lmhead", "--loss", "kl", "-B", "2", "-T", "16", "-H", "8", "-V", "1009", "--repeats", "1",
+                 "--masked-fraction", "0.25", "--json", str(out_json)]) == 0
+    report = json.loads(out_json.read_text())
+    assert report["flops"] == 8 * 24 * 8 * 1009  # two heads' logits, grad hidden, grad weight
+    assert set(report["results"]) == {"materialized", "materialized_minimal", "gemm", "logitless"}
+    for name in ("materialized_minimal", "logitless"):  # the same KL and gradients as F.kl_div's path
+        result = report["results"][name]
+        assert result["loss_diff"] < 1e-5 and result["max_abs_grad_diff"] < 1e-5, name
+    assert report["results"]["materialized"]["loss"] > 0.01  # two different heads: a KL that can be wrong
+    assert capsys.readouterr().out.startswith("KL(p || q) fwd+bwd through the LM head")
+
+
 @pytest.mark.parametrize("argv, match", [
+    (["--loss", "ce"], "--loss: expected one of"),
     (["--dtype", "float16"], "--dtype"),
     (["--impl", "mine"], "--impl"),
     (["-B", "0"], "--batch"),
@@ -83,7 +98,8 @@ def test_a_reference_peak_below_resolution_gives_no_ratio(tmp_path):
     assert results["logitless"]["time_ratio"] == 0.5 and results["logitless"]["bound_fraction"] == 0.5
     assert results["logitless"]["peak_ratio"] is None and results["materialized"]["peak_ratio"] is None
     assert results["logitless"]["peak_ratio_minimal"] is None
-    report = {"shape": {"batch": 1, "seq": 1, "hidden": 1, "vocab": 2, "dtype": "float32", "device": "cpu"},
+    report = {"shape": {"batch": 1, "seq": 1, "hidden": 1, "vocab": 2, "dtype": "float32", "device": "cpu",
+                        "loss": "grpo"},
               "tokens": 1, "results": results}
     assert lmhead.format_table(report).splitlines()[-2].split()[7] == "n/a"
     assert lmhead.plot(report, tmp_path / "p.png").stat().st_size > 5000

@@ -1,9 +1,11 @@
-"""`logitless bench lmhead`: the GRPO loss through the LM head, forward + backward, peers side by side.
+"""`logitless bench lmhead`: a loss through the LM head, forward + backward, peers side by side.
 
-Every implementation does the same work on the same seeded inputs: hidden (B, T, H), weight (V, H),
-completion ids, advantages, old and reference log-probs; TRL's GRPO loss (loss_type "grpo", beta
-0.04) and the gradients of hidden and weight. Every token is valid unless ``masked_fraction`` pads
-the end of each completion (the padded case). Implementations:
+Every implementation does the same work on the same seeded inputs and returns the gradients of hidden
+and weight. Every token is valid unless ``masked_fraction`` pads the end of each completion (the
+padded case). Two losses (``--loss``):
+
+``grpo`` (the default): hidden (B, T, H), weight (V, H), completion ids, advantages, old and reference
+log-probs; TRL's GRPO loss (loss_type "grpo", beta 0.04). Implementations:
 
 * materialized          logits -> log_softmax -> gather -> loss, plus the entropy metric under no_grad,
                         128 rows at a time, as TRL's classic path logs it: what a user writes
@@ -14,6 +16,15 @@ the end of each completion (the padded case). Implementations:
 * liger                 Liger-Kernel's LigerFusedLinearGRPOLoss (no entropy)
 * trl                   TRL 1.16's own fused LM head (ChunkedLogProbFunction, with its entropy output)
 * logitless             fused_grpo_loss (entropy metric included)
+
+``kl``: the exact per-token KL(p || q) over the full vocabulary between the trained head (hidden, weight)
+and a fixed one (hidden_q, weight_q), summed over the valid tokens, as GRADE's KL term and
+distillation use it. Implementations:
+
+* materialized          both heads' logits -> log_softmax -> F.kl_div(log_target=True)
+* materialized_minimal  both heads' logits -> log_softmax -> sum p (log p - log q)
+* gemm                  the four bare matmuls (both heads' logits, grad hidden, grad weight)
+* logitless             fused_linear_kl
 
 Each runs in a fresh subprocess: one warm-up step, a steady-state step whose peak memory beyond the
 inputs is measured (`bench.memory.PeakMemory`), the same with the gradient outputs counted, then
@@ -40,6 +51,8 @@ from logitless.bench.ratios import add_ratios, format_ratio, ratio
 from logitless.bench.worker import run_worker_process
 
 IMPLEMENTATIONS = ("materialized", "materialized_minimal", "gemm", "torch_chunked", "liger", "trl", "logitless")
+KL_IMPLEMENTATIONS = ("materialized", "materialized_minimal", "gemm", "logitless")
+LOSSES = {"grpo": "GRPO loss", "kl": "KL(p || q)"}
 BETA, TEMPERATURE = 0.04, 1.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -53,10 +66,16 @@ class Shape:
     dtype: str = "float32"
     device: str = "cpu"
     masked_fraction: float = 0.0  # the end of each completion that is padding
+    loss: str = "grpo"  # a key of LOSSES
 
     @property
     def tokens(self) -> int:
         return self.batch * (self.seq - int(self.seq * self.masked_fraction))
+
+    @property
+    def head_matmuls(self) -> int:
+        """Matmuls of N x H x V in a step: the logits of each head read, grad hidden, grad weight."""
+        return 4 if self.loss == "kl" else 3
 
 
 def make_inputs(shape: Shape) -> dict:
@@ -71,11 +90,15 @@ def make_inputs(shape: Shape) -> dict:
     mask[:, shape.seq - int(shape.seq * shape.masked_fraction):] = 0
     per_token = torch.randn(2, shape.batch, shape.seq, generator=generator).to(device)
     base = -torch.rand(shape.batch, shape.seq, generator=generator).to(device) * 3 - 9  # ~ log(1/V)-ish
-    return dict(hidden=randn(shape.batch, shape.seq, shape.hidden, scale=0.5).requires_grad_(),
-                weight=randn(shape.vocab, shape.hidden, scale=0.02).requires_grad_(),
-                completion_ids=ids, completion_mask=mask,
-                advantages=torch.randn(shape.batch, generator=generator).to(device),
-                old_logprobs=base + 0.05 * per_token[0], ref_logprobs=base + 0.05 * per_token[1])
+    inputs = dict(hidden=randn(shape.batch, shape.seq, shape.hidden, scale=0.5).requires_grad_(),
+                  weight=randn(shape.vocab, shape.hidden, scale=0.02).requires_grad_(),
+                  completion_ids=ids, completion_mask=mask,
+                  advantages=torch.randn(shape.batch, generator=generator).to(device),
+                  old_logprobs=base + 0.05 * per_token[0], ref_logprobs=base + 0.05 * per_token[1])
+    if shape.loss == "kl":  # the fixed head: a reference model or a teacher
+        inputs.update(hidden_q=randn(shape.batch, shape.seq, shape.hidden, scale=0.5),
+                      weight_q=randn(shape.vocab, shape.hidden, scale=0.02))
+    return inputs
 
 
 def _grpo_from_log_probs(log_probs, inputs):
@@ -111,13 +134,15 @@ def step_materialized_minimal(inputs):
 
 
 class _BareHeadMatmuls(torch.autograd.Function):
-    """The head's three matmuls and nothing else: logits in forward (discarded), grad hidden and grad weight
-    from a fixed (N, V) upstream gradient in backward."""
+    """The head's matmuls and nothing else: logits in forward (discarded; a fixed second head's too when
+    given), grad hidden and grad weight from a fixed (N, V) upstream gradient in backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, upstream):
+    def forward(ctx, hidden, weight, upstream, hidden_q=None, weight_q=None):
         flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
         flat_hidden @ weight.T  # (N, V) logits
+        if weight_q is not None:
+            hidden_q.reshape(-1, hidden_q.shape[-1]) @ weight_q.T  # (N, V) the fixed head's logits
         ctx.save_for_backward(flat_hidden, weight, upstream)
         ctx.hidden_shape = hidden.shape
         return hidden.new_zeros(())
@@ -125,16 +150,18 @@ class _BareHeadMatmuls(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _grad):
         flat_hidden, weight, upstream = ctx.saved_tensors
-        return (upstream @ weight).reshape(ctx.hidden_shape), upstream.T @ flat_hidden, None
+        return (upstream @ weight).reshape(ctx.hidden_shape), upstream.T @ flat_hidden, None, None, None
 
 
 def step_gemm(inputs):
-    """The 6*N*H*V FLOPs of any LM-head loss's step, measured: the bound the others are compared with."""
+    """The 2*N*H*V FLOPs per head matmul of any LM-head loss's step, measured: the bound the others are compared
+    with."""
     hidden, weight = inputs["hidden"], inputs["weight"]
     if "gemm_upstream" not in inputs:  # allocated in the warm-up step, like the inputs
         inputs["gemm_upstream"] = torch.full((hidden.shape[0] * hidden.shape[1], weight.shape[0]), 1e-6,
                                              dtype=hidden.dtype, device=hidden.device)
-    return _BareHeadMatmuls.apply(hidden, weight, inputs["gemm_upstream"])
+    return _BareHeadMatmuls.apply(hidden, weight, inputs["gemm_upstream"], inputs.get("hidden_q"),
+                                  inputs.get("weight_q"))
 
 
 def step_torch_chunked(inputs):
@@ -185,8 +212,42 @@ def step_logitless(inputs):
     return loss
 
 
-STEPS = {"materialized": step_materialized, "materialized_minimal": step_materialized_minimal, "gemm": step_gemm,
-         "torch_chunked": step_torch_chunked, "liger": step_liger, "trl": step_trl, "logitless": step_logitless}
+def _materialized_kl_log_probs(inputs):
+    """(B, T, V) log-softmax of the trained head and of the fixed one."""
+    log_p = torch.log_softmax((inputs["hidden"] @ inputs["weight"].T).float() / TEMPERATURE, dim=-1)
+    with torch.no_grad():
+        log_q = torch.log_softmax((inputs["hidden_q"] @ inputs["weight_q"].T).float() / TEMPERATURE, dim=-1)
+    return log_p, log_q
+
+
+def step_kl_materialized(inputs):
+    import torch.nn.functional as F
+
+    log_p, log_q = _materialized_kl_log_probs(inputs)
+    kl = F.kl_div(log_q, log_p, reduction="none", log_target=True).sum(-1)  # (B, T): sum p (log p - log q)
+    return (kl * inputs["completion_mask"]).sum()
+
+
+def step_kl_materialized_minimal(inputs):
+    log_p, log_q = _materialized_kl_log_probs(inputs)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # (B, T)
+    return (kl * inputs["completion_mask"]).sum()
+
+
+def step_kl_logitless(inputs):
+    from logitless.ops.kl import fused_linear_kl
+
+    kl = fused_linear_kl(inputs["hidden"], inputs["weight"], inputs["hidden_q"], inputs["weight_q"],
+                         temperature=TEMPERATURE, mask=inputs["completion_mask"])
+    return kl.sum()
+
+
+STEPS = {
+    "grpo": {"materialized": step_materialized, "materialized_minimal": step_materialized_minimal, "gemm": step_gemm,
+             "torch_chunked": step_torch_chunked, "liger": step_liger, "trl": step_trl, "logitless": step_logitless},
+    "kl": {"materialized": step_kl_materialized, "materialized_minimal": step_kl_materialized_minimal,
+           "gemm": step_gemm, "logitless": step_kl_logitless},
+}
 
 
 def available(implementation: str) -> bool:
@@ -212,7 +273,7 @@ def run_worker(implementation: str, shape: Shape, repeats: int, grads_path: str 
 
     inputs = make_inputs(shape)
     device = inputs["hidden"].device
-    step = STEPS[implementation]
+    step = STEPS[shape.loss][implementation]
 
     def forward_backward():
         inputs["hidden"].grad = inputs["weight"].grad = None
@@ -256,12 +317,12 @@ def run(shape: Shape, implementations=IMPLEMENTATIONS, repeats: int = 3, progres
     from safetensors.torch import load_file
     from tqdm.auto import tqdm
 
-    chosen = [name for name in implementations if available(name)]
+    chosen = [name for name in implementations if name in STEPS[shape.loss] and available(name)]
     for yardstick in ("materialized_minimal", "materialized"):
         if yardstick not in chosen:
             chosen.insert(0, yardstick)
     results = {}
-    flops = 6 * shape.tokens * shape.hidden * shape.vocab  # forward + two backward matmuls over the valid tokens
+    flops = 2 * shape.head_matmuls * shape.tokens * shape.hidden * shape.vocab  # the head's matmuls, valid tokens
     with tempfile.TemporaryDirectory() as scratch:
         for name in tqdm(chosen, desc="bench lmhead", disable=not progress):
             results[name] = _spawn(name, shape, repeats, str(Path(scratch) / f"{name}.safetensors"))
@@ -276,7 +337,7 @@ def run(shape: Shape, implementations=IMPLEMENTATIONS, repeats: int = 3, progres
             result["tokens_per_s"] = shape.tokens / result["time_s"]
             result["tflops"] = flops / result["time_s"] / 1e12
     add_report_ratios(results)
-    return {"shape": asdict(shape), "tokens": shape.tokens, "flops_6NHV": flops, "repeats": repeats,
+    return {"shape": asdict(shape), "tokens": shape.tokens, "flops": flops, "repeats": repeats,
             "torch": torch.__version__, "results": results}
 
 
@@ -296,7 +357,8 @@ def _number(value, width: int, spec: str) -> str:
 
 
 def format_table(report: dict) -> str:
-    lines = [f"GRPO loss fwd+bwd through the LM head, {report['tokens']} valid tokens, shape {report['shape']}",
+    lines = [f"{LOSSES[report['shape']['loss']]} fwd+bwd through the LM head, {report['tokens']} valid tokens, "
+             f"shape {report['shape']}",
              f"{'impl':<21}{'time s':>8}{'x mat':>7}{'x min':>7}{'tok/s':>8}{'bound':>7}{'peak MB':>9}{'x mat':>7}"
              f"{'x min':>7}{'loss diff':>11}{'max|dgrad|':>12}"]
     for name, r in report["results"].items():
@@ -305,7 +367,8 @@ def format_table(report: dict) -> str:
                      f"{format_ratio(r['bound_fraction'], 7)}{r['peak_mb']:>9.0f}{format_ratio(r['peak_ratio'], 7)}"
                      f"{format_ratio(r['peak_ratio_minimal'], 7)}{_number(r['loss_diff'], 11, '.1e')}"
                      f"{_number(r['max_abs_grad_diff'], 12, '.1e')}")
-    lines.append("x mat / x min: ratio to materialized (with the entropy metric) / to materialized_minimal; "
+    materialized = "with the entropy metric" if report["shape"]["loss"] == "grpo" else "F.kl_div"
+    lines.append(f"x mat / x min: ratio to materialized ({materialized}) / to materialized_minimal; "
                  "bound: the bare matmuls' time over this one's")
     return "\n".join(lines)
 
@@ -325,7 +388,7 @@ def plot(report: dict, path: str | Path) -> Path:
         axis.set_title(label + ", x materialized_minimal")
         axis.set_xticks(range(len(names)), names, rotation=30, ha="right")
     s = report["shape"]
-    figure.suptitle(f"GRPO loss fwd+bwd, B={s['batch']} T={s['seq']} H={s['hidden']} V={s['vocab']} "
+    figure.suptitle(f"{LOSSES[s['loss']]} fwd+bwd, B={s['batch']} T={s['seq']} H={s['hidden']} V={s['vocab']} "
                     f"{s['dtype']} {s['device']}, {report['tokens']} valid tokens")
     return save_figure(figure, path)
 
@@ -334,20 +397,26 @@ def add_parser(targets) -> None:
     """Register ``logitless bench lmhead`` on the ``bench`` subparsers."""
     defaults = Shape()
     parser = targets.add_parser(
-        "lmhead", help="GRPO loss fwd+bwd through the LM head: time, peak memory, accuracy",
-        description="The GRPO loss (loss_type grpo, beta 0.04, old and reference log-probs) forward and backward "
-                    "through the LM head, from final hidden states and the output embedding, for each "
-                    "implementation in a fresh process on the same seeded inputs: time per step (median of "
-                    "--repeats), peak memory beyond the inputs, and the loss and gradient differences from the "
-                    "materialized path. Peers that are not installed are skipped.")
+        "lmhead", help="a loss (GRPO, or the KL between two heads) fwd+bwd through the LM head: time, peak memory, "
+                       "accuracy",
+        description="A loss forward and backward through the LM head, from final hidden states and the output "
+                    "embedding, for each implementation in a fresh process on the same seeded inputs: time per "
+                    "step (median of --repeats), peak memory beyond the inputs, and the loss and gradient "
+                    "differences from the materialized path. --loss grpo: TRL's GRPO loss (loss_type grpo, beta "
+                    "0.04, old and reference log-probs); --loss kl: the exact KL(p || q) between the trained head "
+                    "and a fixed one (a reference model's, a teacher's) over the full vocabulary. Peers that are "
+                    "not installed are skipped.")
     add_shape_options(parser, defaults, DTYPES, vocab_help="vocabulary size; Qwen2/2.5's is 151936, Qwen3.5's 248320")
     parser.add_argument("--device", default=defaults.device, help="cpu or cuda[:N] (default: %(default)s)")
     parser.add_argument("--masked-fraction", dest="masked_fraction", type=float, default=defaults.masked_fraction,
                         help="fraction at the end of each completion that is padding, in [0, 1) (default: "
                              "%(default)s, every token valid)")
+    parser.add_argument("--loss", default=defaults.loss, metavar=choices_metavar(LOSSES),
+                        help="the loss: grpo, or kl (whose implementations are "
+                             f"{', '.join(KL_IMPLEMENTATIONS)}) (default: %(default)s)")
     parser.add_argument("--impl", nargs="+", default=list(IMPLEMENTATIONS), metavar=choices_metavar(IMPLEMENTATIONS),
                         help="implementations to compare (both materialized yardsticks always run; peers not "
-                             "installed are skipped) (default: all)")
+                             "installed, or without the chosen loss, are skipped) (default: all)")
     add_report_options(parser)
     parser.set_defaults(handler=run_cli)
 
@@ -356,6 +425,8 @@ def run_cli(args: argparse.Namespace) -> int:
     require_positive(args, ("batch", "seq", "hidden", "vocab", "repeats"))
     if args.dtype not in DTYPES:
         raise SystemExit(f"--dtype: expected one of {sorted(DTYPES)}, got {args.dtype!r}")
+    if args.loss not in LOSSES:
+        raise SystemExit(f"--loss: expected one of {sorted(LOSSES)}, got {args.loss!r}")
     if not 0.0 <= args.masked_fraction < 1.0:
         raise SystemExit(f"--masked-fraction: must lie in [0, 1), got {args.masked_fraction}")
     unknown = sorted(set(args.impl) - set(IMPLEMENTATIONS))
@@ -366,7 +437,8 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device: CUDA is not available on this machine")
     require_writable(args)
-    shape = Shape(args.batch, args.seq, args.hidden, args.vocab, args.dtype, args.device, args.masked_fraction)
+    shape = Shape(args.batch, args.seq, args.hidden, args.vocab, args.dtype, args.device, args.masked_fraction,
+                  args.loss)
     report = run(shape, args.impl, repeats=args.repeats)
     print(format_table(report))
     write_report(report, args.json)
