@@ -36,6 +36,23 @@ def labelled_bars(axis, names: list[str], values: list[float], labels: list[str]
     axis.set_ylim(top=max(values) * 1.18 or 1.0)
 
 
+def ratio_bar_panels(results: dict[str, dict], panels: list[tuple[str, str, float, str, int]], colors: list[str],
+                     title: str, path: str | Path, *, rotate_names: bool = False) -> Path:
+    """A benchmark's bar charts side by side: one panel per ``(key, ratio_key, scale, panel title, decimals)``,
+    a bar per named result (its ``key`` times ``scale``) labelled with its ratio ("n/a" where there is none)."""
+    names = list(results)
+    figure, axes = _pyplot().subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for axis, (key, ratio_key, scale, panel_title, decimals) in zip(axes[0], panels):
+        ratios = [results[name][ratio_key] for name in names]
+        labelled_bars(axis, names, [results[name][key] * scale for name in names],
+                      ["n/a" if r is None else f"{r:.{decimals}f}x" for r in ratios], colors)
+        axis.set_title(panel_title)
+        if rotate_names:
+            axis.set_xticks(range(len(names)), names, rotation=30, ha="right")
+    figure.suptitle(title)
+    return save_figure(figure, path)
+
+
 def plot_curve(values: list[float], path: str | Path, *, title: str, ylabel: str, xlabel: str = "step") -> Path:
     plt = _pyplot()
     figure, axis = plt.subplots(figsize=(6, 3.5))

@@ -29,9 +29,7 @@ def run_trainer_bench(args: argparse.Namespace) -> int:
         raise SystemExit(f"--num-generations: {str(err).partition(': ')[2]} (--completions)") from None
     require_writable(args)
     report = module.run(module.CONFIG(**{name: getattr(args, name) for name in names}))
-    print(module.format_table(report))
-    write_report(report, args.json)
-    return 0
+    return write_report(report, args, module.format_table)
 
 
 def _add_trainer_bench(targets, name: str, summary: str, description: str, completion_length: int,

@@ -20,7 +20,7 @@ import torch
 
 from logitless.bench.options import choices_metavar, require_positive, require_writable, write_report
 from logitless.bench.ratios import add_ratios, format_ratio
-from logitless.bench.worker import run_worker_process, worker_main
+from logitless.bench.worker import run_variants, worker_main
 
 VARIANTS = ("legacy", "efficient")
 METHODS = ("gumbel", "ste")  # ste: GradeConfig(straight_through=True)
@@ -69,13 +69,9 @@ def run_worker(variant: str, _directory: str, config: GradeBenchConfig) -> dict:
 
 
 def run(config: GradeBenchConfig, progress: bool = True) -> dict:
-    from tqdm.auto import tqdm
-
-    results = {}
     with tempfile.TemporaryDirectory() as scratch:
-        for variant in tqdm(VARIANTS, desc="bench grade", disable=not progress):
-            results[variant] = run_worker_process("logitless.bench.grade", ["--worker", variant, "--scratch", scratch,
-                                                                            "--config", json.dumps(asdict(config))])
+        results = run_variants("logitless.bench.grade", VARIANTS, ["--scratch", scratch, "--config",
+                                                                   json.dumps(asdict(config))], "bench grade", progress)
     add_ratios(results, "legacy", time_key="step_s")
     return {"config": asdict(config), "results": results}
 
@@ -127,9 +123,7 @@ def _main(args) -> int:
     require_writable(args, ("json",))
     report = run(GradeBenchConfig(args.steps, args.batch_size, args.max_new_tokens, args.gumbel_topk, args.method,
                                   args.activation_checkpointing))
-    print(format_table(report))
-    write_report(report, args.json)
-    return 0
+    return write_report(report, args, format_table)
 
 
 if __name__ == "__main__":

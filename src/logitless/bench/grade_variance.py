@@ -216,6 +216,4 @@ def _main(args) -> int:
                          f"(batch >= 8 so that GRPO's groups have 2 completions, reference >= {2 * len(PROMPTS)})")
     require_writable(args, ("json",))
     report = run(config)
-    print(format_table(report))
-    write_report(report, args.json)
-    return 0
+    return write_report(report, args, format_table)

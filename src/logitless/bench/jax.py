@@ -199,22 +199,17 @@ def format_table(report: dict) -> str:
 
 
 def plot(report: dict, path: str | Path) -> Path:
-    from logitless.plots import _pyplot, labelled_bars, save_figure
+    from logitless.plots import ratio_bar_panels
 
     names = list(report["results"])
-    panels = [("temp_size_in_bytes", "temp_ratio", 1e-6, "compiled temporaries (MB)", "{:.3f}x")]
+    panels = [("temp_size_in_bytes", "temp_ratio", 1e-6, "compiled temporaries (MB)", 3)]
     if not report["compile_only"]:
-        panels.append(("time_s", "time_ratio", 1.0, "time per step (s, median)", "{:.2f}x"))
-    figure, axes = _pyplot().subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
-    for axis, (key, ratio_key, scale, label, ratio_format) in zip(axes[0], panels):
-        values = [report["results"][n][key] * scale for n in names]
-        labelled_bars(axis, names, values, [ratio_format.format(report["results"][n][ratio_key]) for n in names],
-                      ["#999999" if n == "materialized" else "#4c72b0" for n in names])
-        axis.set_title(label)
+        panels.append(("time_s", "time_ratio", 1.0, "time per step (s, median)", 2))
     s = report["shape"]
-    figure.suptitle(f"JAX GRPO loss value_and_grad\nB={s['batch']} T={s['seq']} H={s['hidden']} V={s['vocab']} "
-                    f"{s['dtype']} ({report['backend']})")
-    return save_figure(figure, path)
+    title = (f"JAX GRPO loss value_and_grad\nB={s['batch']} T={s['seq']} H={s['hidden']} V={s['vocab']} "
+             f"{s['dtype']} ({report['backend']})")
+    return ratio_bar_panels(report["results"], panels, ["#999999" if n == "materialized" else "#4c72b0" for n in names],
+                            title, path)
 
 
 def add_parser(targets) -> None:
@@ -248,11 +243,7 @@ def run_cli(args: argparse.Namespace) -> int:
         raise SystemExit("bench jax: JAX is not installed (pip install 'logitless[jax]')") from None
     shape = Shape(args.batch, args.seq, args.hidden, args.vocab, args.dtype, args.vocab_block)
     report = run(shape, repeats=args.repeats, compile_only=args.compile_only)
-    print(format_table(report))
-    write_report(report, args.json)
-    if args.plot:
-        print(f"wrote {plot(report, args.plot)}")
-    return 0
+    return write_report(report, args, format_table, plot)
 
 
 def _main() -> int:

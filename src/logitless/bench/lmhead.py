@@ -374,23 +374,17 @@ def format_table(report: dict) -> str:
 
 
 def plot(report: dict, path: str | Path) -> Path:
-    from logitless.plots import _pyplot, labelled_bars, save_figure
+    from logitless.plots import ratio_bar_panels
 
     names = list(report["results"])
-    figure, axes = _pyplot().subplots(1, 2, figsize=(11, 3.8))
-    for axis, key, ratio_key, label in ((axes[0], "time_s", "time_ratio_minimal", "time per step (s, median)"),
-                                        (axes[1], "peak_mb", "peak_ratio_minimal", "peak memory beyond inputs (MB)")):
-        values = [report["results"][n][key] for n in names]
-        colors = ["#999999" if n.startswith("materialized") or n == "gemm" else "#4c72b0" for n in names]
-        colors = ["#dd8452" if n == "logitless" else c for n, c in zip(names, colors)]
-        ratios = [report["results"][n][ratio_key] for n in names]
-        labelled_bars(axis, names, values, ["n/a" if r is None else f"{r:.2f}x" for r in ratios], colors)
-        axis.set_title(label + ", x materialized_minimal")
-        axis.set_xticks(range(len(names)), names, rotation=30, ha="right")
+    colors = ["#dd8452" if n == "logitless" else "#999999" if n.startswith("materialized") or n == "gemm"
+              else "#4c72b0" for n in names]
+    panels = [("time_s", "time_ratio_minimal", 1.0, "time per step (s, median), x materialized_minimal", 2),
+              ("peak_mb", "peak_ratio_minimal", 1.0, "peak memory beyond inputs (MB), x materialized_minimal", 2)]
     s = report["shape"]
-    figure.suptitle(f"{LOSSES[s['loss']]} fwd+bwd, B={s['batch']} T={s['seq']} H={s['hidden']} V={s['vocab']} "
-                    f"{s['dtype']} {s['device']}, {report['tokens']} valid tokens")
-    return save_figure(figure, path)
+    title = (f"{LOSSES[s['loss']]} fwd+bwd, B={s['batch']} T={s['seq']} H={s['hidden']} V={s['vocab']} "
+             f"{s['dtype']} {s['device']}, {report['tokens']} valid tokens")
+    return ratio_bar_panels(report["results"], panels, colors, title, path, rotate_names=True)
 
 
 def add_parser(targets) -> None:
@@ -440,11 +434,7 @@ def run_cli(args: argparse.Namespace) -> int:
     shape = Shape(args.batch, args.seq, args.hidden, args.vocab, args.dtype, args.device, args.masked_fraction,
                   args.loss)
     report = run(shape, args.impl, repeats=args.repeats)
-    print(format_table(report))
-    write_report(report, args.json)
-    if args.plot:
-        print(f"wrote {plot(report, args.plot)}")
-    return 0
+    return write_report(report, args, format_table, plot)
 
 
 def _main() -> int:

@@ -32,10 +32,16 @@ def require_writable(args: argparse.Namespace, names=("json", "plot")) -> None:
                 raise SystemExit(f"--{name}: cannot write {path}: {err.strerror or err}") from None
 
 
-def write_report(report: dict, json_path: str | None) -> None:
-    if json_path:
-        Path(json_path).write_text(json.dumps(report, indent=2))
-        print(f"wrote {json_path}")
+def write_report(report: dict, args: argparse.Namespace, format_table, plot=None) -> int:
+    """A benchmark's ending: its table printed, the report written to ``--json`` and drawn by ``plot`` to
+    ``--plot`` (where given); the command's exit status."""
+    print(format_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    if plot is not None and args.plot:
+        print(f"wrote {plot(report, args.plot)}")
+    return 0
 
 
 def choices_metavar(choices) -> str:

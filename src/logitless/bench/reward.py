@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from logitless.bench.ratios import add_ratios, format_ratio
-from logitless.bench.worker import run_worker_process, worker_main
+from logitless.bench.worker import run_variants, worker_main
 
 VARIANTS = ("fallback", "logits")
 
@@ -92,17 +92,12 @@ def run_worker(variant: str, policy_dir: str, config: RewardBenchConfig) -> dict
 
 
 def run(config: RewardBenchConfig, progress: bool = True) -> dict:
-    from tqdm.auto import tqdm
-
     from logitless.multichoice.warm_start import warm_start_policy
 
-    results = {}
     with tempfile.TemporaryDirectory() as scratch:
         _, policy_dir = warm_start_policy(scratch, steps=config.warm_start_steps, progress=False)
-        for variant in tqdm(VARIANTS, desc="bench reward", disable=not progress):
-            results[variant] = run_worker_process(
-                "logitless.bench.reward", ["--worker", variant, "--policy-dir", str(policy_dir),
-                                           "--config", json.dumps(asdict(config))])
+        results = run_variants("logitless.bench.reward", VARIANTS, ["--policy-dir", str(policy_dir), "--config",
+                                                                    json.dumps(asdict(config))], "bench reward", progress)
     add_ratios(results, "fallback", time_key="reward_time_s")
     return {"config": asdict(config), "results": results}
 

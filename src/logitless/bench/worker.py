@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 
 def run_worker_process(module: str, arguments: list[str]) -> dict:
@@ -21,6 +21,15 @@ def run_worker_process(module: str, arguments: list[str]) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"{module} {' '.join(arguments[:2])} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_variants(module: str, variants: Iterable[str], arguments: list[str], desc: str, progress: bool = True) -> dict:
+    """{variant: result} of ``python -m MODULE --worker VARIANT ARGUMENTS...``, one fresh process after another,
+    under a progress bar."""
+    from tqdm.auto import tqdm
+
+    return {variant: run_worker_process(module, ["--worker", variant, *arguments])
+            for variant in tqdm(list(variants), desc=desc, disable=not progress)}
 
 
 def worker_main(run_worker: Callable, config_class, choices: tuple[str, ...], directory_flag: str) -> int:

@@ -9,6 +9,7 @@ import torch
 
 from logitless.grade.soft_tokens import TokenEmbedding
 from logitless.hf import lm_head_of, model_body
+from logitless.ops.blocks import BlockSizes
 from logitless.ops.head import LinearHead
 from logitless.ops.kl import heads_kl
 
@@ -57,9 +58,9 @@ class CausalLMParts:
         return self.head.gathered_logits(hidden, indices)
 
     def kl_to(self, hidden: torch.Tensor, reference: CausalLMParts, reference_hidden: torch.Tensor,
-              chunk_size: int | None = None) -> torch.Tensor:
+              block_sizes: BlockSizes | None = None) -> torch.Tensor:
         """Per-row exact KL(self || reference) of the next-token distributions: (..., H), (..., H_ref) -> (...) fp32."""
         leading = hidden.shape[:-1]
         kl = heads_kl(hidden.reshape(-1, hidden.shape[-1]), self.head,
-                      reference_hidden.reshape(-1, reference_hidden.shape[-1]), reference.head, chunk_size=chunk_size)
+                      reference_hidden.reshape(-1, reference_hidden.shape[-1]), reference.head, block_sizes=block_sizes)
         return kl.reshape(leading)

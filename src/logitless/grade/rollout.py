@@ -27,12 +27,13 @@ import torch
 from logitless.grade.parts import CausalLMParts
 from logitless.grade.soft_tokens import PromptBatch, SoftTokens
 from logitless.grade.steppers import CachedStepper
+from logitless.ops.blocks import BlockSizes
 from logitless.ops.gumbel import gumbel_noise, perturbed_topk, relaxed_weights
 
 
-# Rows per chunk of the rollout's KL: each chunk streams both LM heads once and holds a few
-# (rows, V) fp32 blocks (64 rows x 151,936 = 39 MB each).
-KL_CHUNK_ROWS = 64
+# The rollout's KL takes 64 tokens per row chunk: each chunk streams both LM heads once and holds a few
+# (tokens, vocab) fp32 blocks (64 x 151,936 = 39 MB each at the default vocabulary block).
+KL_BLOCK_SIZES = BlockSizes(tokens=64)
 
 
 @dataclass
@@ -95,7 +96,7 @@ def sparse_rollout(policy: CausalLMParts, reference: CausalLMParts, prompt: Prom
     completion = SoftTokens(torch.stack(weights, dim=1), torch.stack(indices, dim=1))
     # every step's exact KL in one chunked pass over the (B, T) final hidden states of both models
     kl = policy.kl_to(torch.stack(hiddens, dim=1), reference, torch.stack(reference_hiddens, dim=1),
-                      chunk_size=KL_CHUNK_ROWS)  # (B, T)
+                      block_sizes=KL_BLOCK_SIZES)  # (B, T)
     return Rollout(completion, kl.sum(dim=1), float(tail_mass) / steps, float(top_weight) / steps)
 
 

@@ -132,6 +132,14 @@ def kl_block_logits_grad(head_p: LinearHead, logits_p: torch.Tensor, logits_q: t
 if triton is not None:
 
     @triton.jit
+    def _grad_tile(num_rows, num_columns, BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr):
+        """This program's tile of a gradient kernel's 2-D grid: (rows, cols, rows in bounds, tile in bounds)."""
+        rows = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+        cols = tl.program_id(1) * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB)
+        in_rows = rows < num_rows
+        return rows, cols, in_rows, in_rows[:, None] & (cols[None, :] < num_columns)
+
+    @triton.jit
     def _update_stats_kernel(
         logits_ptr, num_rows, num_columns, row_stride,  # the block (n, c), fp32
         targets_ptr, start,  # (n,) target ids; the block's first column
@@ -202,10 +210,7 @@ if triton is not None:
         HAS_SOFTCAP: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
     ):
         # grad = onehot * g_lp - p * (g_lp + g_m + g_H * (z - E_p[z])) + g_m / V, times the soft cap's slope
-        rows = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
-        cols = tl.program_id(1) * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB)
-        in_rows = rows < num_rows
-        tile = in_rows[:, None] & (cols[None, :] < num_columns)
+        rows, cols, in_rows, tile = _grad_tile(num_rows, num_columns, BLOCK_TOKENS, BLOCK_VOCAB)
         pointers = logits_ptr + rows.to(tl.int64)[:, None] * row_stride + cols[None, :]
         z = tl.load(pointers, mask=tile, other=0.0)
         probs = tl.exp(z - tl.load(lse_ptr + rows, mask=in_rows, other=0.0)[:, None])
@@ -293,10 +298,7 @@ if triton is not None:
         HAS_SOFTCAP: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
     ):
         # grad = row_grad * p * (log p - log q - KL), 0 where p = 0, times the soft cap's slope
-        rows = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
-        cols = tl.program_id(1) * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB)
-        in_rows = rows < num_rows
-        tile = in_rows[:, None] & (cols[None, :] < num_columns)
+        rows, cols, in_rows, tile = _grad_tile(num_rows, num_columns, BLOCK_TOKENS, BLOCK_VOCAB)
         p_pointers = p_ptr + rows.to(tl.int64)[:, None] * p_row_stride + cols[None, :]
         z_p = tl.load(p_pointers, mask=tile, other=0.0)
         z_q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * q_row_stride + cols[None, :], mask=tile, other=0.0)
