@@ -6,8 +6,9 @@ Per-device defaults (`default_block_sizes`), sized by the bytes of one block's f
 * Two passes: a block holds up to 16 MB on a CPU (its last-level cache holds tens of MB) and 256 MB
   on a GPU (which wants matmuls of thousands of rows and columns). All tokens go in one row chunk
   when that leaves blocks at least 256 vocabulary entries wide; otherwise fewer tokens per chunk.
-* One pass (CPU, fp32 weights, a loss known at forward time): a row chunk keeps 128 MB of logits
-  (about 200 tokens at a 151k vocabulary), folded in blocks of 4096 vocabulary entries.
+* One pass (CPU, fp32 weights, a loss known at forward time): a row chunk keeps up to 112 MB of
+  logits (192 tokens at a 151k vocabulary), folded in blocks of 4096 vocabulary entries; the tokens
+  are split into chunks of equal size (a multiple of 16), so that no small last chunk runs thin matmuls.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from logitless.ops.head import LinearHead, stat_dtype
 
 BLOCK_BYTES = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}  # two passes: one block's logits
 MIN_VOCAB_BLOCK = 256  # blocks narrower than this make thin matmuls: take fewer tokens per chunk instead
-CHUNK_BYTES = 128 * 2**20  # one pass: the logits a row chunk keeps
+CHUNK_BYTES = 112 * 2**20  # one pass: the most logits a row chunk keeps
 SINGLE_PASS_VOCAB_BLOCK = 4096
 SINGLE_PASS_DEVICES = ("cpu",)  # measured faster there; GPUs keep the two passes, as TRL's head does
 
@@ -69,7 +70,9 @@ def default_block_sizes(device: torch.device | str, dtype: torch.dtype, *, num_t
     device_type = torch.device(device).type
     logit_bytes = torch.finfo(stat_dtype(dtype)).bits // 8
     if single_pass:
-        tokens = tokens or max(16, CHUNK_BYTES // (logit_bytes * vocab_size) // 16 * 16)
+        most = max(16, CHUNK_BYTES // (logit_bytes * vocab_size) // 16 * 16)
+        equal_share = -(-num_tokens // max(1, -(-num_tokens // most)))  # ceil(N / number of chunks)
+        tokens = tokens or min(most, -(-equal_share // 16) * 16)
         vocab = SINGLE_PASS_VOCAB_BLOCK
     else:
         budget = BLOCK_BYTES.get(device_type, BLOCK_BYTES["cuda"])
