@@ -2,7 +2,9 @@
 checkpoint, and how to resume; exit status 130 or 143, no traceback.
 
 A recipe reports where it is with `track` (its run directory and step count) and `step_done`; the
-command line catches the interrupt (`interrupted`) and writes `summary`.
+command line catches the interrupt and writes `summary`. An interrupt raised while Python runs a
+finalizer or a library's catch-all is lost ("Exception ignored in ..."), and the run would go on to its
+end; the signal is remembered, so `step_done` raises it again at the end of that step.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class _Progress:
 
 
 _progress = _Progress()
+_requested: type[BaseException] | None = None  # the interrupt a signal raised in this command, if any
 
 
 def track(label: str, run_dir: str | Path, done: int, steps: int) -> None:
@@ -38,19 +41,26 @@ def track(label: str, run_dir: str | Path, done: int, steps: int) -> None:
 
 
 def step_done(done: int) -> None:
+    """A step finished: ``done`` steps are. Raises the interrupt a signal asked for, if it was lost on the way."""
     _progress.done = done
+    if _requested is not None:
+        raise _requested()
 
 
-def _raise_terminated(signum, frame):
-    raise Terminated()
+def _raise_interrupt(signum, frame):
+    global _requested
+    _requested = Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+    raise _requested()
 
 
 def begin_command() -> None:
-    """A command starts: no run is training yet (whatever an earlier command in this process reported), and
-    SIGTERM raises `Terminated` in the main thread (by default it ends the process without a word)."""
-    global _progress
-    _progress = _Progress()
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    """A command starts: no run is training yet (whatever an earlier command in this process reported), no
+    interrupt is pending, and SIGINT and SIGTERM raise KeyboardInterrupt and `Terminated` in the main thread
+    (by default SIGTERM ends the process without a word)."""
+    global _progress, _requested
+    _progress, _requested = _Progress(), None
+    signal.signal(signal.SIGINT, _raise_interrupt)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
 
 
 def close_progress_bars() -> None:
