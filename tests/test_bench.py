@@ -11,7 +11,7 @@ def test_bench_lmhead_small_shape(tmp_path, capsys):
                  "--masked-fraction", "0.25", "--json", str(out_json), "--plot", str(out_png)]) == 0
     report = json.loads(out_json.read_text())
     assert report["shape"] == {"batch": 2, "seq": 16, "hidden": 8, "vocab": 1009, "dtype": "float32", "device": "cpu",
-                               "masked_fraction": 0.25, "loss": "grpo"}
+                               "masked_fraction": 0.25, "loss": "grpo", "block_tokens": None}
     assert report["tokens"] == 24 and report["flops"] == 6 * 24 * 8 * 1009
     assert set(report["results"]) == {"materialized", "materialized_minimal", "gemm", "torch_chunked", "liger", "trl",
                                       "logitless"}
@@ -28,7 +28,7 @@ def test_bench_lmhead_small_shape(tmp_path, capsys):
 def test_bench_lmhead_kl(tmp_path, capsys):
     out_json = tmp_path / "kl.json"
     assert main(["bench", "lmhead", "--loss", "kl", "-B", "2", "-T", "16", "-H", "8", "-V", "1009", "--repeats", "1",
-                 "--masked-fraction", "0.25", "--json", str(out_json)]) == 0
+                 "--masked-fraction", "0.25", "--block-tokens", "5", "--json", str(out_json)]) == 0
     report = json.loads(out_json.read_text())
     assert report["flops"] == 8 * 24 * 8 * 1009  # two heads' logits, grad hidden, grad weight
     assert set(report["results"]) == {"materialized", "materialized_minimal", "gemm", "logitless"}
@@ -41,6 +41,7 @@ def test_bench_lmhead_kl(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, match", [
     (["--loss", "ce"], "--loss: expected one of"),
+    (["--block-tokens", "0"], "--block-tokens"),
     (["--dtype", "float16"], "--dtype"),
     (["--impl", "mine"], "--impl"),
     (["-B", "0"], "--batch"),

@@ -155,13 +155,13 @@ def test_default_block_sizes_per_device():
     # two passes: all 1024 tokens in one chunk, blocks of 16 MB (CPU) or 256 MB (GPU) of fp32 logits
     assert default_block_sizes("cpu", torch.float32, num_tokens=1024, vocab_size=vocab) == BlockSizes(1024, 4096)
     assert default_block_sizes("cuda", torch.bfloat16, num_tokens=1024, vocab_size=vocab) == BlockSizes(1024, 65536)
-    # one pass: a chunk keeps at most 112 MB of logits (192 tokens), in blocks of 4096 entries; the tokens go in
-    # chunks of equal size, a multiple of 16 (1024 = 5 x 176 + 144, not 5 x 192 + 64)
+    # one pass: a chunk keeps at most 112 MB of logits (193 tokens), in blocks of 4096 entries; the tokens go in
+    # chunks of equal size (1024 = 5 x 171 + 169, not 5 x 193 + 59)
     assert default_block_sizes("cpu", torch.float32, num_tokens=1024, vocab_size=vocab,
-                               single_pass=True) == BlockSizes(176, 4096)
-    assert default_block_sizes("cpu", torch.float32, num_tokens=384, vocab_size=vocab,
-                               single_pass=True) == BlockSizes(192, 4096)
+                               single_pass=True) == BlockSizes(171, 4096)
+    assert default_block_sizes("cpu", torch.float32, num_tokens=386, vocab_size=vocab,
+                               single_pass=True) == BlockSizes(193, 4096)
     assert default_block_sizes("cpu", torch.float32, num_tokens=200, vocab_size=vocab,
-                               single_pass=True) == BlockSizes(112, 4096)
+                               single_pass=True) == BlockSizes(100, 4096)
     # never more than there is
     assert default_block_sizes("cpu", torch.float32, num_tokens=3, vocab_size=100) == BlockSizes(3, 100)

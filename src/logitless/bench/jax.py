@@ -28,10 +28,11 @@ from pathlib import Path
 
 from logitless.bench.options import (add_report_options, add_shape_options, require_positive, require_writable,
                                      write_report)
+from logitless.ops.grpo_settings import GRPOSettings
 
 IMPLEMENTATIONS = ("materialized", "fused")
 DTYPES = ("float32", "bfloat16")
-BETA = 0.04
+SETTINGS = GRPOSettings(loss_type="grpo", beta=0.04)  # the GRPO loss both implementations compute
 MEMORY_FIELDS = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes")
 
 
@@ -87,7 +88,7 @@ def compile_step(impl: str, shape: Shape):
 
     def loss(hidden, weight, completion_ids, completion_mask, advantages, old_logprobs, ref_logprobs):
         value, _ = fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages,
-                                   old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, beta=BETA, impl=impl,
+                                   old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, settings=SETTINGS, impl=impl,
                                    block_sizes=blocks if impl == "fused" else None)
         return value
 

@@ -49,11 +49,14 @@ from logitless.bench.options import (add_report_options, add_shape_options, choi
                                      require_writable, write_report)
 from logitless.bench.ratios import add_ratios, format_ratio, ratio
 from logitless.bench.worker import run_worker_process
+from logitless.ops.blocks import BlockSizes
+from logitless.ops.grpo_settings import GRPOSettings
 
 IMPLEMENTATIONS = ("materialized", "materialized_minimal", "gemm", "torch_chunked", "liger", "trl", "logitless")
 KL_IMPLEMENTATIONS = ("materialized", "materialized_minimal", "gemm", "logitless")
 LOSSES = {"grpo": "GRPO loss", "kl": "KL(p || q)"}
-BETA, TEMPERATURE = 0.04, 1.0
+TEMPERATURE = 1.0
+SETTINGS = GRPOSettings(loss_type="grpo", beta=0.04)  # the GRPO loss every implementation computes
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -67,6 +70,7 @@ class Shape:
     device: str = "cpu"
     masked_fraction: float = 0.0  # the end of each completion that is padding
     loss: str = "grpo"  # a key of LOSSES
+    block_tokens: int | None = None  # logitless's tokens per row chunk (BlockSizes.tokens); None: its default
 
     @property
     def tokens(self) -> int:
@@ -94,7 +98,8 @@ def make_inputs(shape: Shape) -> dict:
                   weight=randn(shape.vocab, shape.hidden, scale=0.02).requires_grad_(),
                   completion_ids=ids, completion_mask=mask,
                   advantages=torch.randn(shape.batch, generator=generator).to(device),
-                  old_logprobs=base + 0.05 * per_token[0], ref_logprobs=base + 0.05 * per_token[1])
+                  old_logprobs=base + 0.05 * per_token[0], ref_logprobs=base + 0.05 * per_token[1],
+                  block_sizes=BlockSizes(tokens=shape.block_tokens))
     if shape.loss == "kl":  # the fixed head: a reference model or a teacher
         inputs.update(hidden_q=randn(shape.batch, shape.seq, shape.hidden, scale=0.5),
                       weight_q=randn(shape.vocab, shape.hidden, scale=0.02))
@@ -104,12 +109,10 @@ def make_inputs(shape: Shape) -> dict:
 def _grpo_from_log_probs(log_probs, inputs):
     """TRL's GRPO loss (grpo normalization) on (B, T) log-probs: the same code for every implementation."""
     from logitless.ops.grpo import token_objective, token_weights
-    from logitless.ops.grpo_settings import GRPOSettings
 
-    settings = GRPOSettings(beta=BETA)
     parts = token_objective(log_probs, inputs["advantages"][:, None], inputs["old_logprobs"], inputs["ref_logprobs"],
-                            settings)
-    weights = token_weights(inputs["completion_mask"].bool(), settings)
+                            SETTINGS)
+    weights = token_weights(inputs["completion_mask"].bool(), SETTINGS)
     return (parts[0] * weights).sum()
 
 
@@ -179,8 +182,8 @@ def step_torch_chunked(inputs):
 def step_liger(inputs):
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
-    module = LigerFusedLinearGRPOLoss(beta=BETA, compiled=inputs["hidden"].is_cuda, use_ref_model=True,
-                                      loss_type="grpo", temperature=TEMPERATURE)
+    module = LigerFusedLinearGRPOLoss(beta=SETTINGS.beta, compiled=inputs["hidden"].is_cuda, use_ref_model=True,
+                                      loss_type=SETTINGS.loss_type, temperature=TEMPERATURE)
     loss, _ = module(inputs["hidden"], inputs["weight"], inputs["completion_ids"], inputs["completion_mask"],
                      inputs["advantages"], ref_per_token_logps=inputs["ref_logprobs"],
                      old_per_token_logps=inputs["old_logprobs"])
@@ -208,7 +211,8 @@ def step_logitless(inputs):
 
     loss, _ = fused_grpo_loss(inputs["hidden"], inputs["weight"], inputs["completion_ids"], inputs["completion_mask"],
                               inputs["advantages"], old_logprobs=inputs["old_logprobs"],
-                              ref_logprobs=inputs["ref_logprobs"], beta=BETA, temperature=TEMPERATURE)
+                              ref_logprobs=inputs["ref_logprobs"], settings=SETTINGS, temperature=TEMPERATURE,
+                              block_sizes=inputs["block_sizes"])
     return loss
 
 
@@ -238,7 +242,7 @@ def step_kl_logitless(inputs):
     from logitless.ops.kl import fused_linear_kl
 
     kl = fused_linear_kl(inputs["hidden"], inputs["weight"], inputs["hidden_q"], inputs["weight_q"],
-                         temperature=TEMPERATURE, mask=inputs["completion_mask"])
+                         temperature=TEMPERATURE, mask=inputs["completion_mask"], block_sizes=inputs["block_sizes"])
     return kl.sum()
 
 
@@ -408,6 +412,9 @@ def add_parser(targets) -> None:
     parser.add_argument("--loss", default=defaults.loss, metavar=choices_metavar(LOSSES),
                         help="the loss: grpo, or kl (whose implementations are "
                              f"{', '.join(KL_IMPLEMENTATIONS)}) (default: %(default)s)")
+    parser.add_argument("--block-tokens", dest="block_tokens", type=int, default=None,
+                        help="tokens per row chunk of logitless's blocks (BlockSizes.tokens): more is faster on a "
+                             "CPU and keeps more logits (default: the per-device default)")
     parser.add_argument("--impl", nargs="+", default=list(IMPLEMENTATIONS), metavar=choices_metavar(IMPLEMENTATIONS),
                         help="implementations to compare (both materialized yardsticks always run; peers not "
                              "installed, or without the chosen loss, are skipped) (default: all)")
@@ -416,7 +423,7 @@ def add_parser(targets) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    require_positive(args, ("batch", "seq", "hidden", "vocab", "repeats"))
+    require_positive(args, ("batch", "seq", "hidden", "vocab", "repeats", "block_tokens"))
     if args.dtype not in DTYPES:
         raise SystemExit(f"--dtype: expected one of {sorted(DTYPES)}, got {args.dtype!r}")
     if args.loss not in LOSSES:
@@ -432,7 +439,7 @@ def run_cli(args: argparse.Namespace) -> int:
         raise SystemExit("--device: CUDA is not available on this machine")
     require_writable(args)
     shape = Shape(args.batch, args.seq, args.hidden, args.vocab, args.dtype, args.device, args.masked_fraction,
-                  args.loss)
+                  args.loss, args.block_tokens)
     report = run(shape, args.impl, repeats=args.repeats)
     return write_report(report, args, format_table, plot)
 

@@ -7,8 +7,8 @@ Per-device defaults (`default_block_sizes`), sized by the bytes of one block's f
   on a GPU (which wants matmuls of thousands of rows and columns). All tokens go in one row chunk
   when that leaves blocks at least 256 vocabulary entries wide; otherwise fewer tokens per chunk.
 * One pass (CPU, fp32 weights, a loss known at forward time): a row chunk keeps up to 112 MB of
-  logits (192 tokens at a 151k vocabulary), folded in blocks of 4096 vocabulary entries; the tokens
-  are split into chunks of equal size (a multiple of 16), so that no small last chunk runs thin matmuls.
+  logits (193 tokens at a 151k vocabulary), folded in blocks of 4096 vocabulary entries; the tokens
+  are split into chunks of equal size, so that no small last chunk runs thin matmuls.
 """
 
 from __future__ import annotations
@@ -70,9 +70,8 @@ def default_block_sizes(device: torch.device | str, dtype: torch.dtype, *, num_t
     device_type = torch.device(device).type
     logit_bytes = torch.finfo(stat_dtype(dtype)).bits // 8
     if single_pass:
-        most = max(16, CHUNK_BYTES // (logit_bytes * vocab_size) // 16 * 16)
-        equal_share = -(-num_tokens // max(1, -(-num_tokens // most)))  # ceil(N / number of chunks)
-        tokens = tokens or min(most, -(-equal_share // 16) * 16)
+        most = max(16, CHUNK_BYTES // (logit_bytes * vocab_size))
+        tokens = tokens or -(-num_tokens // max(1, -(-num_tokens // most)))  # ceil(N / number of chunks)
         vocab = SINGLE_PASS_VOCAB_BLOCK
     else:
         budget = BLOCK_BYTES.get(device_type, BLOCK_BYTES["cuda"])
