@@ -156,7 +156,11 @@ def test_default_block_sizes_per_device():
     assert default_block_sizes("cpu", torch.float32, num_tokens=1024, vocab_size=vocab) == BlockSizes(1024, 4096)
     assert default_block_sizes("cuda", torch.bfloat16, num_tokens=1024, vocab_size=vocab) == BlockSizes(1024, 65536)
     # one pass: a chunk keeps at most 112 MB of logits (193 tokens), in blocks of 4096 entries; the tokens go in
-    # chunks of equal size (1024 = 5 x 171 + 169, not 5 x 193 + 59)
+    # chunks of equal size (1024 = 5 x 171 + 169, not 5 x 193 + 59); at a larger vocabulary still 192 tokens
+    assert default_block_sizes("cpu", torch.float32, num_tokens=1024, vocab_size=248320,
+                               single_pass=True) == BlockSizes(171, 4096)
+    assert default_block_sizes("cpu", torch.float32, num_tokens=1024, vocab_size=32000,
+                               single_pass=True) == BlockSizes(1024 // 2, 4096)  # 917 at most: 2 chunks
     assert default_block_sizes("cpu", torch.float32, num_tokens=1024, vocab_size=vocab,
                                single_pass=True) == BlockSizes(171, 4096)
     assert default_block_sizes("cpu", torch.float32, num_tokens=386, vocab_size=vocab,

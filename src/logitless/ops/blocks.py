@@ -6,9 +6,11 @@ Per-device defaults (`default_block_sizes`), sized by the bytes of one block's f
 * Two passes: a block holds up to 16 MB on a CPU (its last-level cache holds tens of MB) and 256 MB
   on a GPU (which wants matmuls of thousands of rows and columns). All tokens go in one row chunk
   when that leaves blocks at least 256 vocabulary entries wide; otherwise fewer tokens per chunk.
-* One pass (CPU, fp32 weights, a loss known at forward time): a row chunk keeps up to 112 MB of
-  logits (193 tokens at a 151k vocabulary), folded in blocks of 4096 vocabulary entries; the tokens
-  are split into chunks of equal size, so that no small last chunk runs thin matmuls.
+* One pass (CPU, fp32 weights, a loss known at forward time): a row chunk keeps the logits of up to
+  192 tokens, or of as many as 112 MB holds where that is more (193 tokens at a 151k vocabulary, 917
+  at 32k), folded in blocks of 4096 vocabulary entries; fewer tokens make thinner, slower matmuls,
+  and 192 tokens' logits stay under a tenth of what a materialized step holds for 1024 tokens. The
+  tokens are split into chunks of equal size, so that no small last chunk runs thin matmuls.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from logitless.ops.head import LinearHead, stat_dtype
 
 BLOCK_BYTES = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}  # two passes: one block's logits
 MIN_VOCAB_BLOCK = 256  # blocks narrower than this make thin matmuls: take fewer tokens per chunk instead
-CHUNK_BYTES = 112 * 2**20  # one pass: the most logits a row chunk keeps
+CHUNK_BYTES = 112 * 2**20  # one pass: a row chunk keeps this many bytes of logits...
+CHUNK_TOKENS = 192  # ...or this many tokens' logits where that is more
 SINGLE_PASS_VOCAB_BLOCK = 4096
 SINGLE_PASS_DEVICES = ("cpu",)  # measured faster there; GPUs keep the two passes, as TRL's head does
 
@@ -70,7 +73,7 @@ def default_block_sizes(device: torch.device | str, dtype: torch.dtype, *, num_t
     device_type = torch.device(device).type
     logit_bytes = torch.finfo(stat_dtype(dtype)).bits // 8
     if single_pass:
-        most = max(16, CHUNK_BYTES // (logit_bytes * vocab_size))
+        most = max(CHUNK_TOKENS, CHUNK_BYTES // (logit_bytes * vocab_size))
         tokens = tokens or -(-num_tokens // max(1, -(-num_tokens // most)))  # ceil(N / number of chunks)
         vocab = SINGLE_PASS_VOCAB_BLOCK
     else:
