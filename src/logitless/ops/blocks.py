@@ -74,7 +74,8 @@ def default_block_sizes(device: torch.device | str, dtype: torch.dtype, *, num_t
     logit_bytes = torch.finfo(stat_dtype(dtype)).bits // 8
     if single_pass:
         most = max(CHUNK_TOKENS, CHUNK_BYTES // (logit_bytes * vocab_size))
-        tokens = tokens or -(-num_tokens // max(1, -(-num_tokens // most)))  # ceil(N / number of chunks)
+        num_chunks = max(1, -(-num_tokens // most))
+        tokens = tokens or -(-num_tokens // num_chunks)  # chunks of equal size
         vocab = SINGLE_PASS_VOCAB_BLOCK
     else:
         budget = BLOCK_BYTES.get(device_type, BLOCK_BYTES["cuda"])
