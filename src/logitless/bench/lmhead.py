@@ -45,8 +45,8 @@ from pathlib import Path
 
 import torch
 
-from logitless.bench.options import (add_report_options, add_shape_options, choices_metavar, require_positive,
-                                     require_writable, write_report)
+from logitless.bench.options import (add_device_option, add_report_options, add_shape_options, choices_metavar,
+                                     require_device, require_positive, require_writable, write_report)
 from logitless.bench.ratios import add_ratios, format_ratio, ratio
 from logitless.bench.worker import run_worker_process
 from logitless.ops.blocks import BlockSizes
@@ -405,7 +405,7 @@ def add_parser(targets) -> None:
                     "and a fixed one (a reference model's, a teacher's) over the full vocabulary. Peers that are "
                     "not installed are skipped.")
     add_shape_options(parser, defaults, DTYPES, vocab_help="vocabulary size; Qwen2/2.5's is 151936, Qwen3.5's 248320")
-    parser.add_argument("--device", default=defaults.device, help="cpu or cuda[:N] (default: %(default)s)")
+    add_device_option(parser)
     parser.add_argument("--masked-fraction", dest="masked_fraction", type=float, default=defaults.masked_fraction,
                         help="fraction at the end of each completion that is padding, in [0, 1) (default: "
                              "%(default)s, every token valid)")
@@ -433,10 +433,7 @@ def run_cli(args: argparse.Namespace) -> int:
     unknown = sorted(set(args.impl) - set(IMPLEMENTATIONS))
     if unknown:
         raise SystemExit(f"--impl: unknown {unknown}; choose from {list(IMPLEMENTATIONS)}")
-    if not (args.device == "cpu" or args.device.startswith("cuda")):
-        raise SystemExit(f"--device: expected cpu or cuda[:N], got {args.device!r}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("--device: CUDA is not available on this machine")
+    require_device(args)
     require_writable(args)
     shape = Shape(args.batch, args.seq, args.hidden, args.vocab, args.dtype, args.device, args.masked_fraction,
                   args.loss, args.block_tokens)

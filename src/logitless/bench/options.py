@@ -32,6 +32,46 @@ def require_writable(args: argparse.Namespace, names=("json", "plot")) -> None:
                 raise SystemExit(f"--{name}: cannot write {path}: {err.strerror or err}") from None
 
 
+def add_device_option(parser, indexed: bool = True) -> None:
+    """--device: cpu or cuda, with a GPU index where ``indexed`` (else the one a trainer picks itself)."""
+    meaning = "cpu or cuda[:N]" if indexed else "cpu or cuda (the trainer's GPU: the first CUDA_VISIBLE_DEVICES names)"
+    parser.add_argument("--device", default="cpu", help=f"{meaning} (default: %(default)s)")
+    parser.set_defaults(device_indexed=indexed)
+
+
+def require_device(args: argparse.Namespace) -> None:
+    """``--device`` (where the command has one) is cpu or cuda (with an index where the command takes one), on a
+    machine with CUDA for the latter."""
+    device = getattr(args, "device", None)
+    if device is None:
+        return
+    indexed = args.device_indexed and device.startswith("cuda:") and device[5:].isdigit()
+    if device not in ("cpu", "cuda") and not indexed:
+        raise SystemExit(f"--device: expected {'cpu or cuda[:N]' if args.device_indexed else 'cpu or cuda'}, "
+                         f"got {device!r}")
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device: CUDA is not available on this machine")
+
+
+def add_model_option(parser) -> None:
+    from logitless.models import EMBEDDED_DEFAULT, EMBEDDED_MODELS
+
+    parser.add_argument("--model", default=EMBEDDED_DEFAULT,
+                        help=f"an embedded model ({', '.join(EMBEDDED_MODELS)}: random weights, the real Qwen "
+                             "vocabulary) or a local model directory (default: %(default)s)")
+
+
+def require_model(args: argparse.Namespace) -> None:
+    """``--model`` is an embedded model's name or an existing directory."""
+    from logitless.models import EMBEDDED_MODELS
+
+    if args.model not in EMBEDDED_MODELS and not Path(args.model).expanduser().is_dir():
+        raise SystemExit(f"--model: {args.model!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}) "
+                         "nor a directory")
+
+
 def write_report(report: dict, args: argparse.Namespace, format_table, plot=None) -> int:
     """A benchmark's ending: its table printed, the report written to ``--json`` and drawn by ``plot`` to
     ``--plot`` (where given); the command's exit status."""
