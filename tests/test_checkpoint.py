@@ -75,6 +75,9 @@ def test_save_checkpoint_publishes_checkpoint_step_and_keeps_the_newest(tmp_path
     with pytest.raises(FileExistsError, match="already holds a complete checkpoint"):  # never replaced
         save_checkpoint(run, 3, model, tokenizer, optimizer, {"step": 99})
     assert load_checkpoint_state(run / "checkpoint-3", restored) == {"step": 3}
+    with pytest.raises(ValueError, match="keep"):  # keep=0 would otherwise keep every checkpoint
+        save_checkpoint(run, 4, model, tokenizer, optimizer, {"step": 4}, keep=0)
+    assert [p.name for p in complete_checkpoints(run)] == ["checkpoint-2", "checkpoint-3"]
 
 
 def test_a_failed_trainer_save_leaves_no_checkpoint_and_the_next_one_succeeds(tmp_path, tokenizer, monkeypatch, caplog):

@@ -76,3 +76,5 @@ def test_batches_cover_the_data_each_pass():
     assert sorted(first_pass) == sorted(e["prompt"] + e["response"] for e in examples)
     with pytest.raises(ValueError, match="batch_size"):
         next(iterate_batches(examples, 0))
+    with pytest.raises(ValueError, match="batch_size: 13 is more than the 12 examples"):  # not an endless wait
+        next(iterate_batches(examples, 13))

@@ -85,8 +85,8 @@ def test_gradcheck_topk_weights_float64():
 @pytest.mark.parametrize("call, message", [
     (lambda z: gumbel_softmax_topk(z, 1.0, 0), "k: expected an int in \\[1, 10\\]"),
     (lambda z: gumbel_softmax_topk(z, 1.0, 11), "k: expected an int in \\[1, 10\\]"),
-    (lambda z: gumbel_softmax_topk(z, 0.0, 3), "tau: must be > 0"),
-    (lambda z: gumbel_softmax_dense(z, -1.0), "tau: must be > 0"),
+    (lambda z: gumbel_softmax_topk(z, 0.0, 3), "tau: expected a finite number > 0"),
+    (lambda z: gumbel_softmax_dense(z, -1.0), "tau: expected a finite number > 0"),
     (lambda z: gumbel_softmax_topk(z, 1.0, 3, noise=torch.zeros(2, 9)), "noise: shape"),
     (lambda z: gumbel_softmax_dense(z.long(), 1.0), "logits: expected a floating-point"),
     (lambda z: sparse_soft_embedding(torch.zeros(10, 4), torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 2)),

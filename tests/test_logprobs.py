@@ -169,3 +169,11 @@ def test_left_padding_with_attention_mask_matches_unpadded_rows(impl):
         batch = get_response_log_probs(model, padded, padded.roll(-1, 1), impl=impl, attention_mask=mask)["log_probs"]
         alone = get_response_log_probs(model, short, padded.roll(-1, 1)[:1, 3:], impl=impl)["log_probs"]
     torch.testing.assert_close(batch[0, 3:], alone[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("impl", ["materialized", "fused"])
+def test_an_infinite_temperature_is_refused_by_every_impl(impl):
+    model = tiny_qwen2(vocab_size=97, hidden_size=8, intermediate_size=16, num_hidden_layers=1, pad_token_id=0)
+    input_ids = torch.randint(1, 97, (1, 5))
+    with pytest.raises(ValueError, match="temperature: expected a finite number > 0, got inf"):
+        get_response_log_probs(model, input_ids, input_ids, impl=impl, temperature=float("inf"))

@@ -29,6 +29,10 @@ def test_stop_or_skip():
     assert torch.equal(model.weight, weight)
     with pytest.raises(ValueError, match="policy"):
         NonFiniteGuard("ignore")
+    model = _model_with_grads(math.nan)
+    with pytest.raises(ValueError, match="policy: expected one of 'stop', 'skip', got 'stpo'"):  # not a silent skip
+        check_step(4, model, policy="stpo")
+    assert all(p.grad is not None for p in model.parameters())
 
 
 def test_the_guard_stops_grpo_on_a_nan_loss(tmp_path, tokenizer, monkeypatch):

@@ -57,14 +57,6 @@ def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int) -> None:
                          f"[{int(ids.min())}, {int(ids.max())}]")
 
 
-def check_positive(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
-    if not value > 0:
-        raise ValueError(f"{name}: must be > 0, got {value}")
-    return float(value)
-
-
 def check_positive_finite(name: str, value) -> float:
     """A finite number > 0 as a float: an LM head's temperature, soft cap or logit scale."""
     return float(check_finite_number(name, value))

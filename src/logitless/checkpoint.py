@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from logitless._checks import check_positive_int
 from logitless.models import save_model_and_tokenizer
 
 RECORD_FILE = "logitless-checkpoint.json"
@@ -160,6 +161,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model, tokenizer, optimizer:
     (`publish_directory`), so it is complete or absent. ``keep``: then only the newest ``keep`` complete
     checkpoints stay (None: every one).
     """
+    if keep is not None:
+        check_positive_int("keep", keep)
     run_dir = Path(run_dir)
     staging = run_dir / CHECKPOINT_STAGING / checkpoint_name(step)
     if staging.exists():

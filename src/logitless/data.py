@@ -112,8 +112,11 @@ def arithmetic_sft_examples(count: int = 256, seed: int = 0) -> list[dict[str, s
 
 
 def iterate_batches(examples: list[dict[str, str]], batch_size: int, seed: int = 0) -> Iterator[list[dict[str, str]]]:
-    """Endless shuffled batches; each pass over the data uses a fresh permutation."""
+    """Endless shuffled batches; each pass over the data uses a fresh permutation (the last ``len(examples) %
+    batch_size`` examples of a pass wait for the next one)."""
     check_positive_int("batch_size", batch_size)
+    if batch_size > len(examples):
+        raise ValueError(f"batch_size: {batch_size} is more than the {len(examples)} examples")
     rng = random.Random(seed)
     while True:
         order = list(range(len(examples)))

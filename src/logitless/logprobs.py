@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from logitless._checks import check_choice, check_positive, check_same_shape, check_tensor, check_token_ids
+from logitless._checks import (check_choice, check_positive_finite, check_same_shape, check_tensor,
+                               check_token_ids)
 from logitless.hf import final_hidden_states, lm_head_of, position_ids_for
 from logitless.ops.fused import head_logprobs
 from logitless.ops.reference import logprobs_from_logits
@@ -33,7 +34,7 @@ def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor,
     if input_ids.numel() == 0:
         raise ValueError(f"input_ids: the batch is empty (shape {tuple(input_ids.shape)}); "
                          "expected at least one sequence of at least one token")
-    temperature = check_positive("temperature", temperature)
+    temperature = check_positive_finite("temperature", temperature)
     if attention_mask is not None:
         check_same_shape("attention_mask", attention_mask, "input_ids", input_ids)
     check_token_ids("input_ids", input_ids, model.get_input_embeddings().weight.shape[0])

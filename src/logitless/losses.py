@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from logitless._checks import (check_choice, check_finite, check_mask, check_positive, check_positive_int,
+from logitless._checks import (check_choice, check_finite, check_mask, check_positive_finite, check_positive_int,
                                check_same_shape, check_tensor)
 from logitless.masked import masked_mean, masked_normalize
 from logitless.ops.grpo import clipped_surrogate
@@ -83,7 +83,7 @@ def compute_grpo_clip_loss(advantages: torch.Tensor, policy_log_probs: torch.Ten
     _check_per_sequence("advantages", advantages, policy_log_probs)
     check_tensor("old_log_probs", old_log_probs, floating=True)
     check_same_shape("old_log_probs", old_log_probs, "policy_log_probs", policy_log_probs)
-    cliprange = check_positive("cliprange", cliprange)
+    cliprange = check_positive_finite("cliprange", cliprange)
     surrogate = clipped_surrogate(policy_log_probs - old_log_probs, advantages, cliprange, cliprange)
     return surrogate.loss, {"clipped": surrogate.clipped}
 

@@ -13,6 +13,8 @@ from collections.abc import Iterable
 import torch
 from transformers import TrainerCallback
 
+from logitless._checks import check_choice
+
 POLICIES = ("stop", "skip")
 
 
@@ -36,6 +38,7 @@ def check_step(step: int, model: torch.nn.Module, losses: Iterable[float] = (), 
                advice: str = "") -> bool:
     """True when step ``step`` (1-based) may be applied; False when it must be skipped (its gradients are
     dropped); raises `NonFiniteError` under ``policy="stop"``. ``advice`` ends the error message."""
+    check_choice("policy", policy, POLICIES)
     reason = nonfinite_reason(model, losses)
     if reason is None:
         return True
@@ -51,9 +54,7 @@ class NonFiniteGuard(TrainerCallback):
     """`check_step` before every optimizer step of a transformers Trainer; ``skipped`` lists the steps skipped."""
 
     def __init__(self, policy: str = "stop", advice: str = ""):
-        if policy not in POLICIES:
-            raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
-        self.policy, self.advice, self.skipped = policy, advice, []
+        self.policy, self.advice, self.skipped = check_choice("policy", policy, POLICIES), advice, []
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         if not check_step(state.global_step + 1, model, policy=self.policy, advice=self.advice):

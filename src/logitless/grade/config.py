@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from logitless._checks import (check_choice, check_finite_numbers, check_positive, check_positive_ints, check_strings,
-                               dataclass_from_dict)
+from logitless._checks import (check_choice, check_finite_numbers, check_positive_finite, check_positive_ints,
+                               check_strings, dataclass_from_dict)
 from logitless.nonfinite import POLICIES
 
 
@@ -48,7 +48,7 @@ class GradeConfig:
             raise ValueError(f"seed: expected an int >= 0, got {self.seed!r}")
         if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise ValueError(f"lora_rank: expected an int >= 0 (0: no LoRA), got {self.lora_rank!r}")
-        check_positive("lora_alpha", self.lora_alpha)
+        check_positive_finite("lora_alpha", self.lora_alpha)
         if not isinstance(self.lora_target_modules, str):
             check_strings("lora_target_modules", self.lora_target_modules)
         for name in ("straight_through", "activation_checkpointing"):

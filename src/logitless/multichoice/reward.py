@@ -22,7 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
-from logitless._checks import check_finite, check_positive, check_positive_int, check_strings, check_tensor
+from logitless._checks import (check_finite, check_positive_finite, check_positive_int, check_strings,
+                               check_tensor)
 from logitless.data import pad_token_id
 from logitless.hf import final_hidden_states, lm_head_of, model_body
 
@@ -181,7 +182,7 @@ def answer_probability_by_recomputing(policy, tokenizer, prompt: str, completion
     if not isinstance(prompt, str):
         raise TypeError(f"prompt: expected a plain-text prompt, got {type(prompt).__name__}")
     ids = _token_id_list("completion_ids", completion_ids)
-    temperature = check_positive("temperature", temperature)
+    temperature = check_positive_finite("temperature", temperature)
     prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
     if not prompt_ids:
         raise ValueError("prompt: tokenizes to no tokens; the first completion token needs a row to come from")
@@ -328,7 +329,7 @@ def multichoice_judge_reward(judge, tokenizer, choices: str = "ABCD", *, policy=
                         f"correct_answers) method, got {type(judge).__name__}")
     choice_token_ids(tokenizer, choices)
     _check_marker(marker)
-    temperature = check_positive("temperature", temperature)
+    temperature = check_positive_finite("temperature", temperature)
 
     def multichoice_judge_reward(prompts, completions, completion_ids, completion_logits=None, answer=None,
                                  question=None, log_metric=None, **kwargs) -> list[float]:

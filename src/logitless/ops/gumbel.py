@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from logitless._checks import check_positive, check_tensor
+from logitless._checks import check_positive_finite, check_tensor
 
 
 def gumbel_noise(shape, *, generator: torch.Generator | None = None, device=None,
@@ -59,7 +59,7 @@ def gumbel_softmax_dense(logits: torch.Tensor, tau: float, hard: bool = False, n
                          generator: torch.Generator | None = None) -> torch.Tensor:
     """(..., V) logits -> (..., V) Gumbel-softmax sample over the whole vocabulary (fp32), differentiable."""
     _check_logits(logits)
-    tau = check_positive("tau", tau)
+    tau = check_positive_finite("tau", tau)
     return relaxed_weights(logits + _check_noise(noise, logits, generator), tau, hard)
 
 
@@ -86,7 +86,7 @@ def gumbel_softmax_topk(logits: torch.Tensor, tau: float, k: int, hard: bool = F
     ``noise`` (same shape as ``logits``) or ``generator`` makes the sample reproducible.
     """
     _check_logits(logits)
-    tau = check_positive("tau", tau)
+    tau = check_positive_finite("tau", tau)
     check_topk(k, logits.shape[-1])
     noise = _check_noise(noise, logits, generator)
     indices = perturbed_topk(logits, noise, k)

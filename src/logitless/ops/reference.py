@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from logitless._checks import check_positive, check_tensor
+from logitless._checks import check_positive_finite, check_tensor
 from logitless.ops.grpo import check_grpo_inputs, grpo_metrics, grpo_token_loss
 from logitless.ops.grpo_settings import GRPOSettings
 from logitless.ops.head import LinearHead, stat_dtype
@@ -45,7 +45,7 @@ def compute_entropy(logits: torch.Tensor) -> torch.Tensor:
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                          return_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / temperature)[target] and optionally the entropy; (..., V) -> (...)."""
-    check_positive("temperature", temperature)
+    check_positive_finite("temperature", temperature)
     scaled = logits.to(stat_dtype(logits.dtype)) / temperature  # (..., V)
     log_probs_all = F.log_softmax(scaled, dim=-1)
     log_probs = log_probs_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
