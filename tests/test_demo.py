@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from logitless.demo import DemoConfig, quarter_means, summary_table, train_demo
+from logitless.demo import DemoConfig, measure_step_memory, quarter_means, summary_table, train_demo
 from logitless.rundir import MARKER, RunDirectory
 
 
@@ -45,3 +45,9 @@ def test_the_demo_replaces_only_its_own_outputs(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [MARKER, "mine.txt"]
     with pytest.raises(ValueError, match="steps"):
         DemoConfig(steps=0)
+
+
+def test_the_demo_measures_both_trainers_step_memory_on_the_embedded_model():
+    """The default `bench grpo` path (the embedded model saved to a scratch directory) as the demo runs it."""
+    memory = measure_step_memory(DemoConfig(memory_completions=4, memory_completion_length=4, num_generations=2))
+    assert set(memory) == {"trl", "logitless"} and all(peak > 0 for peak in memory.values())

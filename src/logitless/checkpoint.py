@@ -93,7 +93,7 @@ def remove_tree(path: str | Path) -> None:
 
 def publish_directory(staging: str | Path, final: str | Path) -> Path:
     """Seal ``staging`` and rename it to ``final`` (same file system). An incomplete directory already
-    at ``final`` (a save interrupted by an older version) is removed first; a complete one is kept
+    at ``final`` (one written in place by a save that was interrupted) is removed first; a complete one is kept
     and this raises FileExistsError."""
     staging, final = Path(staging), Path(final)
     seal(staging)

@@ -75,12 +75,12 @@ def _flat_gradient(parameters) -> torch.Tensor:
     return gradient
 
 
-def _reference_gradient(policy, tokenizer, reward, config: GradeVarianceConfig, prompts) -> tuple[torch.Tensor, float]:
+def _reference_gradient(policy, reward, config: GradeVarianceConfig, prompts) -> tuple[torch.Tensor, float]:
     """REINFORCE with the group-mean baseline over many samples per prompt: (mean gradient, half-vs-half cosine)."""
     from logitless.grade.parts import CausalLMParts
     from logitless.grade.rewards import RewardInputs
     from logitless.grade.rollout import sample_tokens
-    from logitless.grade.soft_tokens import SoftTokens
+    from logitless.grade.soft_tokens import PromptBatch, SoftTokens
     from logitless.logprobs import get_response_log_probs
 
     parts = CausalLMParts.of(policy, "policy")
@@ -89,9 +89,9 @@ def _reference_gradient(policy, tokenizer, reward, config: GradeVarianceConfig, 
     batches = max(2, per_prompt // 16)  # samples of one prompt per batch: per_prompt / batches
     halves = [None, None]
     for batch in range(batches):
-        repeated = prompts.__class__(prompts.input_ids.repeat_interleave(per_prompt // batches, 0),
-                                     prompts.attention_mask.repeat_interleave(per_prompt // batches, 0),
-                                     [r for r in prompts.records for _ in range(per_prompt // batches)])
+        repeated = PromptBatch(prompts.input_ids.repeat_interleave(per_prompt // batches, 0),
+                               prompts.attention_mask.repeat_interleave(per_prompt // batches, 0),
+                               [r for r in prompts.records for _ in range(per_prompt // batches)])
         generator = torch.Generator().manual_seed(10_000 + batch)
         completion = sample_tokens(parts, repeated, config.max_new_tokens, generator)  # (N, T)
         with torch.no_grad():
@@ -146,7 +146,7 @@ def run(config: GradeVarianceConfig, progress: bool = True) -> dict:
     if config.max_new_tokens == 1:
         reference, half_cosine, kind = _exact_reference_gradient(policy, reward, prompts), None, "exact"
     else:
-        reference, half_cosine = _reference_gradient(policy, tokenizer, reward, config, prompts)
+        reference, half_cosine = _reference_gradient(policy, reward, config, prompts)
         kind = f"REINFORCE over {config.reference_samples} samples"
     minibatch = PromptBatch.from_records(as_records([PROMPTS[i % len(PROMPTS)] for i in range(config.batch_size)]),
                                          tokenizer)

@@ -99,10 +99,11 @@ def run_worker(worker: str, model_dir: str, config: GRPOBenchConfig) -> dict:
             synchronize()
             seconds = time.perf_counter() - started
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        grad_norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
         lengths = [entry["completions/mean_length"] for entry in trainer.state.log_history
                    if "completions/mean_length" in entry]
     return {"time_s": seconds, "loss_backward_s": loss_seconds[0], "peak_mb": peak.megabytes, "losses": losses,
-            "mean_completion_length": lengths}
+            "grad_norms": grad_norms, "mean_completion_length": lengths}
 
 
 def run(config: GRPOBenchConfig, progress: bool = True, *, concurrently: bool = False) -> dict:
@@ -123,6 +124,7 @@ def run(config: GRPOBenchConfig, progress: bool = True, *, concurrently: bool = 
         model_dir = config.model
         if config.model in EMBEDDED_MODELS:  # both trainers load the same saved weights
             model_dir = str(save_model_and_tokenizer(embedded_model(config.model, seed=0), qwen_tokenizer(), scratch))
+        vocab_size = model_vocab_size(model_dir)
 
         def worker(name: str) -> dict:
             return run_worker_process("logitless.bench.grpo", ["--worker", name, "--model-dir", model_dir,
@@ -137,7 +139,7 @@ def run(config: GRPOBenchConfig, progress: bool = True, *, concurrently: bool = 
                 add_ratios(results[setup], "trl", time_key="loss_backward_s", ratio_key="loss_backward_ratio")
                 bar.update(len(TRAINERS))
         bar.close()
-    return {"config": asdict(config), "vocab_size": model_vocab_size(model_dir), "results": results}
+    return {"config": asdict(config), "vocab_size": vocab_size, "results": results}
 
 
 def format_table(report: dict) -> str:

@@ -8,7 +8,7 @@ while a judge reading its chain of thought (with the final answer stripped out) 
   `logitless.ops.lazy.CompletionLogits`, so no ``(C, V)`` tensor is ever built.
 - P(correct | judge) comes from `MultichoiceJudge`: one teacher-forced forward over
   question + reasoning + marker, keeping only the last position's logits at the letters' token ids.
-- `answer_probability_by_recomputing` is the older way (a second full forward with
+- `answer_probability_by_recomputing` recomputes it instead (a second full forward with
   materialized logits), kept as the fallback for stock TRL and as a benchmark baseline.
 
 A letter's probability is the sum over its token ids: the bare letter ("A") and the space-prefixed
@@ -170,7 +170,7 @@ def extract_answer_probability_from_logits(completion_logits, completion_ids, to
 def answer_probability_by_recomputing(policy, tokenizer, prompt: str, completion_ids, correct_answer: str,
                                       choices: str = "ABCD", marker: str = "ANSWER:", renormalize: bool = True,
                                       *, temperature: float = 1.0) -> float:
-    """P(correct_answer) by running ``policy`` again over prompt + completion: the older way.
+    """P(correct_answer) by running ``policy`` again over prompt + completion.
 
     One more teacher-forced forward of the policy, whose completion rows go through the policy's head
     (`lm_head_of`: the sampling temperature, logit scale and soft cap of the loss's own definition) as

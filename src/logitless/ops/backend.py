@@ -35,7 +35,7 @@ def chunk_kernels(device: torch.device, stat_dtype: torch.dtype, impl: str = "au
     if setting not in ("auto", "0", "1"):
         raise ValueError(f"LOGITLESS_TRITON: expected auto, 0 or 1, got {setting!r}")
     wanted = setting == "1" or (setting == "auto" and device.type == "cuda")
-    if setting == "0" or not wanted or stat_dtype != torch.float32:
+    if not wanted or stat_dtype != torch.float32:
         return pytorch
     from logitless.ops import triton as triton_kernels
 

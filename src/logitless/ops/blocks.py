@@ -49,7 +49,7 @@ class BlockSizes:
     @classmethod
     def of(cls, block_sizes: BlockSizes | None = None, chunk_size: int | None = None,
            vocab_block_size: int | None = None) -> BlockSizes:
-        """A public op's block keywords as one BlockSizes: ``block_sizes``, or the older ``chunk_size``
+        """A public op's block keywords as one BlockSizes: ``block_sizes``, or the equivalent ``chunk_size``
         (tokens) and ``vocab_block_size`` (vocabulary), not both ways at once."""
         _positive_int_or_none("chunk_size", chunk_size)
         _positive_int_or_none("vocab_block_size", vocab_block_size)

@@ -229,7 +229,7 @@ def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     ``(log_probs, entropy)``. Both are differentiable. Tokens where ``mask`` is 0 are skipped before
     the matmul and get 0. ``softcap`` c soft-caps the logits to ``c * tanh(x / c)`` (Gemma 2's
     ``final_logit_softcapping``); None leaves them as they are. ``block_sizes`` (a `BlockSizes`; or
-    the older ``chunk_size``, tokens per row chunk, and ``vocab_block_size``, vocabulary entries per
+    the equivalent ``chunk_size``, tokens per row chunk, and ``vocab_block_size``, vocabulary entries per
     block) overrides the per-device block sizes. ``impl`` is "auto" | "reference" (the materialized
     logits) | "chunked" (PyTorch blocks) | "triton" (Triton kernels on the blocks).
     """

@@ -83,9 +83,6 @@ class LinearHead:
         """A -inf bias entry without a soft cap (which would bound it) makes a column of -inf logits."""
         return self.bias is not None and self.softcap is None and bool(torch.isneginf(self.bias).any())
 
-    def with_temperature(self, temperature: float) -> LinearHead:
-        return LinearHead(self.weight, self.bias, temperature, self.softcap, self.scale)
-
     def logits(self, hidden: torch.Tensor, columns: slice | torch.Tensor | None = None, *,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """(n, H) -> (n, v) fp32 logits of the vocabulary ``columns`` (all of them by default), into ``out``

@@ -1,15 +1,15 @@
 """Exact GRPO resume: a run stopped anywhere and resumed from a checkpoint ends with the uninterrupted run's weights.
 
 A TRL checkpoint holds the weights, the optimizer, the schedule, the trainer state and each process's
-random-number state (restored where the uninterrupted run would be); resuming from it still diverged,
+random-number state (restored where the uninterrupted run would be); resuming from that alone diverges,
 for two reasons this module removes:
 
 * **Prompt order.** TRL's sampler draws each epoch's order from one generator seeded once, so a
-  resumed run, with a new sampler, drew epoch 0's order again in whatever epoch it resumed. Here the
+  resumed run, with a new sampler, would draw epoch 0's order again in whatever epoch it resumed. Here the
   sampler replays its draws up to the epoch it starts: the order of every epoch is stock TRL's.
 * **Buffered generations.** With ``steps_per_generation`` or ``num_iterations`` above 1, one
-  generation feeds several steps; TRL kept that buffer in memory only and regenerated on resume,
-  with newer weights. Each checkpoint now holds every process's buffer and TRL's micro-step count
+  generation feeds several steps; TRL keeps that buffer in memory only and regenerates it on
+  resume, with newer weights. Each checkpoint here also holds every process's buffer and TRL's micro-step count
   (``logitless-grpo-state-PROCESS.pt``, tensors and plain values only, read with ``weights_only``).
 
 Not restored: state a reward function keeps between calls, and a vLLM server's own state.
