@@ -13,6 +13,8 @@ A run that finishes before its kill (a machine less loaded than during the timin
 to 70% of its own time.
 Each chain of runs shares one output directory: a run is killed at a random moment of that window,
 rerun, killed again, ..., until a run finishes; its weights must equal the uninterrupted run's. The
+very first kill waits instead for the first complete checkpoint, so that at least one rerun resumes
+from a checkpoint (a random moment may fall before any). The
 number of kills is ``kill_points``, or the environment variable LOGITLESS_KILL_POINTS when it is set
 (run many locally: ``LOGITLESS_KILL_POINTS=50 pytest tests/test_sigkill.py``).
 """
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from logitless.checkpoint import CHECKPOINT_STAGING
+from logitless.checkpoint import CHECKPOINT_STAGING, checkpoint_problem
 
 MARKER = "logitless-run.json"
 
@@ -54,11 +56,18 @@ def _saving(output_dir: Path) -> bool:
     return any(any(staging.iterdir()) for staging in output_dir.rglob(CHECKPOINT_STAGING) if staging.is_dir())
 
 
+def _has_checkpoint(output_dir: Path) -> bool:
+    """Whether a complete checkpoint exists (in a method's directory too)."""
+    return any(checkpoint_problem(path) is None for path in output_dir.rglob("checkpoint-*")
+               if path.is_dir() and CHECKPOINT_STAGING not in path.parts)
+
+
 def check_sigkill_anywhere(command: list[str], output_option: str, final_weights: Callable[[Path], dict],
                            tmp_path: Path, *, kill_points: int, seed: int = 0,
                            atol: float = 0.0) -> dict:
-    """Run the check; returns {"kills": n, "during_save": m, "chains": c}. Raises AssertionError on a
-    mismatch (naming the chain's kill times) or when a rerun fails."""
+    """Run the check; returns {"kills": n, "during_save": m, "resumed": r (kills after which a complete checkpoint
+    was there to resume from), "chains": c}. Raises AssertionError on a mismatch (naming the chain's kill times)
+    or when a rerun fails."""
     reference_dir = tmp_path / "uninterrupted"
     started = time.monotonic()
     process = _start(command, output_option, reference_dir)
@@ -73,7 +82,7 @@ def check_sigkill_anywhere(command: list[str], output_option: str, final_weights
     expected = final_weights(reference_dir)
 
     rng = random.Random(seed)
-    kills = during_save = chains = 0
+    kills = during_save = resumed = chains = 0
     while kills < kill_points:
         chains += 1
         output_dir, moments = tmp_path / f"chain{chains}", []
@@ -82,13 +91,16 @@ def check_sigkill_anywhere(command: list[str], output_option: str, final_weights
             moment = rng.uniform(*window) if kills < kill_points else float("inf")
             launched = time.monotonic()
             while process.poll() is None and time.monotonic() - launched < moment:
+                if kills == 0 and _has_checkpoint(output_dir):  # the first kill: once there is a checkpoint
+                    break
                 time.sleep(0.01)
             if process.poll() is None:
                 process.send_signal(signal.SIGKILL)
                 process.wait()
                 kills += 1
-                moments.append(round(moment, 2))
+                moments.append(round(time.monotonic() - launched, 2))
                 during_save += _saving(output_dir)
+                resumed += _has_checkpoint(output_dir)
                 continue
             _finish(process, f"the rerun after kills at {moments} s")
             if moment != float("inf"):  # it finished before its kill: the machine got faster, so does the window
@@ -100,7 +112,7 @@ def check_sigkill_anywhere(command: list[str], output_option: str, final_weights
             difference = (got[name].double() - tensor.double()).abs().max().item()
             assert difference <= atol, (f"chain killed at {moments} s: {name} differs from the uninterrupted run's "
                                         f"by {difference}")
-    return {"kills": kills, "during_save": during_save, "chains": chains, "window_s": window}
+    return {"kills": kills, "during_save": during_save, "resumed": resumed, "chains": chains, "window_s": window}
 
 
 def safetensors_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -42,7 +42,7 @@ def test_reward_rises_over_a_short_cpu_run(tmp_path):
 
 def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path):
     options = ["--steps", "5", "--max-new-tokens", "2", "--batch-size", "2", "--gumbel-topk", "16",
-               "--save-every", "2", "--method", "ste", "--reward", "words"]
+               "--save-every", "2", "--method", "ste"]
     killed = tmp_path / "killed"
 
     process = subprocess.Popen([sys.executable, "-m", "logitless.cli", "grade", "--output-dir", str(killed), *options],
@@ -54,11 +54,13 @@ def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path):
     process.wait()
     state = json.loads((last_complete_checkpoint(killed / "ste")[0] / "trainer_state.json").read_text())["trainer"]
     assert 2 <= state["step"] < 5, "the run was not killed in the middle"
+    at_kill = _weights(killed / "ste")
     assert main(["grade", "--output-dir", str(killed), *options]) == 0  # resumes
     assert main(["grade", "--output-dir", str(tmp_path / "whole"), *options]) == 0
     resumed, whole = _weights(killed / "ste"), _weights(tmp_path / "whole" / "ste")
     for name in whole:
         assert torch.equal(resumed[name], whole[name]), name
+    assert any(not torch.equal(at_kill[name], resumed[name]) for name in at_kill), "the steps after the kill moved nothing"
     rows = (killed / "ste" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in rows] == [1, 2, 3, 4, 5]
     with pytest.raises(SystemExit, match="--learning-rate: resuming the run .* changed options"):
@@ -100,7 +102,7 @@ def test_command_line_errors_name_the_option(argv, message, tmp_path):
 
 def test_lora_run_resumes_from_its_adapter_checkpoint(tmp_path):
     pytest.importorskip("peft")  # in the dev extra
-    settings = dict(reward="words", max_new_tokens=2, batch_size=2, gumbel_topk=8, lora_rank=2, save_every=1)
+    settings = dict(max_new_tokens=2, batch_size=2, gumbel_topk=8, lora_rank=2, save_every=1)
     train_grade(GradeRunConfig.from_dict(dict(output_dir=str(tmp_path / "split"), steps=1, **settings)), progress=False)
     resumed = train_grade(GradeRunConfig.from_dict(dict(output_dir=str(tmp_path / "split"), steps=2, **settings)),
                         progress=False)["gumbel"]
@@ -111,6 +113,8 @@ def test_lora_run_resumes_from_its_adapter_checkpoint(tmp_path):
     split = load_file(str(tmp_path / "split" / "gumbel" / "checkpoint-2" / "adapter_model.safetensors"))
     unsplit = load_file(str(tmp_path / "whole" / "gumbel" / "checkpoint-2" / "adapter_model.safetensors"))
     assert split.keys() == unsplit.keys() and all(torch.equal(split[k], unsplit[k]) for k in split)
+    first = load_file(str(tmp_path / "whole" / "gumbel" / "checkpoint-1" / "adapter_model.safetensors"))
+    assert any(not torch.equal(first[k], unsplit[k]) for k in first), "step 2 moved no adapter weight"
 
 
 def test_the_default_config_file_spells_out_the_commands_defaults():

@@ -3,6 +3,7 @@ of an uninterrupted run (tests/sigkill.py; LOGITLESS_KILL_POINTS=N runs N kills 
 
 import sys
 
+import torch
 from safetensors.torch import load_file
 from sigkill import check_sigkill_anywhere, kill_points, safetensors_weights
 
@@ -19,7 +20,7 @@ def test_sft_survives_sigkill_anywhere(tmp_path):
     command = CLI + ["sft", "--steps", "4", "--batch-size", "2", "--save-every", "1"]
     report = check_sigkill_anywhere(command, "--output-dir", _last_weights, tmp_path, kill_points=kill_points(3))
     print(report)
-    assert report["kills"] == kill_points(3)
+    assert report["kills"] == kill_points(3) and report["resumed"] >= 1
 
 
 def test_grpo_survives_sigkill_anywhere_on_a_policy_that_learns(tmp_path, warm_policy):
@@ -29,15 +30,18 @@ def test_grpo_survives_sigkill_anywhere_on_a_policy_that_learns(tmp_path, warm_p
                      "--learning-rate", "1e-3", "--save-every", "1"]
     report = check_sigkill_anywhere(command, "--output-dir", _last_weights, tmp_path, kill_points=kill_points(3))
     print(report)
-    assert report["kills"] == kill_points(3)
+    assert report["kills"] == kill_points(3) and report["resumed"] >= 1
     start, end = load_file(str(policy / "model.safetensors")), _last_weights(tmp_path / "uninterrupted")
     assert max((end[name] - start[name]).abs().max().item() for name in start) > 1e-4  # the weights moved
 
 
 def test_grade_survives_sigkill_anywhere(tmp_path):
     command = CLI + ["grade", "--method", "ste", "--steps", "3", "--max-new-tokens", "2", "--batch-size", "2",
-                     "--gumbel-topk", "16", "--reward", "words", "--save-every", "1"]
+                     "--gumbel-topk", "16", "--save-every", "1"]
     report = check_sigkill_anywhere(command, "--output-dir", lambda run: _last_weights(run / "ste"),
                                     tmp_path, kill_points=kill_points(3))
     print(report)
-    assert report["kills"] == kill_points(3)
+    assert report["kills"] == kill_points(3) and report["resumed"] >= 1
+    steps = [safetensors_weights(tmp_path / "uninterrupted" / "ste" / f"checkpoint-{step}") for step in (1, 2, 3)]
+    for before, after in zip(steps, steps[1:]):  # every step moves the weights, so a resume from the wrong one shows
+        assert any(not torch.equal(before[name], after[name]) for name in before)

@@ -154,11 +154,16 @@ if INTERPRETED or torch.cuda.is_available():
                 torch.testing.assert_close(g.cpu(), w.cpu(), rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
     def test_fused_ops_end_to_end_on_triton(monkeypatch):
-        """The fused ops with the Triton kernels forced, several blocks and chunks, against the oracles."""
+        """The fused ops with the Triton kernels forced, several blocks and chunks, against the oracles. The losses
+        known at forward time take the two-pass schedule, whose blocks the kernels compute, as on a GPU."""
         from logitless import fused_grpo_loss, fused_linear_cross_entropy, fused_linear_logprobs
-        from logitless.ops import backend, reference
+        from logitless.ops import backend, blocks as schedule, reference
 
         monkeypatch.setenv("LOGITLESS_TRITON", "1")
+        monkeypatch.setattr(schedule, "SINGLE_PASS_DEVICES", ())
+        grad_kernel_calls, kernel = [], triton_ops.block_logits_grad
+        monkeypatch.setattr(triton_ops, "block_logits_grad",
+                            lambda *args, **kwargs: grad_kernel_calls.append(1) or kernel(*args, **kwargs))
         assert backend.chunk_kernels(torch.device(DEVICE), torch.float32) is triton_ops
         hidden = (torch.randn(2, 9, 8) * 0.5).to(DEVICE).requires_grad_()
         weight = (torch.randn(1009, 8) * 0.5).to(DEVICE).requires_grad_()
@@ -179,12 +184,15 @@ if INTERPRETED or torch.cuda.is_available():
         for name, g, w in zip(("log_probs", "entropy", "grad hidden", "grad weight"), got, want):
             torch.testing.assert_close(g.cpu(), w.cpu(), rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
+        calls_before_cross_entropy = len(grad_kernel_calls)
         cross = fused_linear_cross_entropy(hidden, weight, ids, label_smoothing=0.1, softcap=2.0, **blocks)
         ref_cross = reference.cross_entropy(reference.linear_logits(hidden, weight, softcap=2.0), ids,
                                             label_smoothing=0.1)
         for g, w in zip((cross, *torch.autograd.grad(cross, (hidden, weight))),
                         (ref_cross, *torch.autograd.grad(ref_cross, (hidden, weight)))):
             torch.testing.assert_close(g.cpu(), w.cpu(), rtol=1e-5, atol=1e-6)
+        calls_before_grpo = len(grad_kernel_calls)
+        assert calls_before_grpo > calls_before_cross_entropy
 
         advantages, old = torch.randn(2, device=DEVICE), (ref_log_probs.detach() + 0.2)
         args = (hidden, weight, ids, mask, advantages)
@@ -194,6 +202,7 @@ if INTERPRETED or torch.cuda.is_available():
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
         for g, w in zip(torch.autograd.grad(loss, (hidden, weight)), torch.autograd.grad(ref_loss, (hidden, weight))):
             torch.testing.assert_close(g.cpu(), w.cpu(), rtol=1e-5, atol=1e-6)
+        assert len(grad_kernel_calls) > calls_before_grpo
 
     def test_impl_triton_matches_the_reference():
         """impl="triton" runs the kernels in both passes (never the one-pass PyTorch schedule), whatever
