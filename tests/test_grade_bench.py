@@ -26,11 +26,21 @@ def test_bench_grade_workers_report_what_the_table_prints():
     assert "efficient" in table and "x legacy" in table
 
 
-@pytest.mark.parametrize("argv, match", [(["--max-new-tokens", "0"], "--max-new-tokens"),
-                                         (["--method", "reinforce"], "--method")])
+@pytest.mark.parametrize("argv, match", [
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--method", "reinforce"], "--method"),
+    (["--gumbel-topk", "999999"], r"--gumbel-topk: expected an int in \[1, 151936\]"),
+])
 def test_bench_grade_bad_options(argv, match):
     with pytest.raises(SystemExit, match=match):
         main(["bench", "grade", *argv])
+
+
+@pytest.mark.parametrize("argv, match", [(["--minibatches", "1"], "--minibatches: must be >= 2 .*, got 1"),
+                                         (["--tau", "0"], "--tau: must be > 0, got 0.0")])
+def test_bench_grade_variance_bad_options(argv, match):
+    with pytest.raises(SystemExit, match=match):
+        main(["bench", "grade-variance", *argv])
 
 
 def test_bench_grade_variance_report():

@@ -67,3 +67,21 @@ def test_helpers(tmp_path):
     assert list((tmp_path / "new").iterdir()) == []  # the probe is gone
     with pytest.raises(IsADirectoryError):
         check_writable_file(tmp_path)
+
+
+def test_a_refused_command_leaves_no_claim_behind(tmp_path):
+    """A check that fails after the claim (here the resume options) undoes a claim no run was recorded in: the
+    directory it created is gone, one that existed stays as it was, and another command may use either."""
+    from logitless.cli import main
+
+    created, existing = tmp_path / "new", tmp_path / "empty"
+    existing.mkdir()
+    for directory in (created, existing):
+        with pytest.raises(SystemExit, match="--allow-changed"):
+            main(["sft", "--allow-changed", "bogus", "--output-dir", str(directory)])
+    assert not created.exists() and list(existing.iterdir()) == []
+    run = RunDirectory.claim(created, "grpo", outputs=())  # free for another command
+    run.start({"seed": 0}, resume=False, result_options=["seed"])
+    with pytest.raises(ValueError, match="allow_changed"), run.released_on_error():
+        run.start({"seed": 0}, resume=True, result_options=["seed"], allow_changed=["bogus"])
+    assert json.loads((created / MARKER).read_text())["options"] == {"seed": 0}  # a recorded run keeps its claim

@@ -16,6 +16,7 @@ Errors are ValueErrors that start with the name of the option at fault (``output
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -73,9 +74,11 @@ def _describe(value) -> str:
 class RunDirectory:
     """A directory claimed by one ``logitless`` command; see the module docstring."""
 
-    def __init__(self, path: Path, command: str, outputs: Sequence[str], record: dict | None):
+    def __init__(self, path: Path, command: str, outputs: Sequence[str], record: dict | None,
+                 created: bool = False):
         self.path, self.command, self.outputs = path, command, tuple(outputs)
         self.previous = record  # the claim found there, None for a new claim
+        self.created = created  # the claim created the directory
 
     @classmethod
     def claim(cls, path: str | Path, command: str, *, outputs: Sequence[str], overwrite: bool = False) -> RunDirectory:
@@ -108,12 +111,27 @@ class RunDirectory:
                 raise ValueError(f"output_dir: {path} holds {', '.join(in_the_way)}, where this run would write its "
                                  "own outputs, and no logitless run wrote them; --overwrite never replaces what the "
                                  "run did not write: move them away or choose another directory")
+        created = not path.exists()
         try:
             path.mkdir(parents=True, exist_ok=True)
             write_json_atomically(path / MARKER, record or {"command": command, "options": None, "changes": []})
         except OSError as err:
             raise ValueError(f"output_dir: cannot write to {path}: {err.strerror or err}") from None
-        return cls(path, command, outputs, record)
+        return cls(path, command, outputs, record, created)
+
+    @contextlib.contextmanager
+    def released_on_error(self):
+        """``with run.released_on_error(): checks; run.start(...)``: when a check fails before any run was recorded
+        here, the claim is undone (its marker removed, and the directory when the claim created it and it is still
+        empty), so a command that was refused leaves the directory free for another."""
+        try:
+            yield self
+        except BaseException:
+            if self.previous is None:
+                (self.path / MARKER).unlink(missing_ok=True)
+                if self.created and not any(self.path.iterdir()):
+                    self.path.rmdir()
+            raise
 
     def existing_outputs(self) -> list[Path]:
         return sorted({entry for pattern in self.outputs for entry in self.path.glob(pattern)})

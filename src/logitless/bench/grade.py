@@ -134,6 +134,13 @@ def _main(args) -> int:
         raise SystemExit(f"--method: expected gumbel or ste, got {args.method!r}")
     require_model(args)
     require_device(args)
+    from logitless.models import model_vocab_size
+    from logitless.ops.gumbel import check_topk
+
+    try:
+        check_topk(args.gumbel_topk, model_vocab_size(args.model), "--gumbel-topk")
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
     require_writable(args, ("json",))
     report = run(GradeBenchConfig(args.steps, args.batch_size, args.max_new_tokens, args.gumbel_topk, args.method,
                                   args.activation_checkpointing, args.model, args.device))

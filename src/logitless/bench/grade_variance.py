@@ -207,9 +207,12 @@ def add_parser(targets) -> None:
 
 
 def _main(args) -> int:
-    for name, value in asdict(GradeVarianceConfig()).items():
-        if not getattr(args, name) > 0 or (name == "minibatches" and args.minibatches < 2):
-            raise SystemExit(f"--{name.replace('_', '-')}: must be > 0 (minibatches >= 2), got {getattr(args, name)}")
+    for name in asdict(GradeVarianceConfig()):
+        value, flag = getattr(args, name), f"--{name.replace('_', '-')}"
+        if name == "minibatches" and value < 2:
+            raise SystemExit(f"{flag}: must be >= 2 (a variance needs two minibatches), got {value}")
+        if not value > 0:
+            raise SystemExit(f"{flag}: must be > 0, got {value}")
     config = GradeVarianceConfig(**{name: getattr(args, name) for name in asdict(GradeVarianceConfig())})
     if config.reference_samples < 2 * len(PROMPTS) or config.batch_size % len(PROMPTS) or config.batch_size < 8:
         raise SystemExit(f"--batch-size / --reference-samples: need multiples of the {len(PROMPTS)} prompts "

@@ -16,6 +16,9 @@ from logitless.models import EMBEDDED_DEFAULT, EMBEDDED_MODELS, load_model_and_t
 from logitless.nonfinite import POLICIES, NonFiniteError
 from logitless.recipes.options import config_from_args, option_error, option_fields
 
+MODEL_HELP = (f"hub id, local model directory, or an embedded model ({', '.join(EMBEDDED_MODELS)}: random weights, "
+              "the real Qwen vocabulary; docs/models.md)")
+
 # Options that steer the run, not its result: never compared on resume.
 RUN_CONTROL_HELP = {
     "resume": "start over instead of resuming from the checkpoint in --output-dir; this run's earlier outputs "

@@ -29,7 +29,7 @@ from pathlib import Path
 from logitless._checks import check_choice, check_positive_ints, check_strings, dataclass_from_dict
 from logitless.grade import GradeConfig, GRPOBaseline, GumbelTrainer, GumbelTrainerMemoryEfficient
 from logitless.recipes import interrupts
-from logitless.recipes.common import (RUN_CONTROL_HELP, RecipeConfig, announce_start, check_model_name,
+from logitless.recipes.common import (MODEL_HELP, RUN_CONTROL_HELP, RecipeConfig, announce_start, check_model_name,
                                       check_model_source, load_model, resume_checkpoint, run_recipe)
 from logitless.recipes.options import add_config_parser
 from logitless.rundir import RunDirectory, file_identity, write_text_atomically
@@ -150,11 +150,12 @@ def claim_run_directory(run: GradeRunConfig, methods: list[str]) -> dict[str, Pa
     this run's options (refusing changed ones on a resume): before any model loads."""
     directory = RunDirectory.claim(run.output_dir, "grade", outputs=(*METHODS, "reward_by_method.png"),
                                    overwrite=run.overwrite)
-    checkpoints = {method: resume_checkpoint("grade", directory.path / method, run) for method in methods}
-    options = _recorded_options(run)
-    directory.start(options, resume=any(checkpoints.values()),
-                    result_options=[n for n in options if n not in STEERING_OPTIONS],
-                    fixed_options=FIXED_OPTIONS, allow_changed=run.allow_changed)
+    with directory.released_on_error():
+        checkpoints = {method: resume_checkpoint("grade", directory.path / method, run) for method in methods}
+        options = _recorded_options(run)
+        directory.start(options, resume=any(checkpoints.values()),
+                        result_options=[n for n in options if n not in STEERING_OPTIONS],
+                        fixed_options=FIXED_OPTIONS, allow_changed=run.allow_changed)
     return checkpoints
 
 
@@ -369,7 +370,7 @@ def train_grade(config: GradeRunConfig | GradePlan, *, progress: bool = True) ->
 HELP = {
     "method": "the trainer: gumbel or ste (memory-efficient, soft or straight-through tokens), their legacy dense "
               "versions, the GRPO baseline, or all five one after another",
-    "model": "hub id, local model directory, or 'tiny-qwen2'",
+    "model": MODEL_HELP,
     "reward": "what the rollouts are rewarded for: capitalized words, the --reward-words, the log-probability of "
               "--reward-token under --reward-model, a sequence classifier's score, or a multiple-choice judge",
     "reward_model": "reward token or judge: a causal LM (default: a frozen copy of the initial policy); reward "

@@ -28,7 +28,7 @@ from logitless.checkpoint import CHECKPOINT_STAGING, checkpoint_step
 from logitless.nonfinite import NonFiniteGuard
 from logitless.plots import plot_curves
 from logitless.recipes import interrupts
-from logitless.recipes.common import (NONFINITE_ADVICE, RUN_CONTROL_HELP, RecipeConfig, announce_start,
+from logitless.recipes.common import (MODEL_HELP, NONFINITE_ADVICE, RUN_CONTROL_HELP, RecipeConfig, announce_start,
                                       check_model_name, check_model_source, load_model, resume_checkpoint,
                                       run_recipe, skipped_note)
 from logitless.recipes.options import add_config_parser
@@ -83,8 +83,7 @@ class MultichoiceGRPOConfig(RecipeConfig):
 
 
 HELP = {
-    "model": "policy: hub id, local model directory, or 'tiny-qwen2' (the embedded 2-layer Qwen2 with the real "
-             "Qwen vocabulary)",
+    "model": f"policy: {MODEL_HELP}",
     "judge": "judge model reading the chain of thought (default: a frozen copy of the initial policy)",
     "data": "questions: a jsonl file, a saved dataset directory or a hub dataset with question, choices, answer "
             f"(default: {SYNTHETIC_QUESTIONS} synthetic questions)",
@@ -140,11 +139,12 @@ def prepare_grpo(config: MultichoiceGRPOConfig) -> GRPOPlan:
     if config.judge is not None:
         check_model_source("judge", config.judge)
     run = RunDirectory.claim(config.output_dir, "grpo", outputs=OUTPUTS, overwrite=config.overwrite)
-    checkpoint = resume_checkpoint("grpo", run.path, config)
-    options = {**dataclasses.asdict(config), "data": file_identity(config.data)}
-    changes = run.start(options, resume=checkpoint is not None, result_options=RESULT_OPTIONS,
-                        fixed_options=FIXED_OPTIONS, allow_changed=config.allow_changed,
-                        step=None if checkpoint is None else checkpoint_step(checkpoint))
+    with run.released_on_error():
+        checkpoint = resume_checkpoint("grpo", run.path, config)
+        options = {**dataclasses.asdict(config), "data": file_identity(config.data)}
+        changes = run.start(options, resume=checkpoint is not None, result_options=RESULT_OPTIONS,
+                            fixed_options=FIXED_OPTIONS, allow_changed=config.allow_changed,
+                            step=None if checkpoint is None else checkpoint_step(checkpoint))
     return GRPOPlan(config, records, run, checkpoint, changes)
 
 

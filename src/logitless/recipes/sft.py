@@ -30,7 +30,7 @@ from logitless.checkpoint import (CHECKPOINT_STAGING, checkpoint_step, last_comp
 from logitless.data import arithmetic_sft_examples, iterate_batches, load_jsonl
 from logitless.plots import plot_curve
 from logitless.recipes import interrupts
-from logitless.recipes.common import (NONFINITE_ADVICE, RUN_CONTROL_HELP, RecipeConfig, announce_start,
+from logitless.recipes.common import (MODEL_HELP, NONFINITE_ADVICE, RUN_CONTROL_HELP, RecipeConfig, announce_start,
                                       check_model_source, load_model, resume_checkpoint, run_recipe, skipped_note)
 from logitless.recipes.options import add_config_parser
 from logitless.rundir import RunDirectory, file_identity, write_json_atomically
@@ -57,8 +57,7 @@ class SFTConfig(RecipeConfig):
 
 
 HELP = {
-    "model": "hub id, local model directory, or 'tiny-qwen2' (the embedded 2-layer Qwen2 with the real Qwen "
-             "vocabulary)",
+    "model": MODEL_HELP,
     "data": "jsonl file with a 'prompt' and a 'response' string per line (default: a built-in arithmetic set)",
     "output_dir": "run directory: checkpoint-STEP directories, history.json, loss.png (both written at every "
                   "checkpoint); a rerun resumes from it",
@@ -118,12 +117,13 @@ def prepare_sft(config: SFTConfig) -> SFTPlan:
     outputs when it starts over)."""
     examples = load_examples(config)
     run = RunDirectory.claim(config.output_dir, "sft", outputs=OUTPUTS, overwrite=config.overwrite)
-    checkpoint = resume_checkpoint("sft", run.path, config)
-    if checkpoint is None:  # a resume loads the checkpoint, not --model (which may be offline by now)
-        check_model_source("model", config.model)
-    run.start(_recorded_options(config), resume=checkpoint is not None, result_options=RESULT_OPTIONS,
-              fixed_options=FIXED_OPTIONS, allow_changed=config.allow_changed,
-              step=None if checkpoint is None else checkpoint_step(checkpoint))
+    with run.released_on_error():
+        checkpoint = resume_checkpoint("sft", run.path, config)
+        if checkpoint is None:  # a resume loads the checkpoint, not --model (which may be offline by now)
+            check_model_source("model", config.model)
+        run.start(_recorded_options(config), resume=checkpoint is not None, result_options=RESULT_OPTIONS,
+                  fixed_options=FIXED_OPTIONS, allow_changed=config.allow_changed,
+                  step=None if checkpoint is None else checkpoint_step(checkpoint))
     return SFTPlan(config, examples, run, checkpoint)
 
 
