@@ -79,7 +79,10 @@ def test_grade_doc_shows_the_commands_own_defaults_and_its_help_the_same():
     assert len(shown) >= 20
     for name in shown:
         value = {**library, **own}[name]
-        text = " ".join(value) if isinstance(value, tuple) else value
+        def typed(v):  # how a user types it: quoted where leading or trailing whitespace is part of it
+            return repr(v) if isinstance(v, str) and v != v.strip() else str(v)
+
+        text = " ".join(map(typed, value)) if isinstance(value, tuple) else typed(value)
         assert helps[name].endswith(f"(default: {text})"), f"--help of {name}: {helps[name]!r}; docs: {value!r}"
 
 

@@ -83,6 +83,8 @@ def test_help_states_every_default():
     for action in grade._actions:
         if action.option_strings and action.dest != "help":
             assert "default" in (action.help or ""), action.option_strings
+    helps = {action.dest: action.help for action in grade._actions}
+    assert helps["reward_words"].endswith("(default: ' good' ' great')")  # the leading spaces are part of the words
 
 
 @pytest.mark.parametrize("argv, message", [

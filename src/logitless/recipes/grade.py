@@ -388,7 +388,7 @@ HELP = {
     "gumbel_topk": "tokens kept per step by the memory-efficient methods gumbel and ste (at most the vocabulary "
                    "size)",
     "tau_start": "Gumbel-softmax temperature at step 0",
-    "tau_end": "temperature reached after tau_anneal_steps (geometric annealing)",
+    "tau_end": "temperature reached after --tau-anneal-steps steps (geometric annealing)",
     "tau_anneal_steps": "steps to anneal tau over",
     "max_new_tokens": "tokens per rollout",
     "batch_size": "rollouts per microbatch",
@@ -405,7 +405,7 @@ HELP = {
     **RUN_CONTROL_HELP,
     "resume": "start over: every method's earlier outputs in OUTPUT_DIR are replaced (default: resume each method "
               "from its checkpoint)",
-    "save_total_limit": RUN_CONTROL_HELP["save_total_limit"].replace("checkpoint-STEP", "checkpoint-STEP per method"),
+    "save_total_limit": RUN_CONTROL_HELP["save_total_limit"].replace("directories", "directories of each method"),
 }
 
 

@@ -72,7 +72,10 @@ def with_default(text: str, default) -> str:
     """An option's help ``text`` ending with "(default: X)", unless it states its default already."""
     if "(default" in text:
         return text
-    shown = " ".join(map(str, default)) or "none" if isinstance(default, (tuple, list)) else default
+    def show(value):  # a string whose spaces or newlines matter is quoted, as it would be typed in a shell
+        return repr(value) if isinstance(value, str) and value != value.strip() else str(value)
+
+    shown = " ".join(map(show, default)) or "none" if isinstance(default, (tuple, list)) else show(default)
     return f"{text} (default: {shown})"
 
 
