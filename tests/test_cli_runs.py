@@ -38,6 +38,27 @@ def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return load_file(str(checkpoint / "model.safetensors"))
 
 
+def _assert_resumed_steps_equal(whole_dir, split_dir, resumed_from: int, steps):
+    """Each of ``steps``' checkpoints is bitwise the same in both runs, and each step moved the weights (so a resume
+    from the wrong state could not match)."""
+    before = _weights(whole_dir / f"checkpoint-{resumed_from}")
+    for step in steps:
+        whole, split = _weights(whole_dir / f"checkpoint-{step}"), _weights(split_dir / f"checkpoint-{step}")
+        assert [name for name in whole if not torch.equal(whole[name], split[name])] == [], f"step {step}"
+        assert max((whole[name] - before[name]).abs().max().item() for name in before) > 1e-5, f"step {step}"
+        before = whole
+
+
+def test_sft_stopped_after_step_2_and_resumed_equals_the_uninterrupted_run(tmp_path, capsys):
+    sft = ["sft", "--batch-size", "2", "--save-every", "1"]
+    assert main([*sft, "--steps", "4", "--output-dir", str(tmp_path / "whole")]) == 0
+    assert main([*sft, "--steps", "2", "--output-dir", str(tmp_path / "split")]) == 0
+    capsys.readouterr()
+    assert main([*sft, "--steps", "4", "--output-dir", str(tmp_path / "split")]) == 0
+    assert "resuming from step 2" in capsys.readouterr().out
+    _assert_resumed_steps_equal(tmp_path / "whole", tmp_path / "split", resumed_from=2, steps=(3, 4))
+
+
 # -- exact GRPO resume on a policy that learns ---------------------------------------------------------
 
 def test_grpo_stopped_after_step_2_and_resumed_equals_the_uninterrupted_run(tmp_path, warm_policy, capsys):
@@ -49,12 +70,7 @@ def test_grpo_stopped_after_step_2_and_resumed_equals_the_uninterrupted_run(tmp_
     capsys.readouterr()
     assert main([*grpo, "--steps", "4", "--output-dir", str(tmp_path / "split")]) == 0
     assert f"logitless grpo: resuming from step 2 ({tmp_path / 'split' / 'checkpoint-2'})" in capsys.readouterr().out
-    start = _weights(policy)
-    for step in (3, 4):
-        whole = _weights(tmp_path / "whole" / f"checkpoint-{step}")
-        split = _weights(tmp_path / "split" / f"checkpoint-{step}")
-        assert [name for name in whole if not torch.equal(whole[name], split[name])] == [], f"step {step}"
-        assert max((whole[name] - start[name]).abs().max().item() for name in start) > 1e-4  # the weights moved
+    _assert_resumed_steps_equal(tmp_path / "whole", tmp_path / "split", resumed_from=2, steps=(3, 4))
     rewards = json.loads((tmp_path / "whole" / "history.json").read_text())["reward"]
     assert len(rewards) == 4 and max(rewards) > 0
     assert json.loads((tmp_path / "split" / "history.json").read_text())["reward"] == rewards
@@ -81,13 +97,11 @@ def test_grpo_stopped_after_step_2_and_resumed_equals_the_uninterrupted_run(tmp_
 def test_bad_options_fail_in_one_line_naming_the_flag_before_anything_loads(tmp_path, monkeypatch, no_model_loads,
                                                                              argv, message):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the hub is unreachable, as on a machine without network
-    started = time.monotonic()
     with pytest.raises(SystemExit) as stopped:
         main([*argv, "--output-dir", str(tmp_path / "run")])
     text = str(stopped.value)
     assert "\n" not in text and stopped.value.code != 0
     assert re.match(message, text), text
-    assert time.monotonic() - started < 10
     assert not (tmp_path / "run").exists() or complete_checkpoints(tmp_path / "run") == []
 
 
