@@ -43,7 +43,8 @@ def test_tau_anneals_geometrically_and_config_errors_name_the_field():
     for field, value in [("gumbel_topk", 0), ("tau_start", 0.0), ("tau_end", -1.0), ("max_new_tokens", 0),
                          ("straight_through", "yes"), ("kl_coef", -0.1), ("batch_size", 0), ("learning_rate", 0),
                          ("learning_rate", math.inf), ("tau_start", math.nan), ("on_nonfinite", "ignore"),
-                         ("tau_anneal_steps", -1), ("gradient_accumulation_steps", 1.5)]:
+                         ("tau_anneal_steps", -1), ("gradient_accumulation_steps", 1.5), ("kl_coef", math.inf),
+                         ("seed", -1), ("lora_rank", True), ("lora_alpha", math.inf)]:
         with pytest.raises((ValueError, TypeError), match=f"^{field}:"):
             GradeConfig(**{field: value})
     with pytest.raises(ValueError, match="config: unknown key"):

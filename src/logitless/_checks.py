@@ -85,6 +85,14 @@ def check_positive_int(name: str, value) -> int:
     return value
 
 
+def check_nonnegative_int(name: str, value, zero_means: str = "") -> int:
+    """An int >= 0 (not a bool); ``zero_means`` says what 0 does, for the error message."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        meaning = f" (0: {zero_means})" if zero_means else ""
+        raise ValueError(f"{name}: expected an int >= 0{meaning}, got {value!r}")
+    return value
+
+
 def check_positive_ints(config, names: Sequence[str]) -> None:
     """Each named attribute of ``config`` is an int >= 1."""
     for name in names:

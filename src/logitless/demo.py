@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from logitless._checks import check_positive_ints
+from logitless._checks import check_nonnegative_int, check_positive_ints
 from logitless.data import tokenize_prompt_and_output
 from logitless.hf import final_hidden_states, lm_head_of
 from logitless.logprobs import get_response_log_probs
@@ -58,8 +58,7 @@ class DemoConfig:
     def __post_init__(self):
         check_positive_ints(self, ("steps", "grpo_steps", "completions_per_step", "num_generations",
                                    "eval_questions"))
-        if isinstance(self.grade_steps, bool) or not isinstance(self.grade_steps, int) or self.grade_steps < 0:
-            raise ValueError(f"grade_steps: expected an int >= 0 (0: no GRADE run), got {self.grade_steps!r}")
+        check_nonnegative_int("grade_steps", self.grade_steps, "no GRADE run")
 
 
 def quarter_means(values: list[float]) -> tuple[float, float]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from logitless._checks import (check_choice, check_finite_numbers, check_positive_finite, check_positive_ints,
-                               check_strings, dataclass_from_dict)
+from logitless._checks import (check_choice, check_finite_number, check_finite_numbers, check_nonnegative_int,
+                               check_positive_finite, check_positive_ints, check_strings, dataclass_from_dict)
 from logitless.nonfinite import POLICIES
 
 
@@ -39,15 +39,10 @@ class GradeConfig:
         check_positive_ints(self, ("gumbel_topk", "max_new_tokens", "batch_size", "gradient_accumulation_steps",
                                    "grpo_group_size"))
         check_finite_numbers(self, ("tau_start", "tau_end", "learning_rate", "max_grad_norm"))
-        if isinstance(self.tau_anneal_steps, bool) or not isinstance(self.tau_anneal_steps, int) \
-                or self.tau_anneal_steps < 0:
-            raise ValueError(f"tau_anneal_steps: expected an int >= 0, got {self.tau_anneal_steps!r}")
-        if isinstance(self.kl_coef, bool) or not isinstance(self.kl_coef, (int, float)) or not self.kl_coef >= 0:
-            raise ValueError(f"kl_coef: expected a number >= 0, got {self.kl_coef!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed: expected an int >= 0, got {self.seed!r}")
-        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
-            raise ValueError(f"lora_rank: expected an int >= 0 (0: no LoRA), got {self.lora_rank!r}")
+        check_nonnegative_int("tau_anneal_steps", self.tau_anneal_steps, "tau_end from the start")
+        check_finite_number("kl_coef", self.kl_coef, allow_zero=True)
+        check_nonnegative_int("seed", self.seed)
+        check_nonnegative_int("lora_rank", self.lora_rank, "no LoRA")
         check_positive_finite("lora_alpha", self.lora_alpha)
         if not isinstance(self.lora_target_modules, str):
             check_strings("lora_target_modules", self.lora_target_modules)

@@ -26,7 +26,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from logitless._checks import check_choice, check_positive_ints, check_strings, dataclass_from_dict
+from logitless._checks import (check_choice, check_nonnegative_int, check_positive_ints, check_strings,
+                               dataclass_from_dict)
 from logitless.grade import GradeConfig, GRPOBaseline, GumbelTrainer, GumbelTrainerMemoryEfficient
 from logitless.recipes import interrupts
 from logitless.recipes.common import (MODEL_HELP, RUN_CONTROL_HELP, RecipeConfig, announce_start, check_model_name,
@@ -77,8 +78,7 @@ class GradeRunConfig(RecipeConfig, GradeConfig):
         check_choice("method", self.method, (*METHODS, "all"))
         check_choice("reward", self.reward, REWARDS)
         check_positive_ints(self, ("steps", "save_every"))
-        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
-            raise ValueError(f"eval_every: expected an int >= 0 (0: no evaluation), got {self.eval_every!r}")
+        check_nonnegative_int("eval_every", self.eval_every, "no evaluation")
         self.reward_words = tuple(check_strings("reward_words", self.reward_words))
         if self.reward_model is not None:
             check_model_name("reward_model", self.reward_model)
