@@ -19,7 +19,7 @@ from logitless._checks import check_choice
 from logitless.grade.parts import CausalLMParts
 from logitless.grade.rewards import RewardInputs, SoftReward, frozen, sequence_inputs
 from logitless.grade.soft_tokens import PromptBatch
-from logitless.multichoice.reward import MultichoiceJudge, _letter_log_probs
+from logitless.multichoice.reward import MultichoiceJudge
 
 
 class MultichoiceJudgeReward(SoftReward):
@@ -31,7 +31,6 @@ class MultichoiceJudgeReward(SoftReward):
         self.judge, self.objective = judge, check_choice("objective", objective, ("judge", "hide"))
         self.model = frozen(judge.model)
         self.parts = CausalLMParts.of(judge.model, "reward_model")
-        self.letter_ids = torch.tensor([t for ids in judge.token_ids.values() for t in ids], dtype=torch.long)
         self.suffix_ids = torch.tensor(judge.tokenizer.encode("\n" + judge.marker, add_special_tokens=False))
 
     def __call__(self, inputs: RewardInputs) -> torch.Tensor:
@@ -46,9 +45,7 @@ class MultichoiceJudgeReward(SoftReward):
             [{"prompt": f"{r.get('question', r['prompt'])}\nReasoning: "} for r in records], self.judge.tokenizer, device)
         batch = sequence_inputs(self.parts.embedding, prefix, inputs.completion, self.suffix_ids)
         hidden = self.parts.body(**batch, use_cache=False).last_hidden_state[:, -1]  # (B, H)
-        letter_ids = self.letter_ids.to(device)
-        letter_logits = self.parts.head.logits(hidden, letter_ids)  # (B, N): the letters' logits only
-        letter_log_probs = torch.log_softmax(_letter_log_probs(letter_logits, self.judge.token_ids), dim=-1)  # (B, L)
+        letter_log_probs = self.judge.letter_log_probs(hidden, self.parts.head)  # (B, L)
         correct = torch.tensor([self.judge.choices.index(r["answer"]) for r in records], device=device)
         p_correct = letter_log_probs.gather(1, correct[:, None])[:, 0].exp()
         return p_correct if self.objective == "judge" else 1.0 - p_correct

@@ -26,6 +26,7 @@ from logitless._checks import (check_finite, check_positive_finite, check_positi
                                check_tensor)
 from logitless.data import pad_token_id
 from logitless.hf import final_hidden_states, lm_head_of, model_body
+from logitless.ops.head import LinearHead
 
 
 def _check_choices(choices) -> str:
@@ -244,6 +245,8 @@ class MultichoiceJudge:
             raise TypeError(f"strip_answer: expected a bool, got {type(strip_answer).__name__}")
         self.model, self.tokenizer = model, tokenizer
         self.token_ids = choice_token_ids(tokenizer, choices)
+        # (N,): every letter's token ids, letter after letter
+        self.letter_token_ids = torch.tensor([t for ids in self.token_ids.values() for t in ids], dtype=torch.long)
         self.choices, self.marker = choices, _check_marker(marker)
         self.strip_answer, self.batch_size = strip_answer, batch_size
         self.pad_id = pad_token_id(tokenizer)
@@ -267,11 +270,15 @@ class MultichoiceJudge:
             input_ids[row, longest - len(ids):] = torch.tensor(ids, dtype=torch.long)
             attention_mask[row, longest - len(ids):] = 1
         hidden = final_hidden_states(self.model, input_ids.to(device), attention_mask.to(device))[:, -1]  # (B, H)
-        flat_ids = [token for ids in self.token_ids.values() for token in ids]
-        id_logits = head.logits(hidden, torch.tensor(flat_ids, device=device))  # (B, N): the letters' ids only
-        letter_log_probs = _letter_log_probs(id_logits, self.token_ids)  # (B, L)
+        letter_log_probs = self.letter_log_probs(hidden, head)  # (B, L)
         check_finite("model", letter_log_probs)
-        return torch.softmax(letter_log_probs, dim=-1)
+        return letter_log_probs.exp()
+
+    def letter_log_probs(self, hidden: torch.Tensor, head: LinearHead) -> torch.Tensor:
+        """(B, H) final hidden states -> (B, L) log-probabilities of the answer letters, renormalized over them; a
+        letter's probability is the sum over its token ids. Only the letters' rows of ``head`` are read."""
+        id_logits = head.logits(hidden, self.letter_token_ids.to(hidden.device))  # (B, N)
+        return torch.log_softmax(_letter_log_probs(id_logits, self.token_ids), dim=-1)
 
     def probabilities(self, questions: list[str], chains_of_thought: list[str],
                       correct_answers: list[str]) -> list[float]:
