@@ -18,6 +18,19 @@ from logitless.ops.grpo import clipped_surrogate
 LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip")
 
 
+def group_normalized_advantages(rewards: torch.Tensor, group_size: int, advantage_eps: float,
+                                normalize_by_std: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rewards (N,) of groups of ``group_size`` consecutive responses -> (advantages (N,), whether each group's
+    rewards are all equal (N / group_size, 1)); see `compute_group_normalized_rewards`."""
+    grouped = rewards.view(-1, group_size)  # (num_groups, G)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    if normalize_by_std:
+        std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(grouped[:, :1])
+        centered = centered / (std + advantage_eps)
+    constant_group = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
+    return torch.where(constant_group, torch.zeros_like(centered), centered).reshape(-1), constant_group
+
+
 def compute_group_normalized_rewards(reward_fn: Callable[[str, str], dict], rollout_responses: Sequence[str],
                                      repeated_ground_truths: Sequence[str], group_size: int, advantage_eps: float,
                                      normalize_by_std: bool) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
@@ -45,14 +58,7 @@ def compute_group_normalized_rewards(reward_fn: Callable[[str, str], dict], roll
     raw_rewards = torch.tensor([float(s["reward"]) for s in scores], dtype=torch.float32)
     check_finite("reward_fn (its 'reward' values)", raw_rewards)
 
-    grouped = raw_rewards.view(-1, group_size)  # (num_groups, G)
-    centered = grouped - grouped.mean(dim=1, keepdim=True)
-    if normalize_by_std:
-        std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(grouped[:, :1])
-        centered = centered / (std + advantage_eps)
-    constant_group = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
-    advantages = torch.where(constant_group, torch.zeros_like(centered), centered).reshape(-1)
-
+    advantages, constant_group = group_normalized_advantages(raw_rewards, group_size, advantage_eps, normalize_by_std)
     metadata = {"reward_mean": raw_rewards.mean().item(), "reward_std": raw_rewards.std().item() if len(scores) > 1 else 0.0,
                 "reward_max": raw_rewards.max().item(), "reward_min": raw_rewards.min().item(),
                 "constant_groups": constant_group.float().mean().item()}

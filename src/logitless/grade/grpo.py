@@ -19,16 +19,16 @@ import torch
 from logitless.grade.rewards import RewardInputs
 from logitless.grade.rollout import sample_tokens
 from logitless.grade.soft_tokens import PromptBatch, SoftTokens
-from logitless.grade.trainer import _Trainer
+from logitless.grade.trainer import TrainerBase
 from logitless.hf import final_hidden_states
-from logitless.losses import compute_group_normalized_rewards
+from logitless.losses import group_normalized_advantages
 from logitless.ops.fused import fused_grpo_loss, head_logprobs
 from logitless.ops.grpo_settings import GRPOSettings
 
 BASELINE_SETTINGS = GRPOSettings(loss_type="grpo", beta=0.0, epsilon_low=0.2, epsilon_high=0.2)
 
 
-class GRPOBaseline(_Trainer):
+class GRPOBaseline(TrainerBase):
     """GRPO with the GRADE trainers' interface: ``train_step(prompts)`` (``noise`` is not used)."""
 
     def __init__(self, policy, reward, config, **kwargs):
@@ -52,9 +52,7 @@ class GRPOBaseline(_Trainer):
         hidden = final_hidden_states(self.policy.model, input_ids, attention)[:, -config.max_new_tokens:]
         kl, log_ratio = self._kl(hidden.detach(), input_ids, attention, completion_ids)
         shaped = rewards - config.kl_coef * log_ratio  # (B,)
-        advantages, _, _ = compute_group_normalized_rewards(
-            lambda index, _: {"reward": float(shaped[index])}, list(range(size)), [None] * size, group,
-            advantage_eps=1e-6, normalize_by_std=True)  # responses are their row numbers: scored above, in one batch
+        advantages, _ = group_normalized_advantages(shaped, group, advantage_eps=1e-6, normalize_by_std=True)
         head = self.policy.head
         loss, _ = fused_grpo_loss(hidden, head.weight, completion_ids, torch.ones_like(completion_ids),
                                   advantages.to(hidden.device), bias=head.bias, settings=BASELINE_SETTINGS,

@@ -38,7 +38,7 @@ def microbatch_generator(seed: int, step: int, microbatch: int, device) -> torch
     return torch.Generator(device=device).manual_seed(((seed * 1_000_003 + step) * 1_009 + microbatch) % 2**63)
 
 
-class _Trainer:
+class TrainerBase:
     """What the GRADE trainers and the GRPO baseline share: models, optimizer, accumulation, clipping, metrics."""
 
     def __init__(self, policy, reward: SoftReward, config: GradeConfig, *, tokenizer, reference=None,
@@ -126,7 +126,7 @@ class _Trainer:
         return float(torch.cat(rewards).mean())
 
 
-class _GradeTrainer(_Trainer):
+class _GradeTrainer(TrainerBase):
     def rollout(self, prompt: PromptBatch, noise: NoiseStream, tau: float) -> Rollout:
         raise NotImplementedError
 
