@@ -26,6 +26,18 @@ def pad_token_id(tokenizer) -> int:
     return int(pad)
 
 
+def left_padded(id_lists: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists -> (input_ids (B, T), attention_mask (B, T)), each row padded on the left to the longest,
+    as generation and last-position reads want them."""
+    longest = max(len(ids) for ids in id_lists)
+    input_ids = torch.full((len(id_lists), longest), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(len(id_lists), longest, dtype=torch.long)
+    for row, ids in enumerate(id_lists):
+        input_ids[row, longest - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, longest - len(ids):] = 1
+    return input_ids, attention_mask
+
+
 def tokenize_prompt_and_output(prompt_strs: list[str], output_strs: list[str], tokenizer) -> dict[str, torch.Tensor]:
     """Tokenize prompts (with special tokens) and outputs (without), concatenate and pad.
 

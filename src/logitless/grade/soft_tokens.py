@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from logitless.data import pad_token_id
+from logitless.data import left_padded, pad_token_id
 from logitless.ops.gumbel import sparse_soft_embedding
 
 
@@ -85,12 +85,7 @@ class PromptBatch:
         encoded = tokenizer([r["prompt"] for r in records], add_special_tokens=True)["input_ids"]
         if any(len(ids) == 0 for ids in encoded):
             raise ValueError("prompts: a prompt tokenizes to no tokens; the first generated token needs one to follow")
-        longest = max(len(ids) for ids in encoded)
-        input_ids = torch.full((len(encoded), longest), pad_token_id(tokenizer), dtype=torch.long)
-        attention_mask = torch.zeros(len(encoded), longest, dtype=torch.long)
-        for row, ids in enumerate(encoded):
-            input_ids[row, longest - len(ids):] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[row, longest - len(ids):] = 1
+        input_ids, attention_mask = left_padded(encoded, pad_token_id(tokenizer))
         return cls(input_ids.to(device), attention_mask.to(device), list(records))
 
 

@@ -24,7 +24,7 @@ import torch
 
 from logitless._checks import (check_finite, check_positive_finite, check_positive_int, check_strings,
                                check_tensor)
-from logitless.data import pad_token_id
+from logitless.data import left_padded, pad_token_id
 from logitless.hf import final_hidden_states, lm_head_of, model_body
 from logitless.ops.head import LinearHead
 
@@ -261,14 +261,9 @@ class MultichoiceJudge:
     def _letter_probabilities(self, prompts: list[str]) -> torch.Tensor:
         """(B,) prompts -> (B, L) probabilities of the letters renormalized over them, one forward."""
         encoded = self.tokenizer(prompts, add_special_tokens=True)["input_ids"]
-        longest = max(len(ids) for ids in encoded)
         head = lm_head_of(self.model)
         device = head.weight.device
-        input_ids = torch.full((len(encoded), longest), self.pad_id, dtype=torch.long)  # (B, T), left padded
-        attention_mask = torch.zeros(len(encoded), longest, dtype=torch.long)  # (B, T)
-        for row, ids in enumerate(encoded):
-            input_ids[row, longest - len(ids):] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[row, longest - len(ids):] = 1
+        input_ids, attention_mask = left_padded(encoded, self.pad_id)  # (B, T) each
         hidden = final_hidden_states(self.model, input_ids.to(device), attention_mask.to(device))[:, -1]  # (B, H)
         letter_log_probs = self.letter_log_probs(hidden, head)  # (B, L)
         check_finite("model", letter_log_probs)
