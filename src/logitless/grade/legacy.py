@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from logitless.grade.parts import CausalLMParts
+from logitless.grade.rewards import sequence_inputs
 from logitless.grade.rollout import NoiseStream, Rollout
 from logitless.grade.soft_tokens import PromptBatch, SoftTokens
 from logitless.grade.steppers import PrefixStepper
-from logitless.hf import position_ids_for
 from logitless.ops.gumbel import relaxed_weights
 from logitless.ops.reference import kl_from_log_probs
 
@@ -45,11 +45,8 @@ def dense_rollout(policy: CausalLMParts, reference: CausalLMParts, prompt: Promp
 @torch.no_grad()
 def _reference_logits(reference: CausalLMParts, prompt: PromptBatch, completion: SoftTokens) -> torch.Tensor:
     """The reference's logits at every generated position, from one forward over prompt + soft tokens."""
-    embeds = torch.cat([reference.embedding.of_ids(prompt.input_ids),
-                        reference.embedding.of_soft(completion.detach())[:, :-1]], dim=1)  # (B, P + T - 1, H)
-    mask = torch.cat([prompt.attention_mask, prompt.attention_mask.new_ones(embeds.shape[0], embeds.shape[1]
-                                                                            - prompt.attention_mask.shape[1])], dim=1)
-    hidden = reference.body(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids_for(mask),
-                            use_cache=False).last_hidden_state
+    # prompt and every soft token but the last: (B, P + T - 1, H)
+    inputs = sequence_inputs(reference.embedding, prompt, SoftTokens(completion.weights.detach()[:, :-1]))
+    hidden = reference.body(**inputs, use_cache=False).last_hidden_state
     steps = completion.weights.shape[1]
     return reference.logits(hidden[:, -steps:].reshape(-1, hidden.shape[-1])).reshape(hidden.shape[0], steps, -1)
