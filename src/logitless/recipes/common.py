@@ -76,7 +76,7 @@ def field_names(field: str, names) -> tuple[str, ...]:
     return tuple(name.lstrip("-").replace("-", "_") for name in names)
 
 
-def _hub_reachable() -> bool:
+def hub_reachable() -> bool:
     """Whether the model hub answers a TCP connection within 3 s (False when HF_HUB_OFFLINE is set)."""
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
         return False
@@ -103,7 +103,7 @@ def check_model_source(field: str, name: str) -> None:
     except HFValidationError:
         raise ValueError(f"{field}: {name!r} is neither a local model directory nor a hub id ('org/name'); "
                          f"the embedded models are {', '.join(EMBEDDED_MODELS)}") from None
-    if not _hub_reachable() and not isinstance(try_to_load_from_cache(name, "config.json"), str):
+    if not hub_reachable() and not isinstance(try_to_load_from_cache(name, "config.json"), str):
         raise ValueError(f"{field}: {name!r} is not a local model directory, and the model hub is unreachable "
                          f"(offline) with no cached copy of it; the embedded models are "
                          f"{', '.join(EMBEDDED_MODELS)}")

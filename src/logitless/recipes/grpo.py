@@ -29,8 +29,8 @@ from logitless.nonfinite import NonFiniteGuard
 from logitless.plots import plot_curves
 from logitless.recipes import interrupts
 from logitless.recipes.common import (MODEL_HELP, NONFINITE_ADVICE, RUN_CONTROL_HELP, RecipeConfig, announce_start,
-                                      check_model_name, check_model_source, load_model, resume_checkpoint,
-                                      run_recipe, skipped_note)
+                                      check_model_name, check_model_source, hub_reachable, load_model,
+                                      resume_checkpoint, run_recipe, skipped_note)
 from logitless.recipes.options import add_config_parser
 from logitless.rundir import RunDirectory, file_identity, write_json_atomically
 
@@ -123,7 +123,18 @@ def load_questions(config: MultichoiceGRPOConfig) -> list[dict]:
 
     if config.data is None:
         return synthetic_multichoice(count=SYNTHETIC_QUESTIONS, seed=config.seed + 1)
-    records = load_multichoice(config.data, name="data")
+    if Path(config.data).expanduser().exists() or hub_reachable():
+        records = load_multichoice(config.data, name="data")
+    else:  # only the local cache can hold it: look there alone, not through a minute of retries
+        import datasets
+
+        offline, datasets.config.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE, True
+        try:
+            records = load_multichoice(config.data, name="data")
+        except ValueError as err:
+            raise ValueError(f"{err}; the hub is unreachable (offline) and the local cache holds no copy of it") from None
+        finally:
+            datasets.config.HF_HUB_OFFLINE = offline
     if len(records) < config.prompts_per_step:
         raise ValueError(f"data: {config.data} holds {len(records)} question(s); one step needs "
                          f"completions_per_step / num_generations = {config.prompts_per_step}")
