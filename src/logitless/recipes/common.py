@@ -172,6 +172,11 @@ def run_recipe(command: str, args: argparse.Namespace, config_class, prepare, tr
         raise
 
 
+def plural(count: int, noun: str) -> str:
+    """"1 step", "2 steps"."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def skipped_note(history: dict) -> str:
     """"; N steps skipped (not finite)" for a history that skipped steps, else ""."""
-    return f"; {len(history['skipped'])} steps skipped (not finite)" if history["skipped"] else ""
+    return f"; {plural(len(history['skipped']), 'step')} skipped (not finite)" if history["skipped"] else ""

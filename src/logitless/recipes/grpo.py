@@ -30,7 +30,7 @@ from logitless.plots import plot_curves
 from logitless.recipes import interrupts
 from logitless.recipes.common import (MODEL_HELP, NONFINITE_ADVICE, RUN_CONTROL_HELP, RecipeConfig, announce_start,
                                       check_model_name, check_model_source, hub_reachable, load_model,
-                                      resume_checkpoint, run_recipe, skipped_note)
+                                      plural, resume_checkpoint, run_recipe, skipped_note)
 from logitless.recipes.options import add_config_parser
 from logitless.rundir import RunDirectory, file_identity, write_json_atomically
 
@@ -45,6 +45,13 @@ WARM_UP_HINT = ("GRPO learns only from reward differences within a group. The re
 
 
 class _QuietProgress(ProgressCallback):
+    """TRL's step bar, named like the other commands' bars, without a printed dict of metrics per step."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        if self.training_bar is not None:
+            self.training_bar.set_description("logitless grpo")
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         pass
 
@@ -263,6 +270,6 @@ def add_parser(subcommands) -> argparse.ArgumentParser:
 
 def run_command(args: argparse.Namespace) -> int:
     plan, history = run_recipe("grpo", args, MultichoiceGRPOConfig, prepare_grpo, train_grpo_multichoice)
-    print(f"reward {history['reward'][0]:.4f} -> {history['reward'][-1]:.4f} over {len(history['reward'])} steps"
+    print(f"reward {history['reward'][0]:.4f} -> {history['reward'][-1]:.4f} over {plural(len(history['reward']), 'step')}"
           f"{skipped_note(history)}; plot: {plan.run.path / 'reward.png'}")
     return 0

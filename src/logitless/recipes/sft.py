@@ -31,7 +31,8 @@ from logitless.data import arithmetic_sft_examples, iterate_batches, load_jsonl
 from logitless.plots import plot_curve
 from logitless.recipes import interrupts
 from logitless.recipes.common import (MODEL_HELP, NONFINITE_ADVICE, RUN_CONTROL_HELP, RecipeConfig, announce_start,
-                                      check_model_source, load_model, resume_checkpoint, run_recipe, skipped_note)
+                                      check_model_source, load_model, plural, resume_checkpoint, run_recipe,
+                                      skipped_note)
 from logitless.recipes.options import add_config_parser
 from logitless.rundir import RunDirectory, file_identity, write_json_atomically
 from logitless.sft import sft_step
@@ -190,7 +191,7 @@ def add_parser(subcommands) -> argparse.ArgumentParser:
 
 def run_command(args: argparse.Namespace) -> int:
     plan, history = run_recipe("sft", args, SFTConfig, prepare_sft, train_sft)
-    print(f"loss {history['loss'][0]:.3f} -> {history['loss'][-1]:.3f} over {history['step']} steps "
+    print(f"loss {history['loss'][0]:.3f} -> {history['loss'][-1]:.3f} over {plural(history['step'], 'step')} "
           f"({history['seconds']:.1f}s){skipped_note(history)}; plot: {plan.run.path / 'loss.png'}; "
           f"checkpoint: {last_complete_checkpoint(plan.run.path)[0]}")
     return 0
