@@ -38,8 +38,26 @@ def test_the_recipes_and_the_benchmarks_import_neither_each_other_nor_the_progra
 
 def test_the_library_imports_no_program():
     library = [path for path in PACKAGE.rglob("*.py") if path.relative_to(PACKAGE).parts[0].removesuffix(".py")
-               not in PROGRAMS]
-    assert len(library) > 30 and _offenders(library, PROGRAMS) == []
+               not in PROGRAMS | {"plots"}]
+    assert len(library) > 30 and _offenders(library, PROGRAMS | {"plots"}) == []
+
+
+def _third_party(path: Path) -> set[str]:
+    """The top-level names of the modules outside logitless that ``path`` imports anywhere in it."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names.add(node.module.split(".")[0])
+    return names - {"logitless"}
+
+
+def test_the_fused_ops_need_neither_transformers_nor_trl():
+    kernels = [*(PACKAGE / "ops").rglob("*.py"), *(PACKAGE / "jax").rglob("*.py")]
+    assert len(kernels) > 20
+    assert [f"{path.relative_to(PACKAGE)} imports {name}" for path in sorted(kernels)
+            for name in sorted(_third_party(path) & {"transformers", "trl", "peft"})] == []
 
 
 def test_imports_are_found_in_every_spelling(tmp_path):
