@@ -212,7 +212,8 @@ def test_bad_input_errors_name_the_argument():
         (dict(weight=torch.randn(5, 4)), ValueError, "weight: hidden size"),
         (dict(targets=torch.tensor([0, 1, 2, 5])), ValueError, r"targets: token ids must lie in \[0, 5\)"),
         (dict(targets=torch.tensor([0, -3, 2, 1])), ValueError, "targets"),
-        (dict(targets=torch.zeros(4)), TypeError, "targets: expected an integer"),
+        (dict(targets=torch.zeros(4)), TypeError, "targets: expected token ids as an int64"),
+        (dict(targets=torch.tensor([0, 1, 2, 3], dtype=torch.uint8)), TypeError, "targets: .* got torch.uint8"),
         (dict(hidden=torch.ones(4, 3, dtype=torch.long)), TypeError, "hidden: expected a floating"),
         (dict(temperature=0.0), ValueError, "temperature: expected a finite number > 0"),
         (dict(targets=torch.zeros(3, dtype=torch.long)), ValueError, "targets: shape"),
@@ -304,3 +305,33 @@ def test_one_pass_and_two_pass_schedules_agree(blocks, monkeypatch):
     for got, want in zip(one_pass, two_pass):
         _close(got, want, torch.float32)
     assert one_pass_metrics == pytest.approx(two_pass_metrics, rel=1e-5, abs=1e-6)
+
+
+def test_a_second_derivative_is_refused_not_silently_zero():
+    """create_graph=True (a gradient penalty) would get gradients without a graph, hence a 0 second derivative."""
+    from logitless.ops import fused_linear_kl
+
+    hidden, weight, _, targets = _inputs(6, 8, 50, bias=False)
+    hidden, weight = hidden.requires_grad_(), weight.requires_grad_()
+    for loss in (fused_linear_cross_entropy(hidden, weight, targets),
+                 fused_linear_logprobs(hidden, weight, targets).sum(),
+                 fused_linear_kl(hidden, weight, hidden.detach(), weight.detach() * 0.5).sum()):
+        with pytest.raises(RuntimeError, match="no second derivative"):
+            torch.autograd.grad(loss, hidden, create_graph=True)
+    reference_loss = fused_linear_cross_entropy(hidden, weight, targets, impl="reference")  # what the error suggests
+    (grad_hidden,) = torch.autograd.grad(reference_loss, hidden, create_graph=True)
+    assert torch.autograd.grad(grad_hidden.square().sum(), weight)[0].abs().sum() > 0
+
+
+def test_cross_entropy_options_and_the_kl_heads_name_their_argument():
+    from logitless.ops import fused_linear_kl
+
+    hidden, weight, _, targets = _inputs(4, 3, 5, bias=False)
+    with pytest.raises(ValueError, match="label_smoothing: expected a number in \\[0, 1\\], got None"):
+        fused_linear_cross_entropy(hidden, weight, targets, label_smoothing=None)
+    with pytest.raises(TypeError, match="ignore_index: expected an int, got 1.5"):
+        fused_linear_cross_entropy(hidden, weight, targets, ignore_index=1.5)
+    with pytest.raises(ValueError, match="^bias_q: contains NaN"):
+        fused_linear_kl(hidden, weight, hidden, weight, bias_q=torch.full((5,), float("nan")))
+    with pytest.raises(ValueError, match="^weight_p: "):
+        fused_linear_kl(hidden, weight.T.contiguous(), hidden, weight)

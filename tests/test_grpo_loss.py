@@ -262,3 +262,47 @@ def test_neg_inf_bias_gives_a_finite_entropy_metric():
     assert fused[1]["entropy"] == pytest.approx(reference[1]["entropy"], rel=1e-5)
     assert all(bool(torch.isfinite(g).all()) for g in fused[2][:2])
     torch.testing.assert_close(fused[0], reference[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["auto", "reference"])
+def test_padding_may_hold_any_id_and_any_hidden_state(impl):
+    """Masked tokens never reach the matmul, in the oracle as in the fused op: a pad id of -100 and NaN hidden
+    states there change nothing."""
+    batch = _batch(seed=9)
+    padded = dict(batch)
+    pad = batch["completion_mask"] == 0
+    padded["completion_ids"] = batch["completion_ids"].masked_fill(pad, -100)
+    padded["hidden"] = batch["hidden"].detach().masked_fill(pad[..., None], float("nan")).requires_grad_()
+    loss, _ = fused_grpo_loss(padded["hidden"], padded["weight"], padded["completion_ids"], padded["completion_mask"],
+                              padded["advantages"], bias=padded["bias"], old_logprobs=padded["old_logprobs"],
+                              ref_logprobs=padded["ref_logprobs"], beta=0.04, impl=impl)
+    want_loss, _, want_grads = _run(fused_grpo_loss, batch, beta=0.04)
+    grads = torch.autograd.grad(loss, [padded["hidden"], batch["weight"], batch["bias"]])
+    torch.testing.assert_close(loss, want_loss)
+    torch.testing.assert_close(grads[0].masked_fill(pad[..., None], 0.0), want_grads[0])
+    for got, want in zip(grads[1:], want_grads[1:]):
+        torch.testing.assert_close(got, want)
+
+
+def test_advantages_and_log_probs_that_require_grad_get_their_gradients():
+    """A learned baseline or a differentiable reference: the constants of TRL's loss get the oracle's gradients
+    (the fused op then takes its two passes, whose loss autograd differentiates)."""
+    grads = {}
+    for impl in ("auto", "reference"):
+        batch = _batch(seed=10)
+        constants = [batch[name].detach().clone().requires_grad_() for name in
+                     ("advantages", "old_logprobs", "ref_logprobs")]
+        loss, _ = fused_grpo_loss(batch["hidden"], batch["weight"], batch["completion_ids"], batch["completion_mask"],
+                                  constants[0], bias=batch["bias"], old_logprobs=constants[1],
+                                  ref_logprobs=constants[2], beta=0.04, impl=impl)
+        grads[impl] = torch.autograd.grad(loss, [*constants, batch["hidden"], batch["weight"]])
+    assert grads["reference"][0].abs().sum() > 0
+    for got, want in zip(grads["auto"], grads["reference"]):
+        torch.testing.assert_close(got, want)
+
+
+def test_an_empty_batch_gives_a_zero_loss():
+    batch = _batch(b=2, seed=11)
+    loss, _ = fused_grpo_loss(batch["hidden"][:0], batch["weight"], batch["completion_ids"][:0],
+                              batch["completion_mask"][:0], batch["advantages"][:0])
+    assert loss.item() == 0.0

@@ -310,6 +310,7 @@ def _bad(**changes):
     (dict(completion_ids=np.full((B, T), V)), ValueError, r"completion_ids: token ids must lie in \[0, 61\)"),
     (dict(completion_ids=np.zeros((B, T + 1), np.int32)), ValueError, "completion_ids: shape"),
     (dict(completion_mask=np.full((B, T), 2.0)), ValueError, "completion_mask: expected a bool or 0/1 mask"),
+    (dict(completion_mask=None), TypeError, "completion_mask: expected a \\(B, T\\) array"),
     (dict(advantages=np.zeros((B + 1,), np.float32)), ValueError, "advantages: expected"),
     (dict(advantages=np.array([0.0, np.nan, 1.0], np.float32)), ValueError, "advantages: contains NaN"),
     (dict(old_logprobs=np.zeros((B, T + 1), np.float32)), ValueError, "old_logprobs: shape"),

@@ -148,7 +148,7 @@ def test_bad_inputs(tiny_model):
         get_response_log_probs(tiny_model, input_ids, labels[:, :3])
     with pytest.raises(ValueError, match="labels: token ids"):
         get_response_log_probs(tiny_model, input_ids, labels + 151936)
-    with pytest.raises(TypeError, match="input_ids: expected an integer"):
+    with pytest.raises(TypeError, match="input_ids: expected token ids as an int64"):
         get_response_log_probs(tiny_model, input_ids.float(), labels)
     with pytest.raises(ValueError, match="impl"):
         get_response_log_probs(tiny_model, input_ids, labels, impl="fast")

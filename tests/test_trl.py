@@ -365,10 +365,11 @@ def _random_rollout(prompts, trainer):
 
 
 @pytest.mark.parametrize("old_pass", [False, True])
-@pytest.mark.parametrize("peft", [False, True])
-def test_completion_logits_with_a_rollout_func(model_dir, tokenizer, tmp_path, old_pass, peft):
+@pytest.mark.parametrize("peft, beta", [(False, 0.0), (True, 0.0), (True, 0.04)])
+def test_completion_logits_with_a_rollout_func(model_dir, tokenizer, tmp_path, old_pass, peft, beta):
     """No transformers generate: the rows come from TRL's old-log-prob pass when it runs before the rewards (no extra
-    work), else from one no-grad body pass, counted in logitless/reward_body_passes."""
+    work), else from one no-grad body pass, counted in logitless/reward_body_passes. With PEFT and beta > 0, TRL
+    scores the reference through the same model with its adapters off: those rows are not the policy's."""
     seen = []
 
     def reward(completions, completion_ids, completion_logits, completion_logprobs, **kwargs):
@@ -383,7 +384,7 @@ def test_completion_logits_with_a_rollout_func(model_dir, tokenizer, tmp_path, o
             seen.append(t)
         return [float(len(ids)) for ids in completion_ids]
 
-    options = dict(num_iterations=2) if old_pass else {}
+    options = (dict(num_iterations=2) if old_pass else {}) | dict(beta=beta)
     trainer_kwargs = dict(rollout_func=_random_rollout) | (dict(peft_config=_lora()) if peft else {})
     trainer = _trainer(GRPOTrainerWithLogits, model_dir, tokenizer, tmp_path, reward_funcs=reward,
                        trainer_kwargs=trainer_kwargs, max_steps=2, temperature=0.8, **options)

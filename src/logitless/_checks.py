@@ -23,8 +23,8 @@ def check_tensor(name: str, value, *, ndim: int | Sequence[int] | None = None, f
             raise ValueError(f"{name}: expected {' or '.join(map(str, allowed))} dimensions, got shape {tuple(value.shape)}")
     if floating and not value.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point tensor, got {value.dtype}")
-    if integer and (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
-        raise TypeError(f"{name}: expected an integer tensor of token ids, got {value.dtype}")
+    if integer and value.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name}: expected token ids as an int64 (or int32) tensor, got {value.dtype}")
     return value
 
 

@@ -128,6 +128,8 @@ def fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages,
     entropy, clip_ratio/low_min, clip_ratio/high_max. Differentiate with ``jax.grad(..., has_aux=True)``.
     """
     hidden = check_array("hidden", hidden, ndim=3, floating=True)
+    if completion_mask is None:  # the loss's normalizers count its tokens: it is not optional, as in PyTorch
+        raise TypeError("completion_mask: expected a (B, T) array, 1 where a completion token counts, got None")
     inputs = _linear_inputs(hidden, weight, completion_ids, bias, temperature, softcap, logit_scale, completion_mask,
                             block_sizes, targets_name="completion_ids", mask_name="completion_mask")
     keep = inputs.keep.reshape(completion_ids.shape)

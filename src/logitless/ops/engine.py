@@ -56,6 +56,14 @@ NewAccumulator = Callable[[slice], Accumulator]  # a row chunk's slice of all to
 ChunkLoss = Callable[[slice, tuple], tuple[torch.Tensor, "tuple | None"]]
 
 
+def refuse_second_derivative(op: str) -> None:
+    """Called first in a fused op's backward: with ``create_graph=True`` (grad mode on inside backward) the gradients
+    it returns would carry no graph, so a second derivative through them would be silently 0."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{op}: no second derivative (backward with create_graph=True: a gradient penalty, "
+                           "double backward); use impl=\"reference\" for one")
+
+
 def compute_operand(tensor: torch.Tensor) -> torch.Tensor:
     """A matmul operand as `matmul_stat` will use it: upcast once here when it would upcast it per block."""
     return tensor if tensor.is_cuda else tensor.to(stat_dtype(tensor.dtype))

@@ -26,7 +26,7 @@ from logitless.ops import chunks, reference
 from logitless.ops.backend import IMPLS, chunk_kernels
 from logitless.ops.blocks import BlockPlan, BlockSizes, plan_blocks
 from logitless.ops.chunks import TokenStats, stat_grads
-from logitless.ops.engine import ChunkLoss, one_pass, two_pass_grads, two_pass_stats
+from logitless.ops.engine import ChunkLoss, one_pass, refuse_second_derivative, two_pass_grads, two_pass_stats
 from logitless.ops.grpo import check_grpo_inputs, grpo_metrics, grpo_token_loss
 from logitless.ops.grpo_settings import GRPOSettings
 from logitless.ops.head import LinearHead, stat_dtype
@@ -61,6 +61,7 @@ class LinearTokenStats(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy, grad_mean_log_prob):
+        refuse_second_derivative("the fused log-probs")
         hidden, _, _, targets, lse, entropy = ctx.saved_tensors
         head = ctx.head
         coefs = stat_grads(head, grad_log_probs, grad_entropy, grad_mean_log_prob, lse.dtype)
@@ -93,6 +94,7 @@ class LinearLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_log_probs, _grad_entropy):
+        refuse_second_derivative("the fused loss")
         input_grads, ctx.input_grads = ctx.input_grads, None
         if input_grads is None:
             hidden, _, _, targets = ctx.saved_tensors
@@ -149,7 +151,8 @@ def linear_token_stats(head: LinearHead, hidden: torch.Tensor, targets: torch.Te
 
 def linear_loss(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, token_loss: TokenLoss, *,
                 need_entropy: bool = False, need_mean_log_prob: bool = False, chunk_size: int | None = None,
-                vocab_block_size: int | None = None, block_sizes: BlockSizes | None = None, impl: str = "auto"):
+                vocab_block_size: int | None = None, block_sizes: BlockSizes | None = None, impl: str = "auto",
+                loss_inputs: tuple = ()):
     """(loss, log_probs (N,), entropy (N,) or None) of a loss summed over per-token terms of the statistics.
 
     ``token_loss(rows, log_probs, entropy, mean_log_prob)`` is the loss summed over the tokens ``rows``; it
@@ -157,12 +160,15 @@ def linear_loss(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, t
     One pass with the gradients computed in forward where `plan_blocks` says it pays (never with
     ``impl="triton"``, whose kernels serve the two passes); otherwise the statistics of `LinearTokenStats`
     and ``token_loss`` over all tokens. log_probs and entropy are returned without a graph (for metrics).
+    ``loss_inputs``: the other tensors ``token_loss`` reads (advantages, old log-probs...); when one of them
+    needs a gradient, the two passes run, whose loss autograd differentiates with respect to everything.
     """
     kernels = chunk_kernels(hidden.device, stat_dtype(hidden.dtype), impl)
     needs = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
                   for t in (hidden, head.weight, head.bias))
+    inputs_need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in loss_inputs)
     plan = plan_blocks(hidden.shape[0], head, hidden.device, BlockSizes.of(block_sizes, chunk_size, vocab_block_size),
-                       loss_known=any(needs) and impl != "triton")
+                       loss_known=any(needs) and impl != "triton" and not inputs_need_grad)
     if plan.single_pass:
         loss, log_probs, entropy = LinearLoss.apply(hidden, head.weight, head.bias, targets, head, plan, token_loss,
                                                     need_entropy, need_mean_log_prob, needs)
@@ -203,14 +209,12 @@ def head_logprobs(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor,
     """`fused_linear_logprobs` of a `LinearHead`: hidden (N, H) or (B, T, H), targets (N,) or (B, T)."""
     check_choice("impl", impl, IMPLS)
     flat_hidden, flat_targets, kept = _linear_inputs(head, hidden, targets, mask)
-    if impl == "reference":
-        keep = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask != 0  # (...), validated above
-        logits = head.logits(hidden.reshape(-1, hidden.shape[-1])).reshape(*targets.shape, head.vocab_size)
-        log_probs, entropy = reference.logprobs_from_logits(logits, targets.masked_fill(~keep, 0), 1.0, return_entropy)
-        log_probs = torch.where(keep, log_probs, 0.0)
-        return (log_probs, torch.where(keep, entropy, 0.0)) if return_entropy else log_probs
-    log_probs, entropy, _ = linear_token_stats(head, flat_hidden, flat_targets, need_entropy=return_entropy,
-                                               block_sizes=block_sizes, impl=impl)
+    if impl == "reference":  # the materialized (K, V) logits of the kept tokens
+        log_probs, entropy = reference.logprobs_from_logits(head.logits(flat_hidden), flat_targets, 1.0,
+                                                            return_entropy)
+    else:
+        log_probs, entropy, _ = linear_token_stats(head, flat_hidden, flat_targets, need_entropy=return_entropy,
+                                                   block_sizes=block_sizes, impl=impl)
     log_probs = _scatter_rows(log_probs, kept, targets.shape)
     return (log_probs, _scatter_rows(entropy, kept, targets.shape)) if return_entropy else log_probs
 
@@ -252,8 +256,11 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     """
     check_choice("reduction", reduction, ("none", "mean", "sum"))
     check_choice("impl", impl, IMPLS)
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing: must lie in [0, 1], got {label_smoothing}")
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
+            or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing: expected a number in [0, 1], got {label_smoothing!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index: expected an int, got {ignore_index!r}")
     sizes = BlockSizes.of(block_sizes, chunk_size, vocab_block_size)
     check_tensor("targets", targets, integer=True)
     keep = targets != ignore_index
@@ -327,5 +334,6 @@ def fused_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: 
         return grpo_token_loss(log_probs, batch, rows)
 
     loss, log_probs, entropy = linear_loss(head, flat_hidden, flat_ids, token_loss, need_entropy=True,
-                                           block_sizes=sizes, impl=impl)  # (K,) stats
+                                           block_sizes=sizes, impl=impl,
+                                           loss_inputs=(advantages, old_logprobs, ref_logprobs))  # (K,) stats
     return loss, grpo_metrics(log_probs, entropy, batch, has_kl=ref_logprobs is not None)

@@ -95,6 +95,11 @@ class GRPOBatch(NamedTuple):
     settings: GRPOSettings
 
 
+def _per_token(advantages: torch.Tensor, length: int) -> torch.Tensor:
+    """Advantages (B,), (B, 1) or (B, T) -> (B, T)."""
+    return (advantages[:, None] if advantages.dim() == 1 else advantages).expand(advantages.shape[0], length)
+
+
 def check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs, ref_logprobs, settings: GRPOSettings,
                       num_items_in_batch) -> GRPOBatch:
     check_tensor("completion_ids", completion_ids, ndim=2, integer=True)
@@ -119,7 +124,7 @@ def check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs,
     check_grpo_options(settings, ref_logprobs is not None, num_items_in_batch)
     weights = token_weights(keep, settings, num_items_in_batch)
     return GRPOBatch(keep, kept, torch.div(kept, length, rounding_mode="floor"),
-                     per_kept_token(advantages.float().reshape(num_sequences, -1).expand(num_sequences, length)),
+                     per_kept_token(_per_token(advantages.float(), length)),
                      per_token.get("old_logprobs"), per_token.get("ref_logprobs"),
                      per_kept_token(weights.to(completion_ids.device)), settings)
 

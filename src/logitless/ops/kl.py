@@ -29,7 +29,7 @@ from logitless._checks import check_choice, check_mask, check_tensor
 from logitless.ops import kl_blocks, reference
 from logitless.ops.backend import IMPLS, chunk_kernels
 from logitless.ops.blocks import BlockPlan, BlockSizes, plan_blocks
-from logitless.ops.engine import NewAccumulator, two_pass_grads, two_pass_stats
+from logitless.ops.engine import NewAccumulator, refuse_second_derivative, two_pass_grads, two_pass_stats
 from logitless.ops.head import LinearHead, stat_dtype
 from logitless.ops.kl_blocks import KLStats, KLSums, kl_stats
 
@@ -80,6 +80,7 @@ class LinearKL(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_kl):
+        refuse_second_derivative("the fused KL")
         hidden_p, _, _, hidden_q, *stats = ctx.saved_tensors
         heads, stats = ctx.heads, KLStats(*stats)
         grads = two_pass_grads(heads, (hidden_p, hidden_q), ctx.plan, _kl_accumulators(*heads, hidden_p, ctx.kernels),
@@ -124,6 +125,17 @@ def _check_side(side: str, hidden, weight, bias) -> None:
                              f"{weight.shape[0]} rows")
 
 
+def _head(side: str, weight, bias, temperature, softcap, logit_scale) -> LinearHead:
+    """The ``side`` ("p" or "q") head; its errors name ``weight_SIDE`` and ``bias_SIDE``."""
+    try:
+        return LinearHead(weight, bias, temperature, softcap, logit_scale)
+    except (TypeError, ValueError) as err:
+        field, _, rest = str(err).partition(": ")
+        if field in ("weight", "bias"):
+            raise type(err)(f"{field}_{side}: {rest}") from None
+        raise
+
+
 def fused_linear_kl(hidden_p: torch.Tensor, weight_p: torch.Tensor, hidden_q: torch.Tensor, weight_q: torch.Tensor, *,
                     bias_p: torch.Tensor | None = None, bias_q: torch.Tensor | None = None, temperature: float = 1.0,
                     mask: torch.Tensor | None = None, chunk_size: int | None = None,
@@ -146,8 +158,8 @@ def fused_linear_kl(hidden_p: torch.Tensor, weight_p: torch.Tensor, hidden_q: to
     if hidden_q.shape[:-1] != hidden_p.shape[:-1]:
         raise ValueError(f"hidden_q: leading dims {tuple(hidden_q.shape[:-1])} do not match hidden_p's "
                          f"{tuple(hidden_p.shape[:-1])}")
-    head_p = LinearHead(weight_p, bias_p, temperature, softcap, logit_scale)
-    head_q = LinearHead(weight_q, bias_q, temperature, softcap, logit_scale)
+    head_p, head_q = (_head(side, weight, bias, temperature, softcap, logit_scale)
+                      for side, weight, bias in (("p", weight_p, bias_p), ("q", weight_q, bias_q)))
     leading = hidden_p.shape[:-1]
     flat_p, flat_q = hidden_p.reshape(-1, hidden_p.shape[-1]), hidden_q.reshape(-1, hidden_q.shape[-1])
     kept = None

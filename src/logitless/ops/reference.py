@@ -48,7 +48,7 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperatur
     check_positive_finite("temperature", temperature)
     scaled = logits.to(stat_dtype(logits.dtype)) / temperature  # (..., V)
     log_probs_all = F.log_softmax(scaled, dim=-1)
-    log_probs = log_probs_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    log_probs = log_probs_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
     return log_probs, entropy_from_log_probs(log_probs_all) if return_entropy else None
 
 
@@ -70,8 +70,9 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
                   reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor:
     """Oracle for `fused_linear_cross_entropy`: PyTorch's cross-entropy on fp32 logits."""
-    return F.cross_entropy(logits.to(stat_dtype(logits.dtype)).reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                           ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
+    return F.cross_entropy(logits.to(stat_dtype(logits.dtype)).reshape(-1, logits.shape[-1]),
+                           targets.long().reshape(-1), ignore_index=ignore_index, reduction=reduction,
+                           label_smoothing=label_smoothing)
 
 
 def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
@@ -82,8 +83,9 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
     """Oracle for `fused_grpo_loss`: (B, T, V) logits -> log-probs -> TRL's GRPO loss and metrics."""
     batch = check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs, ref_logprobs,
                               GRPOSettings.of(settings, options), num_items_in_batch)
-    log_probs, entropy = linear_logprobs(hidden, weight, completion_ids, bias=bias, temperature=temperature,
-                                         return_entropy=True, softcap=softcap, logit_scale=logit_scale)  # (B, T) each
-    kept_log_probs, kept_entropy = (values.reshape(-1)[batch.kept] for values in (log_probs, entropy))
+    # the (K, V) logits of the tokens completion_mask keeps (padding may hold any id, and any hidden state)
+    kept_hidden, kept_ids = hidden.reshape(-1, hidden.shape[-1])[batch.kept], completion_ids.reshape(-1)[batch.kept]
+    kept_log_probs, kept_entropy = linear_logprobs(kept_hidden, weight, kept_ids, bias=bias, temperature=temperature,
+                                                   return_entropy=True, softcap=softcap, logit_scale=logit_scale)
     return grpo_token_loss(kept_log_probs, batch), grpo_metrics(kept_log_probs.detach(), kept_entropy.detach(), batch,
                                                                 has_kl=ref_logprobs is not None)

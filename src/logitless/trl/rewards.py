@@ -62,6 +62,18 @@ def completion_views(hidden: torch.Tensor, completion_ids_list: list[list[int]],
     return views, [log_probs[row, :length] for row, length in enumerate(lengths)]
 
 
+
+def _policy_adapters_on(model) -> bool:
+    """False while TRL scores the reference through the policy's own PEFT model (``beta > 0``): its adapters are
+    off, or its "ref" adapter is the active one. Those rows are not the policy's."""
+    if not hasattr(model, "peft_config"):
+        return True
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    if "ref" in getattr(model, "active_adapters", ()):
+        return False
+    return not any(isinstance(module, BaseTunerLayer) and module.disable_adapters for module in model.modules())
+
 class LogitAwareRewards:
     """Mixin for `trl.GRPOTrainer`: hands ``completion_logits`` / ``completion_logprobs`` to the reward functions
     that declare them. The subclass installs `keep_scored_hidden` as its fused LM head's ``on_hidden``."""
@@ -115,7 +127,8 @@ class LogitAwareRewards:
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         arm = (self._logit_reward_funcs and model is self.model and not torch.is_grad_enabled()
-               and self._reward_hidden is None and self._prompt_completion_ids is not None)
+               and self._reward_hidden is None and self._prompt_completion_ids is not None
+               and _policy_adapters_on(self.accelerator.unwrap_model(model)))
         if not arm:
             return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                               *args, **kwargs)
