@@ -15,6 +15,11 @@ def test_rows_equal_materialized_logits():
     torch.testing.assert_close(view[2:5], full[2:5])
     torch.testing.assert_close(view[[0, 6]], full[[0, 6]])
     assert view[0].dtype == torch.float32 and not view[0].requires_grad
+    for empty in (slice(10, 20), [], torch.tensor([], dtype=torch.long)):  # as the (C, V) tensor gives
+        assert view[empty].shape == full[empty].shape == (0, 101)
+    import numpy as np
+
+    torch.testing.assert_close(view[np.int64(2)], full[2])
 
 
 def test_softcapped_and_scaled_rows():

@@ -61,8 +61,10 @@ def test_answer_position_falls_back_to_the_last_letter_then_none(tokenizer):
     ids = encode(tokenizer, "Between B and C, I pick C because it is bigger.")
     position = find_answer_position(ids, tokenizer)
     assert tokenizer.decode([ids[position]]) == " C" and tokenizer.decode(ids[position + 1:]).startswith(" because")
-    ids = encode(tokenizer, "Maybe A. ANSWER: none of them")  # a marker with no letter after it
-    assert find_answer_position(ids, tokenizer) == 1
+    # a marker with no letter token after it: a letter before the marker is not the answer (its row predicted a
+    # word of the reasoning), so there is no answer position and the reward is 0
+    assert find_answer_position(encode(tokenizer, "Maybe A. ANSWER: none of them"), tokenizer) is None
+    assert find_answer_position(encode(tokenizer, "Option A is wrong. ANSWER:B"), tokenizer) is None  # ':B', one token
     assert find_answer_position(encode(tokenizer, "no letter in here"), tokenizer) is None
     assert find_answer_position([], tokenizer) is None
     with pytest.raises(TypeError, match="completion_ids"):
@@ -118,9 +120,23 @@ def test_probability_edge_cases_and_bad_input(tokenizer):
         extract_answer_probability_from_logits(logits, torch.tensor(ids, dtype=torch.float32), tokenizer, "A")
     with pytest.raises(ValueError, match="completion_logits: rows have 100 entries"):
         extract_answer_probability_from_logits(torch.randn(len(ids), 100), ids, tokenizer, "A")
+    # -inf marks a token that can never be sampled (a -inf bias): allowed, and exactly 0 probability
+    expected = extract_answer_probability_from_logits(logits, ids, tokenizer, "A")
+    masked = logits.clone()
+    masked[:, 0] = float("-inf")  # "!" is no letter
+    assert extract_answer_probability_from_logits(masked, ids, tokenizer, "A") == pytest.approx(expected)
+    masked[:, choice_token_ids(tokenizer)["A"]] = float("-inf")
+    assert extract_answer_probability_from_logits(masked, ids, tokenizer, "A") == 0.0
     logits[-1, 0] = float("nan")
     with pytest.raises(ValueError, match="completion_logits: contains NaN"):
         extract_answer_probability_from_logits(logits, ids, tokenizer, "A")
+
+
+def test_strip_final_answer_of_a_degenerate_generation():
+    """A long run of separators (common in RL rollouts) once made the search quadratic: 20,000 periods took 48 s."""
+    text = "Thinking" + "." * 20_000 + " so the answer is (B)."
+    assert strip_final_answer(text) == "Thinking"
+    assert strip_final_answer("x" + " " * 20_000 + "y") == "x" + " " * 20_000 + "y"
 
 
 def test_strip_final_answer():

@@ -15,6 +15,11 @@ from logitless.rewards.math import extract_answer, math_reward
     ("<answer>-2/4</answer>", "-0.5", True),
     ("first <answer>1</answer> then <answer>2</answer>", "2", True),
     ("Worked: \\boxed{12}", "so it is \\boxed{12}", True),
+    ("\\boxed{(1,2)}", "12", False),  # a pair is not twelve: only thousands separators are dropped
+    ("\\boxed{1,2}", "12", False),
+    ("\\boxed{12,345,678}", "12345678", True),
+    ("\\boxed{-\\frac{1}{2}}", "-0.5", True),
+    ("\\boxed{\\$5.00}", "5", True),
 ])
 def test_grading(response, truth, correct):
     reward = math_reward(response, truth)

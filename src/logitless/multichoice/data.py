@@ -135,7 +135,7 @@ def load_multichoice(path_or_name: str | Path, split: str = "train", choices: st
     _check_letters("choices", choices)
     if not isinstance(path_or_name, (str, Path)) or not str(path_or_name):
         raise TypeError(f"{name}: expected a file, directory or dataset name, got {path_or_name!r}")
-    path = Path(path_or_name)
+    path = Path(path_or_name).expanduser()
     if path.is_file():
         records = [_record(raw, where, choices, name) for where, raw in read_jsonl(path, name)]
     elif not path.is_dir() and (path.suffix in (".jsonl", ".json") or str(path_or_name).startswith((".", "/", "~"))):

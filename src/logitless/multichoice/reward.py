@@ -102,7 +102,8 @@ def find_answer_position(completion_ids, tokenizer, choices: str = "ABCD", marke
     """Index of the answer letter's token in the completion, or None.
 
     The first choice-letter token after the last occurrence of ``marker`` (case-insensitive) in the
-    decoded completion; else the last choice-letter token anywhere in it; else None.
+    decoded completion, or None when none follows it (a letter before the marker is not the answer);
+    without a marker, the last choice-letter token anywhere in it; else None.
     """
     ids = _token_id_list("completion_ids", completion_ids)
     _check_marker(marker)
@@ -118,9 +119,7 @@ def find_answer_position(completion_ids, tokenizer, choices: str = "ABCD", marke
                 high = middle
             else:
                 low = middle + 1
-        after_marker = next((t for t in range(low, len(ids)) if ids[t] in letter_ids), None)
-        if after_marker is not None:
-            return after_marker
+        return next((t for t in range(low, len(ids)) if ids[t] in letter_ids), None)
     return next((t for t in reversed(range(len(ids))) if ids[t] in letter_ids), None)
 
 
@@ -128,7 +127,8 @@ def _answer_probability_from_row(row: torch.Tensor, token_ids: dict[str, list[in
                                  renormalize: bool) -> float:
     """P(correct_answer) from one (V,) logits row: over the letters when `renormalize`, else over the vocabulary."""
     check_tensor("completion_logits", row, ndim=1, floating=True)
-    check_finite("completion_logits", row)
+    if bool(torch.isnan(row).any() | torch.isposinf(row).any()):  # -inf: a token that can never be sampled
+        raise ValueError("completion_logits: contains NaN or +inf")
     flat_ids = [token for ids in token_ids.values() for token in ids]
     if max(flat_ids) >= row.shape[0]:
         raise ValueError(f"completion_logits: rows have {row.shape[0]} entries, fewer than the tokenizer's "
@@ -137,6 +137,8 @@ def _answer_probability_from_row(row: torch.Tensor, token_ids: dict[str, list[in
     letter_log_probs = _letter_log_probs(row[flat_ids], token_ids)  # (L,) unnormalized
     normalizer = torch.logsumexp(letter_log_probs if renormalize else row, dim=0)
     correct = list(token_ids).index(correct_answer)
+    if torch.isneginf(letter_log_probs[correct]):  # the correct letter cannot be sampled (nor, perhaps, any letter)
+        return 0.0
     return float(torch.exp(letter_log_probs[correct] - normalizer))
 
 
@@ -203,7 +205,9 @@ def answer_probability_by_recomputing(policy, tokenizer, prompt: str, completion
 
 def _final_answer_statement(choices: str) -> re.Pattern:
     letters = "".join(re.escape(letter) for letter in choices)
-    return re.compile(rf"[\s,;:.]*(?:\b(?:so|thus|therefore|hence)\b[\s,]*)?(?:\bthe\s+)?(?:\b(?:final|correct)\s+)?"
+    # no leading separators in the pattern: retried at every position of a long run of them, they made the
+    # search quadratic; `strip_final_answer` strips them from the text before the statement instead
+    return re.compile(rf"(?:\b(?:so|thus|therefore|hence)\b[\s,]*)?(?:\bthe\s+)?(?:\b(?:final|correct)\s+)?"
                       rf"\banswer\b\s*(?:is\b|would\s+be\b)?\s*:?\s*[(\[*]*\s*[{letters}]\s*[)\]*]*\s*[.!]?\s*$",
                       re.IGNORECASE)
 
@@ -223,7 +227,7 @@ def strip_final_answer(text: str, choices: str = "ABCD", marker: str = "ANSWER:"
     if markers:
         text = text[: markers[-1].start()].rstrip()
     statement = _final_answer_statement(choices).search(text)
-    return text[: statement.start()].rstrip() if statement else text
+    return text[: statement.start()].rstrip(" \t\n\r\f\v,;:.") if statement else text
 
 
 class MultichoiceJudge:

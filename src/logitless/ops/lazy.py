@@ -7,6 +7,8 @@ reference to the LM head; ``view[t]`` computes row t, ``view[a:b]`` rows a..b-1,
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from logitless._checks import check_tensor
@@ -38,8 +40,9 @@ class CompletionLogits:
         return self.hidden.shape[0]
 
     def __getitem__(self, index) -> torch.Tensor:
-        """An int gives one row (V,); a slice or a 1-D index tensor/list gives (k, V). fp32, no grad."""
-        if isinstance(index, int):
+        """An int gives one row (V,); a slice or a 1-D index tensor/list gives (k, V), k >= 0. fp32, no grad."""
+        if not isinstance(index, (slice, list, torch.Tensor)) and hasattr(index, "__index__"):  # int, numpy int
+            index = operator.index(index)
             if not -len(self) <= index < len(self):
                 raise IndexError(f"index {index} is out of range for a completion of {len(self)} tokens")
         elif not isinstance(index, (slice, list, torch.Tensor)):
@@ -47,7 +50,7 @@ class CompletionLogits:
         with torch.no_grad():
             rows = self.hidden[index]  # (H,) or (k, H)
             logits = self.head.logits(rows.reshape(-1, rows.shape[-1]))
-            return logits.float().reshape(*rows.shape[:-1], -1)
+            return logits.float().reshape(*rows.shape[:-1], self.head.vocab_size)
 
     def __repr__(self) -> str:
         return f"CompletionLogits(shape={tuple(self.shape)}, temperature={self.head.temperature})"

@@ -44,24 +44,28 @@ def extract_answer(response: str) -> str | None:
     return boxed.strip() if boxed is not None else None
 
 
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")  # a comma between digit groups of three
+
+
 def normalize_answer(answer: str) -> str:
     """A canonical string form: no spaces, braces, $, \\left/\\right, \\text{} wrappers, trailing period; lower case."""
     text = _TEXT.sub(r"\1", answer)
-    for token in ("\\left", "\\right", "\\!", "\\,", "\\;", "$", " ", "{", "}"):
+    for token in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\$", "$", " ", "{", "}"):
         text = text.replace(token, "")
     return text.rstrip(".").lower()
 
 
 def _as_number(answer: str) -> float | None:
-    text = normalize_answer(_FRAC.sub(r"(\1)/(\2)", answer)).replace(",", "")
+    text = _THOUSANDS.sub("", normalize_answer(_FRAC.sub(r"(\1)/(\2)", answer)))  # 1,000 -> 1000; (1,2) stays
     percent = text.endswith("\\%") or text.endswith("%")
     text = text.removesuffix("\\%").removesuffix("%")
-    match = re.fullmatch(r"\(?([-+]?\d*\.?\d+(?:e[-+]?\d+)?)\)?(?:/\(?([-+]?\d*\.?\d+)\)?)?", text)
+    # an optional sign before a parenthesized fraction (-\frac{1}{2} -> -(1)/(2)), a number, an optional denominator
+    match = re.fullmatch(r"([-+]?)\(?([-+]?\d*\.?\d+(?:e[-+]?\d+)?)\)?(?:/\(?([-+]?\d*\.?\d+)\)?)?", text)
     if not match:
         return None
-    value = float(match.group(1))
-    if match.group(2) is not None:
-        denominator = float(match.group(2))
+    value = float(match.group(2)) * (-1.0 if match.group(1) == "-" else 1.0)
+    if match.group(3) is not None:
+        denominator = float(match.group(3))
         if denominator == 0:
             return None
         value /= denominator
