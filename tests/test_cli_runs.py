@@ -91,6 +91,7 @@ def test_grpo_stopped_after_step_2_and_resumed_equals_the_uninterrupted_run(tmp_
                                               r"model hub is unreachable"),
     (["sft", "--model", "nonexistent_dir"], r"--model: 'nonexistent_dir' is not a local model directory"),
     ([*GRPO, "--model", "nonexistent_dir"], r"--model: 'nonexistent_dir' is not a local model directory"),
+    (["sft", "--data", ""], r"--data: expected a path, got ''"),
     ([*GRPO, "--data", "no-org/no-dataset"], r"--data: cannot load 'no-org/no-dataset' .*; the hub is unreachable"),
     ([*GRPO, "--judge", "runs/no/such"], r"--judge: 'runs/no/such' is neither a local model directory nor a hub id"),
     (["sft", "--save-total-limit", "0"], r"--save-total-limit: expected a positive int, got 0"),

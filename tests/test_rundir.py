@@ -85,3 +85,28 @@ def test_a_refused_command_leaves_no_claim_behind(tmp_path):
     with pytest.raises(ValueError, match="allow_changed"), run.released_on_error():
         run.start({"seed": 0}, resume=True, result_options=["seed"], allow_changed=["bogus"])
     assert json.loads((created / MARKER).read_text())["options"] == {"seed": 0}  # a recorded run keeps its claim
+
+
+def test_starting_over_removes_only_the_checkpoints_a_run_writes(tmp_path):
+    """checkpoint-STEP directories are the run's; a user's checkpoint-best copy or checkpoint-notes.txt is not."""
+    from logitless.recipes.sft import OUTPUTS
+
+    run = RunDirectory.claim(tmp_path, "sft", outputs=OUTPUTS)
+    run.start({"seed": 0}, resume=False, result_options=["seed"])
+    for name in ("checkpoint-3", "checkpoint-best"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "checkpoint-notes.txt").write_text("mine")
+    (tmp_path / "history.json").write_text("{}")
+    run.start({"seed": 0}, resume=False, result_options=["seed"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-best", "checkpoint-notes.txt", MARKER]
+
+
+def test_recipe_paths_expand_the_home_directory():
+    import os
+
+    from logitless.recipes.sft import SFTConfig
+
+    config = SFTConfig(output_dir="~/runs/x", data="~/pairs.jsonl")
+    assert (config.output_dir, config.data) == (os.path.expanduser("~/runs/x"), os.path.expanduser("~/pairs.jsonl"))
+    with pytest.raises(TypeError, match="output_dir: expected a path, got 5"):
+        SFTConfig(output_dir=5)

@@ -38,7 +38,7 @@ STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 CHECKPOINT_PREFIX = "checkpoint"  # checkpoint-STEP, as Hugging Face's Trainer names them
 CHECKPOINT_STAGING = ".logitless-staging"  # in the run directory: checkpoints being written
-_STEP_CHECKPOINT = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
+STEP_CHECKPOINT = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")  # the names of the directories a run saves
 
 
 def _fsync(path: Path) -> None:
@@ -109,13 +109,13 @@ def publish_directory(staging: str | Path, final: str | Path) -> Path:
 def _step_directories(run_dir: Path) -> list[Path]:
     """The ``checkpoint-STEP`` directories in ``run_dir``, oldest step first."""
     found = [(int(match.group(1)), entry) for entry in (run_dir.iterdir() if run_dir.is_dir() else ())
-             if (match := _STEP_CHECKPOINT.match(entry.name)) and entry.is_dir()]
+             if (match := STEP_CHECKPOINT.match(entry.name)) and entry.is_dir()]
     return [path for _, path in sorted(found)]
 
 
 def checkpoint_step(path: str | Path) -> int:
     """STEP of a ``checkpoint-STEP`` directory."""
-    return int(_STEP_CHECKPOINT.match(Path(path).name).group(1))
+    return int(STEP_CHECKPOINT.match(Path(path).name).group(1))
 
 
 def complete_checkpoints(run_dir: str | Path) -> list[Path]:

@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -71,6 +72,17 @@ def _describe(value) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
+def _matching(directory: Path, patterns) -> list[Path]:
+    """The entries of ``directory`` whose names match a glob pattern or fully match a compiled expression."""
+    found = set()
+    for pattern in patterns:
+        if isinstance(pattern, re.Pattern):
+            found |= {entry for entry in directory.iterdir() if pattern.fullmatch(entry.name)}
+        else:
+            found |= set(directory.glob(pattern))
+    return sorted(found)
+
+
 class RunDirectory:
     """A directory claimed by one ``logitless`` command; see the module docstring."""
 
@@ -84,7 +96,8 @@ class RunDirectory:
     def claim(cls, path: str | Path, command: str, *, outputs: Sequence[str], overwrite: bool = False) -> RunDirectory:
         """Claim ``path`` for ``command`` (creating it), or raise ValueError naming ``output_dir``.
 
-        ``outputs``: glob patterns of the names the run writes in the directory (its checkpoints,
+        ``outputs``: glob patterns (or compiled regular expressions, matched against whole names, such as
+        `checkpoint.STEP_CHECKPOINT`) of the names the run writes in the directory (its checkpoints,
         history, plots): the only entries a fresh start replaces; with ``overwrite``, a directory that
         holds one of them (written by someone else) is refused.
         """
@@ -106,7 +119,7 @@ class RunDirectory:
                 raise ValueError(f"output_dir: {path} is not empty and no logitless run claimed it (no {MARKER}); "
                                  "choose a new or empty directory, or pass --overwrite to write this run's files "
                                  "beside the ones there")
-            in_the_way = sorted({entry.name for pattern in outputs for entry in path.glob(pattern)})
+            in_the_way = sorted(entry.name for entry in _matching(path, outputs))
             if in_the_way:
                 raise ValueError(f"output_dir: {path} holds {', '.join(in_the_way)}, where this run would write its "
                                  "own outputs, and no logitless run wrote them; --overwrite never replaces what the "
@@ -134,7 +147,7 @@ class RunDirectory:
             raise
 
     def existing_outputs(self) -> list[Path]:
-        return sorted({entry for pattern in self.outputs for entry in self.path.glob(pattern)})
+        return _matching(self.path, self.outputs)
 
     def start(self, options: dict, *, resume: bool, result_options: Iterable[str], fixed_options: Iterable[str] = (),
               allow_changed: Iterable[str] = (), step: int | None = None) -> dict[str, list]:

@@ -52,8 +52,17 @@ class RecipeConfig:
     METAVARS = {"allow_changed": "OPTION"}  # what an option's value is called in --help (default: FIELD_NAME)
     MODEL_OPTIONS = ("model",)  # options naming a model that training loads: errors that name them are the user's
 
+    PATH_OPTIONS = ("output_dir", "data")  # paths ("~" expanded); data may be None (a built-in set)
+
     def __post_init__(self):
         check_model_name("model", self.model)
+        for name in self.PATH_OPTIONS:
+            value = getattr(self, name, None)
+            if value is None and name == "data":
+                continue
+            if not isinstance(value, str) or not value.strip():
+                raise TypeError(f"{name}: expected a path, got {value!r}")
+            setattr(self, name, os.path.expanduser(value))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed: expected an int, got {self.seed!r}")
         for name in ("resume", "overwrite"):

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from transformers import ProgressCallback, TrainerCallback
 
 from logitless._checks import check_choice, check_finite_numbers, check_generations, check_positive_ints
-from logitless.checkpoint import CHECKPOINT_STAGING, checkpoint_step
+from logitless.checkpoint import CHECKPOINT_STAGING, STEP_CHECKPOINT, checkpoint_step
 from logitless.nonfinite import NonFiniteGuard
 from logitless.plots import plot_curves
 from logitless.recipes import interrupts
@@ -110,7 +110,7 @@ HELP = {
 RESULT_OPTIONS = ("judge", "data", "completions_per_step", "num_generations", "max_completion_length",
                   "learning_rate", "loss_type", "temperature", "seed")
 FIXED_OPTIONS = ("model",)  # a resume continues the checkpoint's weights; the default judge is a copy of the model
-OUTPUTS = ("checkpoint-*", CHECKPOINT_STAGING, "history.json", "reward.png", "README.md")
+OUTPUTS = (STEP_CHECKPOINT, CHECKPOINT_STAGING, "history.json", "reward.png", "README.md")
 
 
 @dataclass
@@ -139,7 +139,8 @@ def load_questions(config: MultichoiceGRPOConfig) -> list[dict]:
         try:
             records = load_multichoice(config.data, name="data")
         except ValueError as err:
-            raise ValueError(f"{err}; the hub is unreachable (offline) and the local cache holds no copy of it") from None
+            raise ValueError(f"{err}; the hub is unreachable (offline) and the local cache holds no copy of "
+                             "it") from None
         finally:
             datasets.config.HF_HUB_OFFLINE = offline
     if len(records) < config.prompts_per_step:
@@ -270,6 +271,7 @@ def add_parser(subcommands) -> argparse.ArgumentParser:
 
 def run_command(args: argparse.Namespace) -> int:
     plan, history = run_recipe("grpo", args, MultichoiceGRPOConfig, prepare_grpo, train_grpo_multichoice)
-    print(f"reward {history['reward'][0]:.4f} -> {history['reward'][-1]:.4f} over {plural(len(history['reward']), 'step')}"
+    rewards = history["reward"]
+    print(f"reward {rewards[0]:.4f} -> {rewards[-1]:.4f} over {plural(len(rewards), 'step')}"
           f"{skipped_note(history)}; plot: {plan.run.path / 'reward.png'}")
     return 0

@@ -25,8 +25,8 @@ import torch
 from tqdm.auto import tqdm
 
 from logitless._checks import check_finite_numbers, check_positive_ints
-from logitless.checkpoint import (CHECKPOINT_STAGING, checkpoint_step, last_complete_checkpoint, load_checkpoint_state,
-                                  save_checkpoint)
+from logitless.checkpoint import (CHECKPOINT_STAGING, STEP_CHECKPOINT, checkpoint_step, last_complete_checkpoint,
+                                  load_checkpoint_state, save_checkpoint)
 from logitless.data import arithmetic_sft_examples, iterate_batches, load_jsonl
 from logitless.plots import plot_curve
 from logitless.recipes import interrupts
@@ -77,7 +77,7 @@ HELP = {
 RESULT_OPTIONS = ("data", "batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay",
                   "max_grad_norm", "seed")
 FIXED_OPTIONS = ("model",)  # a resume continues the checkpoint's weights: a new model cannot take effect
-OUTPUTS = ("checkpoint-*", CHECKPOINT_STAGING, "history.json", "loss.png")
+OUTPUTS = (STEP_CHECKPOINT, CHECKPOINT_STAGING, "history.json", "loss.png")
 
 
 @dataclass
