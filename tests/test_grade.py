@@ -59,6 +59,12 @@ def test_token_set_reward_is_the_fraction_of_tokens_in_the_set():
     torch.testing.assert_close(reward(RewardInputs(None, sparse)), reward(RewardInputs(None, _dense_of(sparse, 9))))
     with pytest.raises(ValueError, match="token_ids"):
         TokenSetReward([])
+    repeated = TokenSetReward([3, 5, 3])  # a set: the dense and the sparse paths count a repeated id once
+    assert repeated(RewardInputs(None, hard)).tolist() == [0.5, 0.25]
+    torch.testing.assert_close(repeated(RewardInputs(None, sparse)),
+                               repeated(RewardInputs(None, _dense_of(sparse, 9))))
+    with pytest.raises(ValueError, match="token_ids: token ids are >= 0"):
+        TokenSetReward([3, -1])
 
 
 def test_capitalized_words_reward_on_the_qwen_vocabulary(tokenizer):

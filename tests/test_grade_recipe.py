@@ -178,3 +178,19 @@ def test_a_reward_model_that_cannot_be_loaded_is_named_in_one_line(tmp_path):
               "--output-dir", str(tmp_path / "run")])
     assert str(stopped.value).startswith(f"--reward-model: cannot load '{tmp_path / 'not_a_model'}'")
     assert "\n" not in str(stopped.value)
+
+
+def test_another_method_in_the_same_directory_keeps_the_first_ones_results(tmp_path):
+    """The directory is one run: a second method joins it (options compared), never deletes the first's results."""
+    common = ["--output-dir", str(tmp_path), "--steps", "1", "--max-new-tokens", "2", "--batch-size", "2",
+              "--save-every", "1"]
+    options = [*common, "--gumbel-topk", "16"]
+    assert main(["grade", *options]) == 0
+    gumbel = _weights(tmp_path / "gumbel")
+    assert main(["grade", "--method", "ste", *options]) == 0
+    kept = _weights(tmp_path / "gumbel")
+    assert _weights(tmp_path / "ste") and all(torch.equal(gumbel[name], kept[name]) for name in gumbel)
+    with pytest.raises(SystemExit, match="resuming the run .* with changed options"):  # the same run's options
+        main(["grade", "--method", "grpo", *common, "--grpo-group-size", "2", "--kl-coef", "0.5"])
+    assert main(["grade", "--no-resume", "--method", "ste", *options]) == 0  # starting over is explicit
+    assert not (tmp_path / "gumbel").exists()

@@ -85,9 +85,12 @@ class TokenSetReward(SoftReward):
     """
 
     def __init__(self, token_ids, description: str = "tokens in the set"):
-        self.token_ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        # a set: a repeated id would count twice in the dense sum and once in the sparse lookup
+        self.token_ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().unique()
         if self.token_ids.numel() == 0:
             raise ValueError("token_ids: the set is empty; the reward would always be 0")
+        if int(self.token_ids.min()) < 0:
+            raise ValueError(f"token_ids: token ids are >= 0, got {int(self.token_ids.min())}")
         self.description = description
 
     @classmethod

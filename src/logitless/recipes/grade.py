@@ -28,6 +28,7 @@ from pathlib import Path
 
 from logitless._checks import (check_choice, check_nonnegative_int, check_positive_ints, check_strings,
                                dataclass_from_dict)
+from logitless.checkpoint import last_complete_checkpoint
 from logitless.grade import GradeConfig, GRPOBaseline, GumbelTrainer, GumbelTrainerMemoryEfficient
 from logitless.recipes import interrupts
 from logitless.recipes.common import (MODEL_HELP, RUN_CONTROL_HELP, RecipeConfig, announce_start, check_model_name,
@@ -134,7 +135,8 @@ class GradeRunConfig(RecipeConfig, GradeConfig):
 # schedule, so more steps continue the run), and what only steers the run.
 STEERING_OPTIONS = ("method", "output_dir", "steps", "save_every", "resume", "overwrite", "allow_changed",
                     "on_nonfinite", "activation_checkpointing", "save_total_limit", "eval_data", "eval_every")
-FIXED_OPTIONS = ("model",)  # a resume continues the checkpoint's weights: a new model cannot take effect
+# a resume continues the checkpoint's weights: a new model, or a new adapter shape, cannot take effect
+FIXED_OPTIONS = ("model", "lora_rank", "lora_alpha", "lora_target_modules")
 
 
 def _recorded_options(run: GradeRunConfig) -> dict:
@@ -148,12 +150,16 @@ def _recorded_options(run: GradeRunConfig) -> dict:
 def claim_run_directory(run: GradeRunConfig, methods: list[str]) -> dict[str, Path | None]:
     """Claim OUTPUT_DIR, find each method's checkpoint to resume from (None: it starts at step 0) and record
     this run's options (refusing changed ones on a resume): before any model loads."""
-    directory = RunDirectory.claim(run.output_dir, "grade", outputs=(*METHODS, "reward_by_method.png"),
-                                   overwrite=run.overwrite)
+    directory = RunDirectory.claim(run.output_dir, "grade", overwrite=run.overwrite,
+                                   outputs=(*METHODS, "reward_by_method.png", "val_reward_by_method.png"))
     with directory.released_on_error():
         checkpoints = {method: resume_checkpoint("grade", directory.path / method, run) for method in methods}
+        # another method's results in the directory belong to the same run: it continues (its options are
+        # compared) instead of starting over, which would delete them
+        others = run.resume and any(last_complete_checkpoint(directory.path / method)[0] is not None
+                                    for method in METHODS if method not in methods)
         options = _recorded_options(run)
-        directory.start(options, resume=any(checkpoints.values()),
+        directory.start(options, resume=any(checkpoints.values()) or others,
                         result_options=[n for n in options if n not in STEERING_OPTIONS],
                         fixed_options=FIXED_OPTIONS, allow_changed=run.allow_changed)
     return checkpoints
