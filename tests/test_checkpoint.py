@@ -46,13 +46,21 @@ def test_the_newest_complete_checkpoint_and_what_was_skipped(tmp_path):
     publish_directory(_sealed(tmp_path / "s10", {"trainer_state.json": "{}"}), tmp_path / "checkpoint-10")
     (tmp_path / "checkpoint-12").mkdir()  # partial: no record, no trainer_state.json
     (tmp_path / "checkpoint-11").mkdir()  # written by a stock Trainer: no record, trainer_state.json last
+    (tmp_path / "checkpoint-11" / "training_args.bin").write_bytes(b"args")
     (tmp_path / "checkpoint-11" / "trainer_state.json").write_text(json.dumps({"global_step": 11}))
     (tmp_path / "checkpoint-x").mkdir()
     found, skipped = last_complete_checkpoint(tmp_path)
     assert found == tmp_path / "checkpoint-11"
-    assert len(skipped) == 1 and "checkpoint-12" in skipped[0] and "save that did not finish" in skipped[0]
+    assert len(skipped) == 1 and "checkpoint-12" in skipped[0] and "a finished save writes last" in skipped[0]
     (tmp_path / "checkpoint-11" / "trainer_state.json").write_text('{"global_st')  # killed while writing it
     assert last_complete_checkpoint(tmp_path)[0] == tmp_path / "checkpoint-10"
+    (tmp_path / "checkpoint-11" / "training_args.bin").unlink()  # ours lost its record: not a stock Trainer's
+    (tmp_path / "checkpoint-11" / "trainer_state.json").write_text(json.dumps({"global_step": 11}))
+    assert last_complete_checkpoint(tmp_path)[0] == tmp_path / "checkpoint-10"
+    state = tmp_path / "checkpoint-10" / "trainer_state.json"  # damaged in place, same size as recorded
+    state.write_text("{" + " " * (state.stat().st_size - 1))
+    found, skipped = last_complete_checkpoint(tmp_path)
+    assert found == tmp_path / "checkpoint-1" and "trainer_state.json is unreadable" in skipped[-1]
 
 
 def test_save_checkpoint_publishes_checkpoint_step_and_keeps_the_newest(tmp_path, tokenizer):

@@ -35,6 +35,7 @@ from logitless.models import save_model_and_tokenizer
 
 RECORD_FILE = "logitless-checkpoint.json"
 STATE_FILE = "trainer_state.json"
+TRAINER_ARGS_FILE = "training_args.bin"  # what a stock Trainer writes in every checkpoint
 OPTIMIZER_FILE = "optimizer.safetensors"
 CHECKPOINT_PREFIX = "checkpoint"  # checkpoint-STEP, as Hugging Face's Trainer names them
 CHECKPOINT_STAGING = ".logitless-staging"  # in the run directory: checkpoints being written
@@ -78,6 +79,11 @@ def checkpoint_problem(directory: str | Path) -> str | None:
             return f"{name} is missing"
         if path.stat().st_size != size:
             return f"{name} has {path.stat().st_size} bytes, not the {size} it was written with"
+    if STATE_FILE in files:  # small, and read first on resume: a damage of the same size shows here
+        try:
+            json.loads((directory / STATE_FILE).read_text())
+        except (OSError, ValueError):
+            return f"its {STATE_FILE} is unreadable"
     return None
 
 
@@ -136,9 +142,10 @@ def last_complete_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str
 
 
 def _trainer_checkpoint_problem(path: Path) -> str | None:
-    """`checkpoint_problem`, except that a checkpoint a stock Trainer wrote (no record) counts as complete
-    when the file it writes last, trainer_state.json, is there and parses."""
-    if (path / RECORD_FILE).exists():
+    """`checkpoint_problem`, except that a checkpoint a stock Trainer wrote (no record, and the
+    training_args.bin it always writes) counts as complete when the file it writes last,
+    trainer_state.json, is there and parses."""
+    if (path / RECORD_FILE).exists() or not (path / TRAINER_ARGS_FILE).exists():
         return checkpoint_problem(path)
     try:
         json.loads((path / STATE_FILE).read_text())
