@@ -70,7 +70,8 @@ def _policy_adapters_on(model) -> bool:
         return True
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    if "ref" in getattr(model, "active_adapters", ()):
+    active = getattr(model, "active_adapters", ())  # a property of a PeftModel, a method of transformers' mixin
+    if "ref" in (active() if callable(active) else active):
         return False
     return not any(isinstance(module, BaseTunerLayer) and module.disable_adapters for module in model.modules())
 
