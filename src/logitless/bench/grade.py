@@ -58,7 +58,7 @@ def _trainer(variant: str, config: GradeBenchConfig):
 
 
 def run_worker(variant: str, _directory: str, config: GradeBenchConfig) -> dict:
-    from logitless.bench.memory import PeakMemory
+    from logitless.bench.memory import PeakMemory, synchronize
 
     trainer = _trainer(variant, config)
     prompts = [PROMPTS[(i + step) % len(PROMPTS)] for step in range(config.steps + 1)
@@ -70,8 +70,7 @@ def run_worker(variant: str, _directory: str, config: GradeBenchConfig) -> dict:
         for step in range(1, config.steps + 1):
             started = time.perf_counter()
             row = trainer.train_step(prompts[step * config.batch_size: (step + 1) * config.batch_size])
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
             rows.append({**row, "step_s": time.perf_counter() - started})
     return {"peak_mb": peak.megabytes, "step_s": statistics.median(r["step_s"] for r in rows),
             "reward": statistics.mean(r["reward"] for r in rows), "kl": statistics.mean(r["kl"] for r in rows),

@@ -1,7 +1,7 @@
 """`logitless bench grpo`: a few GRPO steps of stock TRL GRPOTrainer and of GRPOTrainerWithLogits, per setup.
 
-Same model (an embedded one: the tiny Qwen2 by default, or random weights at Qwen2.5-0.5B's shapes;
-the real 151,936-token Qwen vocabulary), same prompts, same config, each trainer in a fresh process:
+Same model (an embedded one: the tiny Qwen2 by default, or random weights at Qwen2.5-0.5B's shapes,
+with the real 151,936-token Qwen vocabulary; or a local model directory), same prompts, same config, each trainer in a fresh process:
 wall time of ``trainer.train()``, the part of it spent in the loss and its backward (the rest is
 generation and rewards, the same work for both), and the peak memory beyond what the process held
 once the trainer was built (`bench.memory.PeakMemory`: resident memory on a CPU, allocated CUDA
@@ -32,7 +32,7 @@ class GRPOBenchConfig:
     completion_length: int = 128
     num_generations: int = 4
     steps: int = 3
-    model: str = EMBEDDED_DEFAULT  # an embedded model (`models.EMBEDDED_MODELS`)
+    model: str = EMBEDDED_DEFAULT  # an embedded model (`models.EMBEDDED_MODELS`) or a local directory
     device: str = "cpu"  # cpu or cuda
     dtype: str = "float32"  # float32, or bfloat16 (TRL's bf16 mixed precision)
     setups: tuple[str, ...] = tuple(SETUPS)
@@ -45,16 +45,17 @@ def _prompts(count: int) -> list[str]:
 CONFIG = GRPOBenchConfig  # what `logitless bench grpo` builds from its options
 
 
-def _timed(function, seconds: list[float], synchronize):
-    """``function`` that adds its wall time to ``seconds[0]``, the device's queued work included (``synchronize()``
-    waits for it)."""
+def _timed(function, seconds: list[float], device):
+    """``function`` that adds its wall time to ``seconds[0]``, the work it queued on ``device`` included."""
+    from logitless.bench.memory import synchronize
+
     def timed(*args, **kwargs):
-        synchronize()
+        synchronize(device)
         started = time.perf_counter()
         try:
             return function(*args, **kwargs)
         finally:
-            synchronize()
+            synchronize(device)
             seconds[0] += time.perf_counter() - started
     return timed
 
@@ -64,7 +65,7 @@ def run_worker(worker: str, model_dir: str, config: GRPOBenchConfig) -> dict:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from logitless.bench.memory import PeakMemory
+    from logitless.bench.memory import PeakMemory, synchronize
     from logitless.models import load_tokenizer
     from logitless.trl import GRPOTrainerWithLogits
 
@@ -89,14 +90,13 @@ def run_worker(worker: str, model_dir: str, config: GRPOBenchConfig) -> dict:
                       args=args, train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
                       **extra)
         loss_seconds, device = [0.0], trainer.accelerator.device
-        synchronize = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-        trainer.compute_loss = _timed(trainer.compute_loss, loss_seconds, synchronize)
-        trainer.accelerator.backward = _timed(trainer.accelerator.backward, loss_seconds, synchronize)
+        trainer.compute_loss = _timed(trainer.compute_loss, loss_seconds, device)
+        trainer.accelerator.backward = _timed(trainer.accelerator.backward, loss_seconds, device)
         torch.manual_seed(0)
         with PeakMemory(device) as peak:
             started = time.perf_counter()
             trainer.train()
-            synchronize()
+            synchronize(device)
             seconds = time.perf_counter() - started
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         grad_norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]

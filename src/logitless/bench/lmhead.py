@@ -266,14 +266,9 @@ def available(implementation: str) -> bool:
     return True
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_worker(implementation: str, shape: Shape, repeats: int, grads_path: str | None) -> dict:
     """One implementation in this (fresh) process: warm-up, measured step, timed repeats."""
-    from logitless.bench.memory import PeakMemory
+    from logitless.bench.memory import PeakMemory, synchronize
 
     inputs = make_inputs(shape)
     device = inputs["hidden"].device
@@ -297,10 +292,10 @@ def run_worker(implementation: str, shape: Shape, repeats: int, grads_path: str 
         forward_backward()
     times = []
     for _ in range(repeats):
-        _sync(device)
+        synchronize(device)
         started = time.perf_counter()
         forward_backward()
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - started)
     if grads_path:
         from safetensors.torch import save_file

@@ -22,6 +22,12 @@ def _status_kb(field: str) -> int:
     raise RuntimeError(f"{field} not found in {_STATUS}")
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a CUDA GPU); nothing to wait for on a CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class PeakMemory:
     """``with PeakMemory(device) as peak: work()`` then ``peak.megabytes``: the peak beyond the start."""
 
@@ -31,8 +37,8 @@ class PeakMemory:
 
     def __enter__(self):
         gc.collect()
+        synchronize(self.device)
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
         else:
@@ -41,8 +47,8 @@ class PeakMemory:
         return self
 
     def __exit__(self, *exc):
+        synchronize(self.device)
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
         else:
             peak = _status_kb("VmHWM") * 1024
