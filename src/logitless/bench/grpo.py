@@ -1,12 +1,12 @@
 """`logitless bench grpo`: a few GRPO steps of stock TRL GRPOTrainer and of GRPOTrainerWithLogits, per setup.
 
 Same model (an embedded one: the tiny Qwen2 by default, or random weights at Qwen2.5-0.5B's shapes,
-with the real 151,936-token Qwen vocabulary; or a local model directory), same prompts, same config, each trainer in a fresh process:
-wall time of ``trainer.train()``, the part of it spent in the loss and its backward (the rest is
-generation and rewards, the same work for both), and the peak memory beyond what the process held
-once the trainer was built (`bench.memory.PeakMemory`: resident memory on a CPU, allocated CUDA
-memory on a GPU). Setups: ``default``
-(GRPOConfig's defaults: loss_type dapo, no KL), ``lora`` (LoRA r=8 on the attention projections) and
+with the real 151,936-token Qwen vocabulary; or a local model directory), same prompts, same config,
+each trainer in a fresh process: wall time of ``trainer.train()``, the part of it spent in the loss
+and its backward (the rest is generation and rewards, the same work for both), and the peak memory
+beyond what the process held once the trainer was built (`bench.memory.PeakMemory`: resident memory
+on a CPU, allocated CUDA memory on a GPU). Setups: ``default`` (GRPOConfig's defaults: loss_type
+dapo, no KL), ``lora`` (LoRA r=8 on the attention projections) and
 ``cispo`` (a non-default loss type with a KL term, so a reference pass too).
 """
 
