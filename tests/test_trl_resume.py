@@ -50,3 +50,13 @@ def test_a_resumed_grpo_run_equals_the_uninterrupted_one(tmp_path, tokenizer, ca
     assert (tmp_path / "split" / f"checkpoint-{stop}" / STATE_FILE.format(process=0)).is_file()
     resumed = _train(tmp_path / "split", tokenizer, prompts, 4, resume=True, **options)
     assert torch.equal(resumed, uninterrupted)
+
+
+def test_a_run_resumed_at_its_last_step_trains_no_further(tmp_path, tokenizer):
+    # the stock loop checks max_steps only after a step: a run killed after its last save took a step more
+    finished = _train(tmp_path, tokenizer, PROMPTS[:4], 3)
+    initial = torch.cat([p.detach().flatten() for p in _small_policy().parameters()])
+    assert (finished - initial).abs().max() > 1e-2  # the weights moved, so an extra step would show
+    resumed = _train(tmp_path, tokenizer, PROMPTS[:4], 3, resume=True)
+    assert torch.equal(resumed, finished)
+    assert not (tmp_path / "checkpoint-4").exists()

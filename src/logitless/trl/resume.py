@@ -2,7 +2,7 @@
 
 A TRL checkpoint holds the weights, the optimizer, the schedule, the trainer state and each process's
 random-number state (restored where the uninterrupted run would be); resuming from that alone diverges,
-for two reasons this module removes:
+for the reasons this module removes:
 
 * **Prompt order.** TRL's sampler draws each epoch's order from one generator seeded once, so a
   resumed run, with a new sampler, would draw epoch 0's order again in whatever epoch it resumed. Here the
@@ -11,6 +11,10 @@ for two reasons this module removes:
   generation feeds several steps; TRL keeps that buffer in memory only and regenerates it on
   resume, with newer weights. Each checkpoint here also holds every process's buffer and TRL's micro-step count
   (``logitless-grpo-state-PROCESS.pt``, tensors and plain values only, read with ``weights_only``).
+
+* **A run resumed at its last step.** The stock training loop checks ``max_steps`` only after a step, so
+  resuming from a checkpoint at ``max_steps`` (a run stopped between its last save and its exit) trained
+  one step more. Here such a resume trains nothing: the model holds the checkpoint's weights.
 
 Not restored: state a reward function keeps between calls, and a vLLM server's own state.
 
@@ -45,6 +49,12 @@ class ExactResume:
         if getattr(sampler, "shuffle", False) and sampler.seed is not None:  # accelerate calls set_epoch per epoch
             sampler.set_epoch = functools.partial(_replay_to_epoch, sampler)
         return sampler
+
+    def _run_epoch(self, *args, **kwargs):
+        if self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps:  # resumed at the last step
+            self.control.should_training_stop = True
+            return
+        super()._run_epoch(*args, **kwargs)
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
