@@ -91,7 +91,7 @@ def check_sigkill_anywhere(command: list[str], output_option: str, final_weights
             moment = rng.uniform(*window) if 0 < kills < kill_points else float("inf")
             launched = time.monotonic()
             while process.poll() is None and time.monotonic() - launched < moment:
-                if kills == 0 and _has_checkpoint(output_dir):  # the first kill: once there is a checkpoint, however late
+                if kills == 0 and _has_checkpoint(output_dir):  # the first kill: at the first checkpoint
                     break
                 time.sleep(0.01)
             if process.poll() is None:
