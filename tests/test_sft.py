@@ -40,3 +40,27 @@ def test_cli_sft_with_yaml_config(tmp_path, capsys):
         main(["sft", "--config", str(config)])
     with pytest.raises(SystemExit, match="--batch-size: expected a positive int"):
         main(["sft", "--batch-size", "0", "--output-dir", str(tmp_path / "o2")])
+
+
+def test_sft_step_accumulation_equals_one_batch_of_uneven_lengths(tokenizer):
+    import torch
+
+    from logitless.models import tiny_qwen2
+    from logitless.sft import sft_step
+
+    pairs = [{"prompt": "2+2=", "response": " 4"},
+             {"prompt": "Name a colour:", "response": " a deep shade of blue, like the evening sky over the sea"},
+             {"prompt": "Say yes:", "response": " yes"}]
+
+    def step(microbatches):
+        model = tiny_qwen2(seed=0)
+        before = {name: p.detach().clone() for name, p in model.named_parameters()}
+        done = sft_step(model, tokenizer, torch.optim.SGD(model.parameters(), lr=1.0), microbatches, step=1,
+                        max_grad_norm=1e9)
+        return done, {name: before[name] - p.detach() for name, p in model.named_parameters()}  # the gradient
+
+    one_batch, accumulated = step([pairs]), step([pairs[:1], pairs[1:]])
+    assert abs(one_batch[0].loss - accumulated[0].loss) < 1e-5
+    assert abs(one_batch[0].entropy - accumulated[0].entropy) < 1e-5
+    for name, gradient in one_batch[1].items():
+        torch.testing.assert_close(accumulated[1][name], gradient, rtol=1e-4, atol=1e-6, msg=name)

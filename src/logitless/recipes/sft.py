@@ -64,7 +64,8 @@ HELP = {
                   "checkpoint); a rerun resumes from it",
     "steps": "optimizer steps in all (a resume continues up to this number)",
     "batch_size": "examples per microbatch",
-    "gradient_accumulation_steps": "microbatches per optimizer step",
+    "gradient_accumulation_steps": "microbatches per optimizer step (the loss is the mean over all their response "
+                                   "tokens: the gradient of one batch of them all)",
     "learning_rate": "AdamW learning rate, constant",
     "weight_decay": "AdamW weight decay",
     "max_grad_norm": "gradients are clipped to this global norm",
