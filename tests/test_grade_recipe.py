@@ -171,6 +171,23 @@ def test_config_file_keys_that_are_no_options_keep_their_names_in_errors(tmp_pat
         main(["grade", "--config", str(config), "--output-dir", str(tmp_path / "run")])
 
 
+@pytest.mark.parametrize("yaml_text, message", [
+    ("reward: words\nreward_words: []\n", r"^--reward-words: the list is empty"),
+    ("reward: token\nreward_suffix: 5\n", r"^--reward-suffix: expected a string, got int$"),
+    ("reward: token\nreward_token: 5\n", r"^--reward-token: expected a string, got int$"),
+    ("lora_rank: 2\nlora_target_modules: []\n", r"^lora_target_modules: the list is empty"),
+    ("lora_rank: 2\nlora_target_modules: [qproj]\n", r"^lora_target_modules: .*qproj.* \(this model's linear modules: "
+                                                       r"down_proj, .*q_proj"),
+])
+def test_config_file_values_of_the_wrong_kind_are_named_in_one_line(yaml_text, message, tmp_path):
+    pytest.importorskip("peft")  # in the dev extra
+    config = tmp_path / "grade.yaml"
+    config.write_text(yaml_text + "steps: 1\nbatch_size: 2\nmax_new_tokens: 2\n")
+    with pytest.raises(SystemExit, match=message) as stopped:
+        main(["grade", "--config", str(config), "--output-dir", str(tmp_path / "run")])
+    assert "\n" not in str(stopped.value)
+
+
 def test_a_reward_model_that_cannot_be_loaded_is_named_in_one_line(tmp_path):
     (tmp_path / "not_a_model").mkdir()
     with pytest.raises(SystemExit) as stopped:

@@ -44,8 +44,9 @@ class GradeConfig:
         check_nonnegative_int("seed", self.seed)
         check_nonnegative_int("lora_rank", self.lora_rank, "no LoRA")
         check_positive_finite("lora_alpha", self.lora_alpha)
-        if not isinstance(self.lora_target_modules, str):
-            check_strings("lora_target_modules", self.lora_target_modules)
+        if not isinstance(self.lora_target_modules, str) and not check_strings("lora_target_modules",
+                                                                               self.lora_target_modules):
+            raise ValueError("lora_target_modules: the list is empty; name the modules to adapt, or 'all-linear'")
         for name in ("straight_through", "activation_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")

@@ -13,6 +13,7 @@ def with_lora(model, rank: int, alpha: float, target_modules, seed: int):
     from ``seed`` (not from the global random state, so a run is reproducible)."""
     try:
         from peft import LoraConfig, get_peft_model
+        from peft.utils.error import PeftError
     except ImportError:
         raise ValueError("lora_rank: LoRA needs the peft package (pip install peft), or lora_rank 0") from None
     settings = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0,
@@ -21,7 +22,14 @@ def with_lora(model, rank: int, alpha: float, target_modules, seed: int):
         # peft reads a transformers attribute that transformers 5 deprecates
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         torch.manual_seed(seed)
-        return get_peft_model(model, settings)
+        try:
+            return get_peft_model(model, settings)
+        except PeftError as err:  # no module matches target_modules
+            linear = sorted({name.rpartition(".")[2] for name, module in model.named_modules()
+                             if isinstance(module, torch.nn.Linear)})
+            raise ValueError(f"lora_target_modules: {str(err).strip().splitlines()[0]} (this model's linear "
+                             f"modules: {', '.join(linear)}; a string is a regular expression for the full "
+                             f"module name)") from None
 
 
 def base_of(model):

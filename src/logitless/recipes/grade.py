@@ -71,7 +71,7 @@ class GradeRunConfig(RecipeConfig, GradeConfig):
 
     CHOICES = {**RecipeConfig.CHOICES, "method": (*METHODS, "all"), "reward": REWARDS}
     METAVARS = {**RecipeConfig.METAVARS, "reward_words": "WORD"}
-    MODEL_OPTIONS = ("model", "reward_model")
+    MODEL_OPTIONS = ("model", "reward_model", "lora_target_modules")  # lora_target_modules: none in the model
 
     def __post_init__(self):
         RecipeConfig.__post_init__(self)
@@ -81,6 +81,11 @@ class GradeRunConfig(RecipeConfig, GradeConfig):
         check_positive_ints(self, ("steps", "save_every"))
         check_nonnegative_int("eval_every", self.eval_every, "no evaluation")
         self.reward_words = tuple(check_strings("reward_words", self.reward_words))
+        if not self.reward_words:
+            raise ValueError("reward_words: the list is empty; the reward would always be 0")
+        for name in ("reward_token", "reward_suffix"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name}: expected a string, got {type(getattr(self, name)).__name__}")
         if self.reward_model is not None:
             check_model_name("reward_model", self.reward_model)
         if self.reward == "classifier" and not self.reward_model:
