@@ -106,7 +106,8 @@ def test_token_log_prob_reward_from_soft_embeddings():
     assert not any(p.requires_grad for p in model.parameters())  # the reward model is frozen
 
 
-def test_sequence_classifier_reward_from_soft_embeddings():
+@pytest.mark.parametrize("pad_token_id", [256, None])  # None: the classifier alone refuses batches above 1
+def test_sequence_classifier_reward_from_soft_embeddings(pad_token_id):
     torch.manual_seed(5)
     model = Qwen2ForSequenceClassification(tiny_qwen2_config(vocab_size=BYTE_VOCAB, num_labels=2, pad_token_id=256,
                                                              eos_token_id=256, **SMALL))
@@ -115,9 +116,14 @@ def test_sequence_classifier_reward_from_soft_embeddings():
     def from_ids(prompt, completion_ids):
         ids = torch.cat([prompt.input_ids, completion_ids], dim=1)
         mask = torch.cat([prompt.attention_mask, torch.ones_like(completion_ids)], dim=1)
-        return model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[:, 1]
+        model.config.pad_token_id = 256  # the reference finds each sequence's end from its pad ids
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        model.config.pad_token_id = pad_token_id
+        return logits[:, 1]
 
+    model.config.pad_token_id = pad_token_id
     _check_sparse_equals_dense_and_hard_equals_ids(reward, from_ids)
+    assert model.config.pad_token_id == pad_token_id  # the reward leaves the user's config as it was
     with pytest.raises(ValueError, match="label"):
         SequenceClassifierReward(model, label=2)
 

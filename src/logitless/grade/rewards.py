@@ -127,7 +127,17 @@ class SequenceClassifierReward(SoftReward):
         self.label = label
 
     def __call__(self, inputs: RewardInputs) -> torch.Tensor:
-        out = self.model(**sequence_inputs(self.embedding, inputs.prompt, inputs.completion), use_cache=False)
+        # Every sequence ends at the last position (prompts are left-padded). A classifier without a pad id
+        # refuses a batch above 1 only because it would look for each end in input_ids, which it does not get
+        # here: a placeholder id for the call lets it read the last position.
+        config = self.model.config
+        pad_token_id = config.pad_token_id
+        if pad_token_id is None:
+            config.pad_token_id = -1
+        try:
+            out = self.model(**sequence_inputs(self.embedding, inputs.prompt, inputs.completion), use_cache=False)
+        finally:
+            config.pad_token_id = pad_token_id
         return out.logits[:, self.label].float()
 
 
