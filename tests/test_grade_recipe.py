@@ -160,6 +160,19 @@ def test_eval_every_without_held_out_prompts_is_refused(tmp_path):
         main(["grade", "--data", str(data), "--eval-every", "2", "--output-dir", str(tmp_path / "run")])
 
 
+@pytest.mark.parametrize("lines, message", [
+    (['{"prompt": "Hi"}', '{"text": "Hi"}'], r"^--data: line 2 of .* has no 'prompt' string$"),
+    (['{"prompt": "Hi"}', '{"prompt": ""}'], r"^--data: line 2 of .* has an empty 'prompt'$"),
+    ([], r"^--data: .* holds no prompts$"),
+])
+def test_prompt_files_are_checked_before_any_model_loads(lines, message, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(line + "\n" for line in lines))
+    with pytest.raises(SystemExit, match=message):
+        main(["grade", "--data", str(data), "--steps", "1", "--output-dir", str(tmp_path / "run")])
+    assert not (tmp_path / "run").exists()
+
+
 def test_config_file_keys_that_are_no_options_keep_their_names_in_errors(tmp_path):
     """straight_through is each method's (ste, ste_legacy); a --config error lists the keys as the file spells them."""
     config = tmp_path / "grade.yaml"

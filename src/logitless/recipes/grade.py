@@ -234,6 +234,8 @@ def _read_prompts(run: GradeRunConfig, field: str) -> list[dict]:
     for where, record in read_jsonl(path, field):
         if not isinstance(record.get("prompt"), str):
             raise ValueError(f"{field}: {where} has no 'prompt' string")
+        if not record["prompt"]:  # the policy would start its completion from nothing
+            raise ValueError(f"{field}: {where} has an empty 'prompt'")
         records.append(record)
     if not records:
         raise ValueError(f"{field}: {path} holds no prompts")
