@@ -1,3 +1,6 @@
+import signal
+import sys
+
 import pytest
 import torch
 
@@ -17,6 +20,16 @@ def tiny_model():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """Every entry point that installs signal handlers (or the unraisable hook) restores them when it returns: one
+    left behind turns a test runner's own SIGTERM into an exception inside a later, unrelated test."""
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), sys.unraisablehook
+    yield
+    after = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), sys.unraisablehook
+    assert after == before, f"signal handlers or sys.unraisablehook left changed: {before} -> {after}"
 
 
 @pytest.fixture(scope="session")

@@ -38,10 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; Ctrl-C and SIGTERM end it with one line and exit status 130 / 143."""
     args = build_parser().parse_args(argv)
-    interrupts.begin_command()
     # TRL 1.16 reads model.is_gradient_checkpointing at every generation, which transformers 5 deprecates:
     # a warning per step that the user can do nothing about
-    with warnings.catch_warnings():
+    with interrupts.handling(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         try:
             return args.handler(args)

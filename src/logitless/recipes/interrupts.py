@@ -1,19 +1,25 @@
 """Ctrl-C (SIGINT) and SIGTERM end a command with one line: where it stopped, its last complete
 checkpoint, and how to resume; exit status 130 or 143, no traceback.
 
-A recipe reports where it is with `track` (its run directory and step count) and `step_done`; the
-command line catches the interrupt and writes `summary`. An interrupt raised while Python runs a
-finalizer or a library's catch-all is lost ("Exception ignored in ..."), and the run would go on to its
-end; the signal is remembered, so `step_done` raises it again at the end of that step.
+`handling()` installs the handlers for the length of one command and restores what was there
+before. A recipe reports where it is with `track` (its run directory and step count) and
+`step_done`; the command line catches the interrupt and writes `summary`.
+
+An interrupt can land while Python runs a finalizer (a ``__del__``, a weakref callback): Python
+cannot raise it there and would print "Exception ignored in ..." with a traceback, then go on. While
+`handling()` is active such an interrupt is delivered again, silently, as soon as the finalizer
+returns; one swallowed by a library's catch-all is raised again by `step_done` at the end of its step.
 """
 
 from __future__ import annotations
 
+import _thread
+import contextlib
 import signal
+import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-
-from logitless.checkpoint import checkpoint_step, last_complete_checkpoint
 
 
 class Terminated(BaseException):
@@ -21,6 +27,7 @@ class Terminated(BaseException):
 
 
 EXIT_STATUS = {KeyboardInterrupt: 130, Terminated: 143}  # 128 + the signal's number, as shells report it
+_SIGNALS = {KeyboardInterrupt: signal.SIGINT, Terminated: signal.SIGTERM}
 
 
 @dataclass
@@ -53,14 +60,41 @@ def _raise_interrupt(signum, frame):
     raise _requested()
 
 
-def begin_command() -> None:
-    """A command starts: no run is training yet (whatever an earlier command in this process reported), no
-    interrupt is pending, and SIGINT and SIGTERM raise KeyboardInterrupt and `Terminated` in the main thread
-    (by default SIGTERM ends the process without a word)."""
-    global _progress, _requested
+REDELIVERY_DELAY_S = 0.01  # long enough for the finalizer (and this hook) to have returned
+
+
+def _deliver_again(unraisable) -> None:
+    """sys.unraisablehook while `handling()`: our interrupt, raised inside a finalizer, is sent to the main
+    thread again a moment later (from a timer thread: sent from here, it would be raised inside this hook)
+    instead of printed; anything else is reported as before."""
+    if unraisable.exc_type in _SIGNALS:
+        timer = threading.Timer(REDELIVERY_DELAY_S, _thread.interrupt_main, args=(_SIGNALS[unraisable.exc_type],))
+        timer.daemon = True
+        timer.start()
+    else:
+        _previous_unraisablehook(unraisable)
+
+
+_previous_unraisablehook = sys.unraisablehook
+
+
+@contextlib.contextmanager
+def handling():
+    """For the duration of one command: no run is training yet (whatever an earlier command in this process
+    reported), no interrupt is pending, and SIGINT and SIGTERM raise KeyboardInterrupt and `Terminated` in the
+    main thread (by default SIGTERM ends the process without a word). The handlers and the unraisable hook that
+    were installed before are restored on the way out."""
+    global _progress, _requested, _previous_unraisablehook
     _progress, _requested = _Progress(), None
-    signal.signal(signal.SIGINT, _raise_interrupt)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    previous = {signum: signal.signal(signum, _raise_interrupt) for signum in _SIGNALS.values()}
+    _previous_unraisablehook, sys.unraisablehook = sys.unraisablehook, _deliver_again
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        sys.unraisablehook = _previous_unraisablehook
+        _requested = None
 
 
 def close_progress_bars() -> None:
@@ -74,6 +108,8 @@ def close_progress_bars() -> None:
 def summary(command: str) -> str:
     """"logitless grpo: interrupted at step 3 of 4; last complete checkpoint: step 2 (runs/g/checkpoint-2);
     rerun the same command to resume" (or what there is to say when no run was training yet)."""
+    from logitless.checkpoint import checkpoint_step, last_complete_checkpoint
+
     if _progress.label is None:
         return f"logitless {command}: interrupted before training started"
     checkpoint, _ = last_complete_checkpoint(_progress.run_dir)
