@@ -339,7 +339,10 @@ def test_logit_aware_rewards_during_training(model_dir, tokenizer, tmp_path):
 
 @pytest.mark.parametrize("model_fixture", ["model_dir", "softcapped_model_dir"])
 def test_completion_views_match_the_models_logits(model_fixture, request, tokenizer):
-    model = load_model_and_tokenizer(request.getfixturevalue(model_fixture))[0]
+    """In fp64, so that the two forwards of the body (one for the hidden states, one for the model's own logits)
+    agree to far below the tolerance whatever thread count the BLAS picks (in fp32 a loaded machine changed it
+    between the two, and the soft-capped rows differed by 1.7e-5)."""
+    model = load_model_and_tokenizer(request.getfixturevalue(model_fixture))[0].double()
     ids = tokenizer(["Say hi.", "Count to three:"], return_tensors="pt", padding=True)["input_ids"]
     hidden = final_hidden_states(model, ids)  # (2, L, H): row t scores token t + 1
     completions = [ids[0, 1:4].tolist(), ids[1, 1:].tolist() + [0]]
@@ -347,9 +350,10 @@ def test_completion_views_match_the_models_logits(model_fixture, request, tokeni
     assert [len(v) for v in views] == [3, hidden.shape[1]]
     with torch.no_grad():
         expected = model(ids).logits[1] / 0.7  # the model's own head (soft cap included)
-    torch.testing.assert_close(views[1][:], expected, atol=1e-5, rtol=0)
+    assert views[1][:].dtype == torch.float64
+    torch.testing.assert_close(views[1][:], expected, atol=1e-10, rtol=0)
     torch.testing.assert_close(log_probs[1], torch.log_softmax(expected, -1)[torch.arange(len(views[1])),
-                                                                             completions[1]], atol=1e-5, rtol=0)
+                                                                             completions[1]], atol=1e-10, rtol=0)
 
 
 ROLLOUT_PROMPT = [9707, 11, 1879]  # "Hello, world"
