@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo test clean
+.PHONY: install demo test test-loaded clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# the suite with two processes keeping two cores busy beside it, as on a shared machine
+test-loaded: install
+	$(BIN)/python -m logitless.bench.busy 2 $(BIN)/python -m pytest -q
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

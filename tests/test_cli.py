@@ -2,6 +2,8 @@
 
 import argparse
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -57,3 +59,24 @@ def test_usage_errors_are_one_line_naming_the_option(capsys):
         main(["grpo", "--loss-type", "foo"])
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "argument --loss-type: invalid choice: 'foo'" in err
+
+
+HEAVY_MODULES = ("torch", "transformers", "trl", "peft", "jax", "matplotlib", "datasets")
+
+
+@pytest.mark.parametrize("argv, status", [(["--version"], 0), (["grpo", "--help"], 0), (["sft", "--steps", "-1"], 1),
+                                          (["bench", "lmhead", "--help"], 0), (["demo", "--steps", "0"], 1),
+                                          (["grade", "--method", "x"], 2), (["bench", "grade", "--steps", "0"], 1)])
+def test_help_version_and_option_errors_answer_without_loading_pytorch(argv, status):
+    """Every command took 11 - 14 s to say anything, --version and a mistyped option included: the parser imported
+    the demo, transformers' Trainer and PEFT. Nothing heavy may load before a command runs (`logitless bench cli`
+    measures the time: docs/BENCHMARKS.md)."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "logitless", *argv], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == status, done.stderr[-2000:]
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert sorted(imported & set(HEAVY_MODULES)) == []
+    if status == 1:  # a bad value: one line, prefixed by the command as argparse's own errors are
+        message = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+        assert len(message) == 1 and message[0].startswith(f"logitless {' '.join(argv[:-2])}: --"), message

@@ -103,15 +103,33 @@ def test_bad_options_fail_in_one_line_naming_the_flag_before_anything_loads(tmp_
         main([*argv, "--output-dir", str(tmp_path / "run")])
     text = str(stopped.value)
     assert "\n" not in text and stopped.value.code != 0
-    assert re.match(message, text), text
+    prefix = f"logitless {argv[0]}: "  # as argparse's own usage errors start
+    assert text.startswith(prefix) and re.match(message, text[len(prefix):]), text
     assert not (tmp_path / "run").exists() or complete_checkpoints(tmp_path / "run") == []
+
+
+DATA_LINES = {"sft": {"prompt": "What is 2+2?", "response": " 4"}, "grade": {"prompt": "Once upon a time"},
+              "grpo": {"question": "Which is largest?", "choices": ["1", "2"], "answer": "B"}}
+
+
+@pytest.mark.parametrize("argv, given, what", [
+    (["grade"], "sft", "prompts"), (["grade", "--reward", "judge"], "grade", "multiple-choice questions"),
+    (["sft"], "grpo", r"\(prompt, response\) pairs"), (["sft"], "grade", r"\(prompt, response\) pairs"),
+    (GRPO, "sft", "multiple-choice questions")])
+def test_a_data_file_of_another_command_is_refused_by_name(tmp_path, no_model_loads, argv, given, what):
+    """`logitless grade --data` given an SFT file trained on its prompts without a word about the responses."""
+    data = tmp_path / f"{given}.jsonl"
+    data.write_text(json.dumps(DATA_LINES[given]) + "\n")
+    with pytest.raises(SystemExit, match=rf"^logitless {argv[0]}: --data: .* the data of `logitless {given}`; "
+                                         rf"`logitless {argv[0]}` reads {what} "):
+        main([*argv, "--data", str(data), "--output-dir", str(tmp_path / "run")])
 
 
 def test_a_shorter_steps_than_done_is_refused_and_allow_changed_takes_the_flag_spelling(tmp_path, capsys):
     out = str(tmp_path / "run")
     sft = ["sft", "--batch-size", "2", "--save-every", "1", "--output-dir", out]
     assert main([*sft, "--steps", "2"]) == 0
-    with pytest.raises(SystemExit, match=r"^--steps: the run in .* is already at step 2, past 1; pass a larger "):
+    with pytest.raises(SystemExit, match=r"^logitless sft: --steps: the run in .* is already at step 2, past 1; pass a larger "):
         main([*sft, "--steps", "1"])
     assert main([*sft, "--steps", "2"]) == 0
     assert "the run is already at step 2 of 2; nothing left to train" in capsys.readouterr().out
@@ -183,10 +201,16 @@ def test_grpo_warns_when_rewards_are_all_equal_and_resumes_quietly_keeping_the_n
     assert main([*grpo, "--steps", "2"]) == 0
     err = capfd.readouterr().err
     assert "every completion got the same reward" in err and "logitless sft" in err
+    # and again at the end, for a run whose first steps happened to differ (the warning above would not fire)
+    last = err.splitlines()[-1]
+    assert "so those steps had nothing to learn from" in last and "logitless sft" in last
+    card = (tmp_path / "run" / "README.md").read_text()  # the run's own card, not a hub card of a "None" model
+    assert "None" not in card and "`tiny-qwen2`" in card and "P(correct | model) x (1 - P(correct | judge))" in card
     assert main([*grpo, "--steps", "3"]) == 0
     captured = capfd.readouterr()
     assert "resuming from step 2" in captured.out
-    assert "missing keys" not in captured.err + captured.out and "same reward" not in captured.err
+    assert "missing keys" not in captured.err + captured.out and "in each group of the first" not in captured.err
+    assert captured.err.count("nothing to learn from") == 1  # the run as a whole still had nothing to learn from
     assert [path.name for path in complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-3"]
 
 
@@ -197,7 +221,7 @@ def test_overwrite_never_replaces_a_file_the_run_did_not_write(tmp_path):
     (out / "checkpoint-1" / "notes.txt").write_text("the user's")
     (out / "data.csv").write_text("the user's")
     for argv in (["sft", "--steps", "1"], [*GRPO, "--steps", "1"]):
-        with pytest.raises(SystemExit, match=r"^--output-dir: .* holds checkpoint-1, where this run would write"):
+        with pytest.raises(SystemExit, match=r"^logitless (sft|grpo): --output-dir: .* holds checkpoint-1, where this run would write"):
             main([*argv, "--overwrite", "--output-dir", str(out)])
     assert (out / "checkpoint-1" / "notes.txt").read_text() == "the user's"
     (out / "checkpoint-1" / "notes.txt").unlink()
@@ -218,7 +242,7 @@ def test_an_sft_resume_needs_its_checkpoint_not_the_hub(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     hub_model = ["--model", "some-org/not-cached"]
     assert main([*sft, *hub_model, "--steps", "2", "--output-dir", str(tmp_path / "run")]) == 0
-    with pytest.raises(SystemExit, match=r"^--model: 'some-org/not-cached' is not a local model directory"):
+    with pytest.raises(SystemExit, match=r"^logitless sft: --model: 'some-org/not-cached' is not a local model directory"):
         main([*sft, *hub_model, "--steps", "1", "--output-dir", str(tmp_path / "new")])
 
 

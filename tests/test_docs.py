@@ -42,7 +42,7 @@ def test_grade_doc_defaults_are_the_librarys_and_the_commands():
     import dataclasses
 
     from logitless.grade import GradeConfig
-    from logitless.recipes.grade import GradeRunConfig
+    from logitless.recipes.grade_options import GradeRunConfig
 
     command = dataclasses.asdict(GradeRunConfig())
     library = dataclasses.asdict(GradeConfig())
@@ -62,8 +62,8 @@ def test_grade_doc_shows_the_commands_own_defaults_and_its_help_the_same():
 
     from logitless.cli import build_parser
     from logitless.grade import GradeConfig
-    from logitless.recipes.common import RecipeConfig
-    from logitless.recipes.grade import HELP, GradeRunConfig
+    from logitless.recipes.config import RecipeConfig
+    from logitless.recipes.grade_options import HELP, GradeRunConfig
 
     def names(config_class):
         return {field.name for field in dataclasses.fields(config_class)}

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from logitless.bench.grade import VARIANTS, GradeBenchConfig, format_table, run_worker
-from logitless.bench.grade_variance import GradeVarianceConfig, run as run_variance
+from logitless.bench.grade_variance import GradeVarianceConfig
+from logitless.bench.grade_variance_gradients import estimator_report as run_variance
 from logitless.bench.ratios import add_ratios
 from logitless.cli import main
 
@@ -56,7 +57,7 @@ def test_bench_grade_variance_report():
 
 def test_exact_reference_gradient_for_one_token_completions():
     """For T = 1 and a linear reward, the reference is autograd through the softmax: check it on a tiny policy."""
-    from logitless.bench.grade_variance import _exact_reference_gradient
+    from logitless.bench.grade_variance_gradients import _exact_reference_gradient
     from logitless.grade import TokenSetReward
     from logitless.grade.soft_tokens import PromptBatch, as_records
 
@@ -76,7 +77,7 @@ def test_exact_reference_gradient_for_one_token_completions():
 def test_grade_gradient_converges_to_the_exact_gradient_faster_than_grpo():
     """One-token completions on a 263-token vocabulary, where the exact gradient of E[reward] is known: the
     mean of GRADE's minibatch gradients approaches it (up to the relaxation's bias), and faster than GRPO's."""
-    from logitless.bench.grade_variance import _exact_reference_gradient, _flat_gradient
+    from logitless.bench.grade_variance_gradients import _exact_reference_gradient, _flat_gradient
     from logitless.grade import GradeConfig, GRPOBaseline, GumbelTrainerMemoryEfficient, TokenSetReward
     from logitless.grade.soft_tokens import PromptBatch, as_records
     from logitless.grade.trainer import microbatch_generator

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from logitless.checkpoint import last_complete_checkpoint
 from logitless.cli import build_parser, main
 from logitless.grade import METRIC_NAMES
-from logitless.recipes.grade import (DEFAULT_PROMPTS, EVAL_PROMPTS, STEERING_OPTIONS, VALIDATION, GradeRunConfig,
-                                     train_grade)
+from logitless.recipes.grade import DEFAULT_PROMPTS, EVAL_PROMPTS, VALIDATION, train_grade
+from logitless.recipes.grade_options import STEERING_OPTIONS, GradeRunConfig
 
 TINY = dict(max_new_tokens=2, batch_size=2, gumbel_topk=16, save_every=2)
 
@@ -151,19 +151,21 @@ def test_method_all_ends_with_a_table_and_a_plot_of_every_methods_held_out_rewar
         first, last = rows[0][VALIDATION], rows[-1][VALIDATION]
         assert f"| {method} | " in table and f"| {first:.4f} (step 1) -> {last:.4f} (step 2) |" in table
     assert (tmp_path / "val_reward_by_method.png").stat().st_size > 10_000
+    saved = (tmp_path / "summary.md").read_text()  # the table is kept, as the demo keeps its own
+    assert saved.startswith("| method |") and all(f"| {method} | " in saved for method in ("gumbel", "grpo"))
 
 
 def test_eval_every_without_held_out_prompts_is_refused(tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"prompt": "Hello"}) + "\n")
-    with pytest.raises(SystemExit, match=r"^--eval-every: has no effect on this run \(there are no held-out prompts"):
+    with pytest.raises(SystemExit, match=r"^logitless grade: --eval-every: has no effect on this run \(there are no held-out prompts"):
         main(["grade", "--data", str(data), "--eval-every", "2", "--output-dir", str(tmp_path / "run")])
 
 
 @pytest.mark.parametrize("lines, message", [
-    (['{"prompt": "Hi"}', '{"text": "Hi"}'], r"^--data: line 2 of .* has no 'prompt' string$"),
-    (['{"prompt": "Hi"}', '{"prompt": ""}'], r"^--data: line 2 of .* has an empty 'prompt'$"),
-    ([], r"^--data: .* holds no prompts$"),
+    (['{"prompt": "Hi"}', '{"text": "Hi"}'], r"^logitless grade: --data: line 2 of .* has no 'prompt' string$"),
+    (['{"prompt": "Hi"}', '{"prompt": ""}'], r"^logitless grade: --data: line 2 of .* has an empty 'prompt'$"),
+    ([], r"^logitless grade: --data: .* holds no prompts$"),
 ])
 def test_prompt_files_are_checked_before_any_model_loads(lines, message, tmp_path):
     data = tmp_path / "prompts.jsonl"
@@ -177,19 +179,19 @@ def test_config_file_keys_that_are_no_options_keep_their_names_in_errors(tmp_pat
     """straight_through is each method's (ste, ste_legacy); a --config error lists the keys as the file spells them."""
     config = tmp_path / "grade.yaml"
     config.write_text("straight_through: true\n")
-    with pytest.raises(SystemExit, match=r"^straight_through: has no effect on this run \(each --method fixes it"):
+    with pytest.raises(SystemExit, match=r"^logitless grade: straight_through: has no effect on this run \(each --method fixes it"):
         main(["grade", "--config", str(config), "--output-dir", str(tmp_path / "run")])
     config.write_text("topk: 3\n")
-    with pytest.raises(SystemExit, match=r"^--config: unknown key\(s\) \['topk'\]; known: \[.*'batch_size', 'data'"):
+    with pytest.raises(SystemExit, match=r"^logitless grade: --config: unknown key\(s\) \['topk'\]; known: \[.*'batch_size', 'data'"):
         main(["grade", "--config", str(config), "--output-dir", str(tmp_path / "run")])
 
 
 @pytest.mark.parametrize("yaml_text, message", [
-    ("reward: words\nreward_words: []\n", r"^--reward-words: the list is empty"),
-    ("reward: token\nreward_suffix: 5\n", r"^--reward-suffix: expected a string, got int$"),
-    ("reward: token\nreward_token: 5\n", r"^--reward-token: expected a string, got int$"),
-    ("lora_rank: 2\nlora_target_modules: []\n", r"^lora_target_modules: the list is empty"),
-    ("lora_rank: 2\nlora_target_modules: [qproj]\n", r"^lora_target_modules: .*qproj.* \(this model's linear modules: "
+    ("reward: words\nreward_words: []\n", r"^logitless grade: --reward-words: the list is empty"),
+    ("reward: token\nreward_suffix: 5\n", r"^logitless grade: --reward-suffix: expected a string, got int$"),
+    ("reward: token\nreward_token: 5\n", r"^logitless grade: --reward-token: expected a string, got int$"),
+    ("lora_rank: 2\nlora_target_modules: []\n", r"^logitless grade: lora_target_modules: the list is empty"),
+    ("lora_rank: 2\nlora_target_modules: [qproj]\n", r"^logitless grade: lora_target_modules: .*qproj.* \(this model's linear modules: "
                                                        r"down_proj, .*q_proj"),
 ])
 def test_config_file_values_of_the_wrong_kind_are_named_in_one_line(yaml_text, message, tmp_path):
@@ -206,7 +208,7 @@ def test_a_reward_model_that_cannot_be_loaded_is_named_in_one_line(tmp_path):
     with pytest.raises(SystemExit) as stopped:
         main(["grade", "--reward", "token", "--reward-model", str(tmp_path / "not_a_model"), "--steps", "1",
               "--output-dir", str(tmp_path / "run")])
-    assert str(stopped.value).startswith(f"--reward-model: cannot load '{tmp_path / 'not_a_model'}'")
+    assert str(stopped.value).startswith(f"logitless grade: --reward-model: cannot load '{tmp_path / 'not_a_model'}'")
     assert "\n" not in str(stopped.value)
 
 

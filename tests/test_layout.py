@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "logitless"
-PROGRAMS = {"recipes", "bench", "demo", "cli", "__main__"}  # __main__: `python -m logitless`, the CLI
+PROGRAMS = {"recipes", "bench", "demo", "demo_options", "cli", "__main__"}  # __main__: `python -m logitless`, the CLI
 
 
 def _imported(path: Path, root: Path = PACKAGE) -> set[str]:

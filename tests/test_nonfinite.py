@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from logitless.nonfinite import NonFiniteError, NonFiniteGuard, check_step, nonfinite_reason
+from logitless.nonfinite import NonFiniteError, check_step, nonfinite_reason
+from logitless.trl.nonfinite import NonFiniteGuard
 
 
 def _model_with_grads(value: float) -> torch.nn.Module:

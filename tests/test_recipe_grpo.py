@@ -1,7 +1,7 @@
 import pytest
 
 from logitless.cli import main
-from logitless.recipes.grpo import MultichoiceGRPOConfig
+from logitless.recipes.grpo_options import MultichoiceGRPOConfig
 
 
 def test_config_errors_name_the_field():

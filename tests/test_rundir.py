@@ -104,7 +104,7 @@ def test_starting_over_removes_only_the_checkpoints_a_run_writes(tmp_path):
 def test_recipe_paths_expand_the_home_directory():
     import os
 
-    from logitless.recipes.sft import SFTConfig
+    from logitless.recipes.sft_options import SFTConfig
 
     config = SFTConfig(output_dir="~/runs/x", data="~/pairs.jsonl")
     assert (config.output_dir, config.data) == (os.path.expanduser("~/runs/x"), os.path.expanduser("~/pairs.jsonl"))

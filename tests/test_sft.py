@@ -3,7 +3,7 @@ import json
 import pytest
 
 from logitless.cli import main
-from logitless.recipes.sft import SFTConfig
+from logitless.recipes.sft_options import SFTConfig
 
 
 def test_config_errors_name_the_field():

@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from logitless._checks import check_positive_int
 from logitless.models import save_model_and_tokenizer
+from logitless.rundir import remove_tree
 
 RECORD_FILE = "logitless-checkpoint.json"
 STATE_FILE = "trainer_state.json"
@@ -85,16 +86,6 @@ def checkpoint_problem(directory: str | Path) -> str | None:
         except (OSError, ValueError):
             return f"its {STATE_FILE} is unreadable"
     return None
-
-
-def remove_tree(path: str | Path) -> None:
-    """Delete a directory so that it disappears at once: renamed to a hidden name, then removed."""
-    path = Path(path)
-    doomed = path.with_name(f".{path.name}.deleting")
-    if doomed.exists():
-        shutil.rmtree(doomed)
-    os.rename(path, doomed)
-    shutil.rmtree(doomed)
 
 
 def publish_directory(staging: str | Path, final: str | Path) -> Path:

@@ -1,7 +1,9 @@
 """The ``logitless`` command: demo | sft | grpo | grade | bench (lmhead | grpo | reward | jax | grade | grade-variance).
 
-Each subcommand lives in its own module, which exposes ``add_parser(subcommands)`` (adding its parser
-and a ``handler``); registering one is one line in `build_parser`.
+Each subcommand's options live in a module of their own, which exposes ``add_parser(subcommands)`` (adding
+its parser and a ``handler``); registering one is one line in `build_parser`. Those modules load no
+PyTorch: what a command runs is imported when it runs, so ``--help``, ``--version`` and a bad option
+answer at once.
 """
 
 from __future__ import annotations
@@ -10,10 +12,9 @@ import argparse
 import sys
 import warnings
 
-from logitless import __version__
+from logitless import __version__, demo_options
 from logitless.bench import cli as bench_cli
-from logitless import demo
-from logitless.recipes import grade, grpo, interrupts, sft
+from logitless.recipes import grade_options, grpo_options, interrupts, sft_options
 
 
 class _Parser(argparse.ArgumentParser):
@@ -27,23 +28,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="logitless", description="LLM post-training without [B, T, V] logits")
     parser.add_argument("--version", action="version", version=f"logitless {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    demo.add_parser(commands)
-    sft.add_parser(commands)
-    grpo.add_parser(commands)
-    grade.add_parser(commands)
+    demo_options.add_parser(commands)
+    sft_options.add_parser(commands)
+    grpo_options.add_parser(commands)
+    grade_options.add_parser(commands)
     bench_cli.add_parser(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; Ctrl-C and SIGTERM end it with one line and exit status 130 / 143."""
+    """Run one command; Ctrl-C and SIGTERM end it with one line and exit status 130 / 143. A one-line error
+    starts with the command's name, as argparse's usage errors do ("logitless sft: --steps: ...")."""
     args = build_parser().parse_args(argv)
+    command = " ".join(["logitless", args.command, *([args.target] if args.command == "bench" else [])])
     # TRL 1.16 reads model.is_gradient_checkpointing at every generation, which transformers 5 deprecates:
     # a warning per step that the user can do nothing about
     with interrupts.handling(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         try:
             return args.handler(args)
+        except SystemExit as stop:
+            if isinstance(stop.code, str) and not stop.code.startswith("logitless "):
+                raise SystemExit(f"{command}: {stop.code}") from None
+            raise
         except (KeyboardInterrupt, interrupts.Terminated) as interrupt:
             interrupts.close_progress_bars()
             print(interrupts.summary(args.command), file=sys.stderr)

@@ -18,15 +18,13 @@ logit-free, in a few minutes, and a summary table says what the fused path saved
 
 from __future__ import annotations
 
-import argparse
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from logitless._checks import check_nonnegative_int, check_positive_ints
 from logitless.data import tokenize_prompt_and_output
+from logitless.demo_options import DemoConfig
 from logitless.hf import final_hidden_states, lm_head_of
 from logitless.logprobs import get_response_log_probs
 from logitless.models import load_model_and_tokenizer
@@ -34,31 +32,13 @@ from logitless.multichoice.data import synthetic_multichoice
 from logitless.multichoice.reward import find_answer_position
 from logitless.multichoice.warm_start import multichoice_sft_pairs, warm_start_policy
 from logitless.plots import plot_curve
-from logitless.recipes.grpo import MultichoiceGRPOConfig, train_grpo_multichoice
+from logitless.recipes.grpo import train_grpo_multichoice
+from logitless.recipes.grpo_options import MultichoiceGRPOConfig
 from logitless.recipes.options import option_error
 from logitless.rundir import RunDirectory
 
 TASK = ("sorted_largest",)  # "Which number is the largest?", options in increasing order
 OUTPUTS = ("sft", "grpo", "grade", "warm_start.jsonl", "questions.jsonl", "summary.md")
-
-
-@dataclass
-class DemoConfig:
-    output_dir: str = "runs/demo"
-    steps: int = 60  # warm-up SFT steps, then a tenth of them at a tenth of the learning rate
-    grpo_steps: int = 8
-    completions_per_step: int = 32  # 8 questions x 4: fewer, or a larger learning rate, and some warm starts collapse
-    num_generations: int = 4
-    grpo_learning_rate: float = 1e-3
-    eval_questions: int = 32
-    memory_completions: int = 16  # the GRPO step whose peak memory is measured: completions x tokens
-    memory_completion_length: int = 16  # 0: not measured
-    grade_steps: int = 12  # of `logitless grade`'s default run; 0: no GRADE run
-
-    def __post_init__(self):
-        check_positive_ints(self, ("steps", "grpo_steps", "completions_per_step", "num_generations",
-                                   "eval_questions"))
-        check_nonnegative_int("grade_steps", self.grade_steps, "no GRADE run")
 
 
 def quarter_means(values: list[float]) -> tuple[float, float]:
@@ -140,7 +120,8 @@ def train_grade_demo(config: DemoConfig, directory: Path, *, progress: bool = Tr
     """Step 3: `logitless grade`'s default run, shortened; the reward's first- and last-quarter means."""
     if not config.grade_steps:
         return None
-    from logitless.recipes.grade import GradeRunConfig, train_grade
+    from logitless.recipes.grade import train_grade
+    from logitless.recipes.grade_options import GradeRunConfig
 
     print(f"logitless demo 3/4: {config.grade_steps} GRADE steps (Gumbel-softmax, top-k soft tokens, exact KL from "
           "hidden states) of an untrained tiny-qwen2; reward: the fraction of capitalized words it writes")
@@ -214,39 +195,10 @@ def run(config: DemoConfig) -> int:
     return 0
 
 
-# -- the `logitless demo` command ------------------------------------------------------------------
-
-def add_parser(subcommands) -> argparse.ArgumentParser:
-    defaults = DemoConfig()
-    parser = subcommands.add_parser(
-        "demo", help="warm-up SFT then GRPO of the embedded tiny Qwen2 (real Qwen vocabulary) on CPU, with a "
-                     "summary table",
-        description="The embedded tiny Qwen2 (real 151,936-token Qwen vocabulary) learns from a reward on CPU, "
-                    "logit-free, in a few minutes: a warm-up SFT teaches it the answer format; GRPO with the "
-                    "multiple-choice judge reward then teaches it which option to pick; a short GRADE run "
-                    "(logitless grade's default) follows. It ends with a summary table (accuracy before and after "
-                    "GRPO, the peak memory of one GRPO step with stock TRL and with GRPOTrainerWithLogits, the "
-                    "error of fused and of materialized log-probs), printed and written to "
-                    "OUTPUT_DIR/summary.md. Needs nothing downloaded.")
-    parser.add_argument("--output-dir", dest="output_dir", default=defaults.output_dir,
-                        help="the demo's directory, replaced by the next demo run; a directory the demo did not "
-                             "create is refused (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=defaults.steps,
-                        help="warm-up SFT steps, followed by a tenth as many at a tenth of the learning rate "
-                             "(default: %(default)s)")
-    parser.add_argument("--grpo-steps", dest="grpo_steps", type=int, default=defaults.grpo_steps,
-                        help="GRPO steps (default: %(default)s)")
-    parser.add_argument("--grade-steps", dest="grade_steps", type=int, default=defaults.grade_steps,
-                        help="steps of the short GRADE run; 0 leaves it out (default: %(default)s)")
-    parser.set_defaults(handler=run_command)
-    return parser
-
-
-def run_command(args: argparse.Namespace) -> int:
-    try:  # every check before any work, naming the option
-        config = DemoConfig(output_dir=args.output_dir, steps=args.steps, grpo_steps=args.grpo_steps,
-                            grade_steps=args.grade_steps)
+def run_command(config: DemoConfig) -> int:
+    """The demo with checked options: the output directory is claimed (errors name --output-dir), then `run`."""
+    try:
         RunDirectory.claim(config.output_dir, "demo", outputs=OUTPUTS)
     except (TypeError, ValueError) as err:
-        raise option_error(err, ("output_dir", "steps", "grpo_steps", "grade_steps")) from None
+        raise option_error(err, ("output_dir",)) from None
     return run(config)

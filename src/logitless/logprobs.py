@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from logitless._checks import (check_choice, check_positive_finite, check_same_shape, check_tensor,
-                               check_token_ids)
+from logitless._checks import check_choice, check_positive_finite
+from logitless._tensor_checks import check_same_shape, check_tensor, check_token_ids
 from logitless.hf import final_hidden_states, lm_head_of, position_ids_for
 from logitless.ops.fused import head_logprobs
 from logitless.ops.reference import logprobs_from_logits

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 EMBEDDED_DEFAULT = "tiny-qwen2"
 # the embedded models by name: config overrides of `tiny_qwen2_config`. The untied one has separate input and
@@ -61,6 +63,7 @@ def tiny_qwen2_config(**overrides):
 
 def tiny_qwen2(seed: int = 0, **config_overrides):
     """A freshly initialized tiny Qwen2ForCausalLM (fp32, eval mode off), deterministic for a seed."""
+    import torch
     from transformers import Qwen2ForCausalLM
 
     with torch.random.fork_rng(devices=[]):
@@ -76,9 +79,13 @@ def embedded_model(name: str, seed: int = 0, **config_overrides):
     return tiny_qwen2(seed=seed, **{**EMBEDDED_MODELS[name], **config_overrides})
 
 
-def load_model_and_tokenizer(name_or_path: str = EMBEDDED_DEFAULT, *, dtype: torch.dtype = torch.float32,
+def load_model_and_tokenizer(name_or_path: str = EMBEDDED_DEFAULT, *, dtype: torch.dtype | None = None,
                              seed: int = 0):
-    """(model, tokenizer) for an embedded model (`EMBEDDED_MODELS`), a local directory, or a hub id."""
+    """(model, tokenizer) for an embedded model (`EMBEDDED_MODELS`), a local directory, or a hub id; ``dtype``
+    None loads float32."""
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     if not isinstance(name_or_path, (str, Path)) or not str(name_or_path):
         raise TypeError(f"name_or_path: expected a model name or directory, got {name_or_path!r}")
     if str(name_or_path) in EMBEDDED_MODELS:

@@ -3,17 +3,18 @@
 `check_step` runs after backward and before the optimizer step. With ``policy="stop"`` (the
 default) it raises `NonFiniteError`, so the run ends before the bad update and before any save;
 with ``policy="skip"`` the step's gradients are dropped and the optimizer leaves the weights alone.
-`NonFiniteGuard` does the same inside a Hugging Face Trainer (TRL's GRPOTrainer included).
+`logitless.trl.NonFiniteGuard` does the same inside a Hugging Face Trainer (TRL's trainers included).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-
-import torch
-from transformers import TrainerCallback
+from typing import TYPE_CHECKING
 
 from logitless._checks import check_choice
+
+if TYPE_CHECKING:
+    import torch
 
 POLICIES = ("stop", "skip")
 
@@ -24,6 +25,8 @@ class NonFiniteError(RuntimeError):
 
 def nonfinite_reason(model: torch.nn.Module, losses: Iterable[float] = ()) -> str | None:
     """What is not finite ("the loss is nan", "the gradient of lm_head.weight has nan or inf"), or None."""
+    import torch
+
     for loss in losses:
         if not torch.isfinite(torch.as_tensor(loss)):
             return f"the loss is {float(loss)}"
@@ -48,14 +51,3 @@ def check_step(step: int, model: torch.nn.Module, losses: Iterable[float] = (), 
     for parameter in model.parameters():
         parameter.grad = None  # torch optimizers leave a parameter without a gradient alone
     return False
-
-
-class NonFiniteGuard(TrainerCallback):
-    """`check_step` before every optimizer step of a transformers Trainer; ``skipped`` lists the steps skipped."""
-
-    def __init__(self, policy: str = "stop", advice: str = ""):
-        self.policy, self.advice, self.skipped = check_choice("policy", policy, POLICIES), advice, []
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        if not check_step(state.global_step + 1, model, policy=self.policy, advice=self.advice):
-            self.skipped.append(state.global_step + 1)

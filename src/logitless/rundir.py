@@ -21,11 +21,21 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from logitless.checkpoint import remove_tree
+
+def remove_tree(path: str | Path) -> None:
+    """Delete a directory so that it disappears at once: renamed to a hidden name, then removed."""
+    path = Path(path)
+    doomed = path.with_name(f".{path.name}.deleting")
+    if doomed.exists():
+        shutil.rmtree(doomed)
+    os.rename(path, doomed)
+    shutil.rmtree(doomed)
+
 
 MARKER = "logitless-run.json"
 

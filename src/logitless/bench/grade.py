@@ -18,8 +18,6 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-import torch
-
 from logitless.bench.options import (add_device_option, add_model_option, choices_metavar, require_device,
                                      require_model, require_positive, require_writable, write_report)
 from logitless.bench.ratios import add_ratios, format_ratio
@@ -58,6 +56,8 @@ def _trainer(variant: str, config: GradeBenchConfig):
 
 
 def run_worker(variant: str, _directory: str, config: GradeBenchConfig) -> dict:
+    import torch
+
     from logitless.bench.memory import PeakMemory, synchronize
 
     trainer = _trainer(variant, config)

@@ -21,8 +21,6 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-import torch
-
 from logitless.bench.ratios import add_ratios, format_ratio
 from logitless.bench.worker import run_variants, worker_main
 
@@ -42,6 +40,7 @@ CONFIG = RewardBenchConfig  # what `logitless bench reward` builds from its opti
 
 
 def run_worker(variant: str, policy_dir: str, config: RewardBenchConfig) -> dict:
+    import torch
     from trl import GRPOConfig
 
     from logitless.bench.memory import PeakMemory

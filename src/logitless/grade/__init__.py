@@ -2,17 +2,21 @@
 
 `GumbelTrainerMemoryEfficient` is the one to use; `GumbelTrainer` is the legacy design (dense (B, V) soft
 tokens), kept as the reference it is tested against; `GRPOBaseline` trains the same policy on the same reward with GRPO.
+
+The names below are imported on first use (`logitless.grade.GradeConfig` alone loads no PyTorch).
 """
 
-from logitless.grade.config import GradeConfig
-from logitless.grade.grpo import GRPOBaseline
-from logitless.grade.judge import MultichoiceJudgeReward
-from logitless.grade.metrics import METRIC_NAMES
-from logitless.grade.rewards import (RewardInputs, SequenceClassifierReward, SoftReward, TokenLogProbReward,
-                                     TokenSetReward)
-from logitless.grade.soft_tokens import SoftTokens
-from logitless.grade.trainer import GumbelTrainer, GumbelTrainerMemoryEfficient
+from logitless._lazy import exports
 
-__all__ = ["GRPOBaseline", "GradeConfig", "GumbelTrainer", "GumbelTrainerMemoryEfficient", "METRIC_NAMES",
-           "MultichoiceJudgeReward", "RewardInputs", "SequenceClassifierReward", "SoftReward", "SoftTokens",
-           "TokenLogProbReward", "TokenSetReward"]
+_EXPORTS = {
+    "GradeConfig": "logitless.grade.config",
+    "GRPOBaseline": "logitless.grade.grpo",
+    "MultichoiceJudgeReward": "logitless.grade.judge",
+    "METRIC_NAMES": "logitless.grade.metrics",
+    **dict.fromkeys(("RewardInputs", "SequenceClassifierReward", "SoftReward", "TokenLogProbReward", "TokenSetReward"),
+                    "logitless.grade.rewards"),
+    "SoftTokens": "logitless.grade.soft_tokens",
+    **dict.fromkeys(("GumbelTrainer", "GumbelTrainerMemoryEfficient"), "logitless.grade.trainer"),
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = exports(__name__, _EXPORTS)

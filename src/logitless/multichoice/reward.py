@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
-from logitless._checks import (check_finite, check_positive_finite, check_positive_int, check_strings,
-                               check_tensor)
+from logitless._checks import check_positive_finite, check_positive_int, check_strings
+from logitless._tensor_checks import check_finite, check_tensor
 from logitless.data import left_padded, pad_token_id
 from logitless.hf import final_hidden_states, lm_head_of, model_body
 from logitless.ops.head import LinearHead

@@ -2,16 +2,20 @@
 with `blocks` for its sizes and schedule), its accumulators (`softmax`, `kl`), their block math (`chunks`,
 `triton`) and the fused autograd Functions built on them (`fused`, `kl`).
 
-Nothing here imports transformers or TRL.
+Nothing here imports transformers or TRL. The names below are imported on first use, so that a module
+such as `grpo_settings` loads without PyTorch.
 """
 
-from logitless.ops.blocks import BlockSizes, default_block_sizes
-from logitless.ops.fused import fused_grpo_loss, fused_linear_cross_entropy, fused_linear_logprobs
-from logitless.ops.grpo_settings import GRPOSettings
-from logitless.ops.gumbel import gumbel_softmax_topk
-from logitless.ops.head import LinearHead
-from logitless.ops.kl import fused_linear_kl
-from logitless.ops.reference import compute_entropy
+from logitless._lazy import exports
 
-__all__ = ["BlockSizes", "GRPOSettings", "LinearHead", "compute_entropy", "default_block_sizes", "fused_grpo_loss",
-           "fused_linear_cross_entropy", "fused_linear_kl", "fused_linear_logprobs", "gumbel_softmax_topk"]
+_EXPORTS = {
+    **dict.fromkeys(("BlockSizes", "default_block_sizes"), "logitless.ops.blocks"),
+    **dict.fromkeys(("fused_grpo_loss", "fused_linear_cross_entropy", "fused_linear_logprobs"), "logitless.ops.fused"),
+    "GRPOSettings": "logitless.ops.grpo_settings",
+    "gumbel_softmax_topk": "logitless.ops.gumbel",
+    "LinearHead": "logitless.ops.head",
+    "fused_linear_kl": "logitless.ops.kl",
+    "compute_entropy": "logitless.ops.reference",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = exports(__name__, _EXPORTS)

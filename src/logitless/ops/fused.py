@@ -21,7 +21,8 @@ from types import ModuleType
 
 import torch
 
-from logitless._checks import check_choice, check_head_shapes, check_mask, check_tensor, check_token_ids
+from logitless._checks import check_choice, check_head_shapes
+from logitless._tensor_checks import check_mask, check_tensor, check_token_ids
 from logitless.ops import chunks, reference
 from logitless.ops.backend import IMPLS, chunk_kernels
 from logitless.ops.blocks import BlockPlan, BlockSizes, plan_blocks

@@ -17,8 +17,8 @@ from typing import NamedTuple
 
 import torch
 
-from logitless._checks import (check_advantages_shape, check_finite, check_grpo_options, check_mask, check_same_shape,
-                               check_tensor)
+from logitless._checks import check_advantages_shape, check_grpo_options
+from logitless._tensor_checks import check_finite, check_mask, check_same_shape, check_tensor
 from logitless.ops.grpo_settings import GRPOSettings
 
 

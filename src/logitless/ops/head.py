@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from logitless._checks import check_positive_finite, check_tensor
+from logitless._checks import check_positive_finite
+from logitless._tensor_checks import check_tensor
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:

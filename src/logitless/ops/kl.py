@@ -25,7 +25,8 @@ from typing import NamedTuple
 
 import torch
 
-from logitless._checks import check_choice, check_mask, check_tensor
+from logitless._checks import check_choice
+from logitless._tensor_checks import check_mask, check_tensor
 from logitless.ops import kl_blocks, reference
 from logitless.ops.backend import IMPLS, chunk_kernels
 from logitless.ops.blocks import BlockPlan, BlockSizes, plan_blocks

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from logitless._checks import check_positive_finite, check_tensor
+from logitless._checks import check_positive_finite
+from logitless._tensor_checks import check_tensor
 from logitless.ops.grpo import check_grpo_inputs, grpo_metrics, grpo_token_loss
 from logitless.ops.grpo_settings import GRPOSettings
 from logitless.ops.head import LinearHead, stat_dtype

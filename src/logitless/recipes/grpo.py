@@ -23,21 +23,17 @@ from pathlib import Path
 from tqdm.auto import tqdm
 from transformers import ProgressCallback, TrainerCallback
 
-from logitless._checks import check_choice, check_finite_numbers, check_generations, check_positive_ints
 from logitless.checkpoint import CHECKPOINT_STAGING, STEP_CHECKPOINT, checkpoint_step
-from logitless.nonfinite import NonFiniteGuard
 from logitless.plots import plot_curves
 from logitless.recipes import interrupts
-from logitless.recipes.common import (MODEL_HELP, NONFINITE_ADVICE, RUN_CONTROL_HELP, RecipeConfig, announce_start,
-                                      check_model_name, check_model_source, hub_reachable, load_model,
-                                      plural, resume_checkpoint, run_recipe, skipped_note)
-from logitless.recipes.options import add_config_parser
-from logitless.rundir import RunDirectory, file_identity, write_json_atomically
+from logitless.recipes.common import (NONFINITE_ADVICE, announce_start, check_model_source, hub_reachable, load_model,
+                                      plural, refuse_other_commands_data, resume_checkpoint, run_recipe,
+                                      skipped_note)
+from logitless.recipes.grpo_options import (FIXED_OPTIONS, RESULT_OPTIONS, SYNTHETIC_QUESTIONS,
+                                            MultichoiceGRPOConfig)
+from logitless.rundir import RunDirectory, file_identity, write_json_atomically, write_text_atomically
+from logitless.trl.nonfinite import NonFiniteGuard
 
-# TRL's loss types that need no other option (luspo needs sequence-level importance sampling); each one
-# runs TRL's loss code on the fused head's log-probs
-LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "vespo")
-SYNTHETIC_QUESTIONS = 256  # the default question set, the same whatever the number of steps
 EQUAL_REWARD_STEPS = 2  # a warning when every completion of the first this many steps got the same reward
 WARM_UP_HINT = ("GRPO learns only from reward differences within a group. The reward reads the letter after "
                 "'ANSWER:', so the policy must first write that format: warm it up with `logitless sft` on "
@@ -56,60 +52,6 @@ class _QuietProgress(ProgressCallback):
         pass
 
 
-@dataclass
-class MultichoiceGRPOConfig(RecipeConfig):
-    judge: str | None = None  # a causal LM to judge chains of thought; None: a frozen copy of the initial policy
-    data: str | None = None  # jsonl / saved or hub dataset with question, choices, answer; None: synthetic
-    output_dir: str = "runs/grpo"
-    steps: int = 4
-    completions_per_step: int = 8
-    num_generations: int = 4
-    max_completion_length: int = 24
-    learning_rate: float = 5e-5
-    loss_type: str = "dapo"
-    temperature: float = 1.0
-    save_every: int = 2
-
-    CHOICES = {**RecipeConfig.CHOICES, "loss_type": LOSS_TYPES}
-    MODEL_OPTIONS = ("model", "judge")
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_positive_ints(self, ("steps", "completions_per_step", "num_generations", "max_completion_length",
-                                   "save_every"))
-        check_generations(self.num_generations, self.completions_per_step)
-        check_finite_numbers(self, ("learning_rate", "temperature"))
-        check_choice("loss_type", self.loss_type, LOSS_TYPES)
-        if self.judge is not None:
-            check_model_name("judge", self.judge)
-
-    @property
-    def prompts_per_step(self) -> int:
-        return self.completions_per_step // self.num_generations
-
-
-
-HELP = {
-    "model": f"policy: {MODEL_HELP}",
-    "judge": "judge model reading the chain of thought (default: a frozen copy of the initial policy)",
-    "data": "questions: a jsonl file, a saved dataset directory or a hub dataset with question, choices, answer "
-            f"(default: {SYNTHETIC_QUESTIONS} synthetic questions)",
-    "output_dir": "run directory: checkpoint-STEP directories, history.json, reward.png (both written at every "
-                  "checkpoint); a rerun resumes from it",
-    "steps": "GRPO steps in all (a resume continues up to this number)",
-    "completions_per_step": "completions generated and trained on per step",
-    "num_generations": "completions per question (a GRPO group; at least 2, dividing --completions-per-step)",
-    "max_completion_length": "tokens per completion at most",
-    "learning_rate": "AdamW learning rate, constant",
-    "loss_type": "TRL's loss type",
-    "temperature": "sampling temperature (the loss and the reward read logits at the same temperature)",
-    "save_every": "write a checkpoint-STEP every this many steps",
-    "seed": "seed of the model's initialization, the question order and sampling",
-    **RUN_CONTROL_HELP,
-}
-RESULT_OPTIONS = ("judge", "data", "completions_per_step", "num_generations", "max_completion_length",
-                  "learning_rate", "loss_type", "temperature", "seed")
-FIXED_OPTIONS = ("model",)  # a resume continues the checkpoint's weights; the default judge is a copy of the model
 OUTPUTS = (STEP_CHECKPOINT, CHECKPOINT_STAGING, "history.json", "reward.png", "README.md")
 
 
@@ -130,6 +72,7 @@ def load_questions(config: MultichoiceGRPOConfig) -> list[dict]:
 
     if config.data is None:
         return synthetic_multichoice(count=SYNTHETIC_QUESTIONS, seed=config.seed + 1)
+    refuse_other_commands_data("data", config.data, "grpo", "grpo")
     if Path(config.data).expanduser().exists() or hub_reachable():
         records = load_multichoice(config.data, name="data")
     else:  # only the local cache can hold it: look there alone, not through a minute of retries
@@ -214,10 +157,15 @@ def train_grpo_multichoice(config: MultichoiceGRPOConfig | GRPOPlan, *, progress
     if progress:  # the bar, without a printed dict of every metric at each step (history.json has them)
         trainer.remove_callback(ProgressCallback)
         trainer.add_callback(_QuietProgress)
-    trainer.add_callback(_RunRecord(output_dir, config.steps, guard))
+    trainer.add_callback(_RunRecord(config, output_dir, guard))
     announce_start("grpo", plan.checkpoint, config.steps)
     trainer.train(resume_from_checkpoint=None if plan.checkpoint is None else str(plan.checkpoint))
-    return write_history(output_dir, trainer.state.log_history, guard.skipped)
+    history = write_history(output_dir, trainer.state.log_history, guard.skipped)
+    write_run_card(output_dir, config, history)
+    return history
+
+
+REWARD_FORMULA = "P(correct | model) x (1 - P(correct | judge))"
 
 
 def write_history(output_dir: Path, log_history: list[dict], skipped: list[int]) -> dict:
@@ -226,32 +174,66 @@ def write_history(output_dir: Path, log_history: list[dict], skipped: list[int])
     history = {name: [entry.get(key, float("nan")) for entry in logged]
                for name, key in (("reward", "reward"), ("p_correct_model", "multichoice/p_correct_model"),
                                  ("p_correct_judge", "multichoice/p_correct_judge"), ("loss", "loss"),
-                                 ("entropy", "entropy"), ("learning_rate", "learning_rate"))}
+                                 ("entropy", "entropy"), ("learning_rate", "learning_rate"),
+                                 ("frac_reward_zero_std", "frac_reward_zero_std"))}
     history["skipped"] = skipped
     write_json_atomically(output_dir / "history.json", history)
-    plot_curves({k: history[k] for k in ("reward", "p_correct_model", "p_correct_judge")}, output_dir / "reward.png",
-                title="GRPO, multiple-choice judge reward", ylabel="per-step mean")
+    curves = {f"reward = {REWARD_FORMULA}": history["reward"], "P(correct | model)": history["p_correct_model"],
+              "P(correct | judge), of the policy's chain of thought": history["p_correct_judge"]}
+    plot_curves(curves, output_dir / "reward.png", title="logitless grpo: the multiple-choice judge reward",
+                ylabel="per-step mean")
     return history
 
 
-class _RunRecord(TrainerCallback):
-    """Keeps the command's outputs current: the step count an interrupt reports, history.json and the
-    plot at every save, and a warning when every completion of the first steps got the same reward."""
+def stalled_steps(history: dict) -> int:
+    """Steps with nothing to learn from: every completion of each group got the same reward (zero included)."""
+    return sum(1 for zero_std in history["frac_reward_zero_std"] if zero_std == 1.0)
 
-    def __init__(self, output_dir: Path, steps: int, guard: NonFiniteGuard):
-        self.output_dir, self.steps, self.guard = output_dir, steps, guard
+
+def write_run_card(output_dir: Path, config: MultichoiceGRPOConfig, history: dict) -> None:
+    """README.md of the run directory: what was trained on what, how the reward went, how to load the result
+    (in place of the hub model card TRL writes, which names no base model for a local or embedded one)."""
+    rewards = history["reward"]
+    trend = f"{rewards[0]:.4f} -> {rewards[-1]:.4f} over {plural(len(rewards), 'step')}" if rewards else "no step yet"
+    write_text_atomically(output_dir / "README.md", f"""# logitless grpo run
+
+GRPO (TRL's GRPOTrainer, scored by logitless's fused LM head) of the policy `{config.model}` on multiple-choice
+questions ({config.data or f"{SYNTHETIC_QUESTIONS} synthetic questions"}), loss type `{config.loss_type}`,
+learning rate {config.learning_rate}, {config.num_generations} completions per question.
+
+- reward: {REWARD_FORMULA}, the judge `{config.judge or "a frozen copy of the initial policy"}`; per step mean
+  {trend} (history.json, reward.png)
+- checkpoints: `checkpoint-STEP/` (each complete or absent); rerun the same `logitless grpo` command to resume
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{output_dir}/checkpoint-STEP")
+tokenizer = AutoTokenizer.from_pretrained("{output_dir}/checkpoint-STEP")
+```
+""")
+
+
+class _RunRecord(TrainerCallback):
+    """Keeps the command's outputs current: the step count an interrupt reports, history.json, the plot and
+    the run card at every save, and a warning when every completion of the first steps got the same reward."""
+
+    def __init__(self, config: MultichoiceGRPOConfig, output_dir: Path, guard: NonFiniteGuard):
+        self.config, self.output_dir, self.guard = config, output_dir, guard
 
     def on_train_begin(self, args, state, control, **kwargs):
-        interrupts.track("logitless grpo", self.output_dir, state.global_step, self.steps)
+        interrupts.track("logitless grpo", self.output_dir, state.global_step, self.config.steps)
 
     def on_step_end(self, args, state, control, **kwargs):
         interrupts.step_done(state.global_step)
 
     def on_save(self, args, state, control, **kwargs):
-        write_history(self.output_dir, state.log_history, self.guard.skipped)
+        history = write_history(self.output_dir, state.log_history, self.guard.skipped)
+        write_run_card(self.output_dir, self.config, history)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if "frac_reward_zero_std" not in (logs or {}) or state.global_step != min(EQUAL_REWARD_STEPS, self.steps):
+        first_steps = min(EQUAL_REWARD_STEPS, self.config.steps)
+        if "frac_reward_zero_std" not in (logs or {}) or state.global_step != first_steps:
             return
         first = [entry for entry in state.log_history if "frac_reward_zero_std" in entry][:EQUAL_REWARD_STEPS]
         if all(entry["frac_reward_zero_std"] == 1.0 for entry in first):
@@ -261,17 +243,14 @@ class _RunRecord(TrainerCallback):
                        + WARM_UP_HINT, file=sys.stderr)
 
 
-# -- the `logitless grpo` command ------------------------------------------------------------------
-
-def add_parser(subcommands) -> argparse.ArgumentParser:
-    return add_config_parser(subcommands, "grpo", "GRPO on multiple-choice questions with the judge reward, "
-                             "logit-free, resumable from --output-dir", MultichoiceGRPOConfig, HELP, run_command,
-                             __doc__.split("\n\n")[0])
-
-
-def run_command(args: argparse.Namespace) -> int:
-    plan, history = run_recipe("grpo", args, MultichoiceGRPOConfig, prepare_grpo, train_grpo_multichoice)
+def run_command(config: MultichoiceGRPOConfig, args: argparse.Namespace) -> int:
+    plan, history = run_recipe("grpo", config, args, prepare_grpo, train_grpo_multichoice)
     rewards = history["reward"]
     print(f"reward {rewards[0]:.4f} -> {rewards[-1]:.4f} over {plural(len(rewards), 'step')}"
           f"{skipped_note(history)}; plot: {plan.run.path / 'reward.png'}")
+    stalled = stalled_steps(history)
+    if stalled > len(rewards) / 2:
+        print(f"logitless grpo: warning: in {stalled} of {plural(len(rewards), 'step')}, every completion of each "
+              f"group got the same reward (reward {rewards[0]:.4f} -> {rewards[-1]:.4f}), so those steps had nothing "
+              "to learn from. " + WARM_UP_HINT, file=sys.stderr)
     return 0

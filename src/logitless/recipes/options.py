@@ -108,12 +108,14 @@ def add_config_options(parser: argparse.ArgumentParser, config_class, helps: dic
                                 metavar=metavars.get(field.name, field.name.upper()), help=text)
 
 
-def add_config_parser(subcommands, name: str, summary: str, config_class, helps: dict[str, str], handler,
+def add_config_parser(subcommands, name: str, summary: str, config_class, helps: dict[str, str], run,
                       description: str) -> argparse.ArgumentParser:
-    """The subcommand ``name`` whose options are `add_config_options`'s and whose handler is ``handler``."""
+    """The subcommand ``name`` whose options are `add_config_options`'s. Its handler builds ``config_class`` from
+    them (a bad value ends the command at once, naming its option) and returns ``run(config, args)``: pass a
+    `logitless._lazy.later` function, so that what the command runs is imported only when it runs."""
     parser = subcommands.add_parser(name, help=summary, description=description)
     add_config_options(parser, config_class, helps)
-    parser.set_defaults(handler=handler)
+    parser.set_defaults(handler=lambda args: run(config_from_args(config_class, args), args))
     return parser
 
 

@@ -24,60 +24,17 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from logitless._checks import check_finite_numbers, check_positive_ints
 from logitless.checkpoint import (CHECKPOINT_STAGING, STEP_CHECKPOINT, checkpoint_step, last_complete_checkpoint,
                                   load_checkpoint_state, save_checkpoint)
 from logitless.data import arithmetic_sft_examples, iterate_batches, load_jsonl
 from logitless.plots import plot_curve
 from logitless.recipes import interrupts
-from logitless.recipes.common import (MODEL_HELP, NONFINITE_ADVICE, RUN_CONTROL_HELP, RecipeConfig, announce_start,
-                                      check_model_source, load_model, plural, resume_checkpoint, run_recipe,
-                                      skipped_note)
-from logitless.recipes.options import add_config_parser
+from logitless.recipes.common import (NONFINITE_ADVICE, announce_start, check_model_source, load_model, plural,
+                                      refuse_other_commands_data, resume_checkpoint, run_recipe, skipped_note)
+from logitless.recipes.sft_options import FIXED_OPTIONS, RESULT_OPTIONS, SFTConfig
 from logitless.rundir import RunDirectory, file_identity, write_json_atomically
 from logitless.sft import sft_step
 
-
-@dataclass
-class SFTConfig(RecipeConfig):
-    data: str | None = None  # jsonl with prompt/response; None: the built-in arithmetic set
-    output_dir: str = "runs/sft"
-    steps: int = 40
-    batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    learning_rate: float = 3e-3
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    save_every: int = 20
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_positive_ints(self, ("steps", "batch_size", "gradient_accumulation_steps", "save_every"))
-        check_finite_numbers(self, ("learning_rate", "max_grad_norm"))
-        check_finite_numbers(self, ("weight_decay",), allow_zero=True)
-
-
-HELP = {
-    "model": MODEL_HELP,
-    "data": "jsonl file with a 'prompt' and a 'response' string per line (default: a built-in arithmetic set)",
-    "output_dir": "run directory: checkpoint-STEP directories, history.json, loss.png (both written at every "
-                  "checkpoint); a rerun resumes from it",
-    "steps": "optimizer steps in all (a resume continues up to this number)",
-    "batch_size": "examples per microbatch",
-    "gradient_accumulation_steps": "microbatches per optimizer step (the loss is the mean over all their response "
-                                   "tokens: the gradient of one batch of them all)",
-    "learning_rate": "AdamW learning rate, constant",
-    "weight_decay": "AdamW weight decay",
-    "max_grad_norm": "gradients are clipped to this global norm",
-    "save_every": "write a checkpoint-STEP every this many steps (and at the end)",
-    "seed": "seed of the model's initialization and of the data order",
-    **RUN_CONTROL_HELP,
-}
-# Options whose change would change the trained weights: a resume refuses a change unless allowed.
-# ``steps`` is not one of them: the learning rate is constant, so more steps continue the same run.
-RESULT_OPTIONS = ("data", "batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay",
-                  "max_grad_norm", "seed")
-FIXED_OPTIONS = ("model",)  # a resume continues the checkpoint's weights: a new model cannot take effect
 OUTPUTS = (STEP_CHECKPOINT, CHECKPOINT_STAGING, "history.json", "loss.png")
 
 
@@ -94,6 +51,8 @@ class SFTPlan:
 def load_examples(config: SFTConfig) -> list[dict[str, str]]:
     """The training pairs, checked: errors name ``data`` or ``batch_size``. Pairs with an empty response
     (nothing to learn from) are left out, with a note."""
+    if config.data:
+        refuse_other_commands_data("data", config.data, "sft", "sft")
     examples = load_jsonl(config.data, name="data") if config.data else arithmetic_sft_examples(seed=config.seed)
     usable = [example for example in examples if example["response"]]
     if not usable:
@@ -183,15 +142,8 @@ def _write_history(run_dir: Path, history: dict) -> None:
                ylabel="loss (nats/token)")
 
 
-# -- the `logitless sft` command -------------------------------------------------------------------
-
-def add_parser(subcommands) -> argparse.ArgumentParser:
-    return add_config_parser(subcommands, "sft", "supervised fine-tuning, logit-free, resumable from --output-dir",
-                             SFTConfig, HELP, run_command, __doc__.split("\n\n")[0])
-
-
-def run_command(args: argparse.Namespace) -> int:
-    plan, history = run_recipe("sft", args, SFTConfig, prepare_sft, train_sft)
+def run_command(config: SFTConfig, args: argparse.Namespace) -> int:
+    plan, history = run_recipe("sft", config, args, prepare_sft, train_sft)
     print(f"loss {history['loss'][0]:.3f} -> {history['loss'][-1]:.3f} over {plural(history['step'], 'step')} "
           f"({history['seconds']:.1f}s){skipped_note(history)}; plot: {plan.run.path / 'loss.png'}; "
           f"checkpoint: {last_complete_checkpoint(plan.run.path)[0]}")

@@ -11,8 +11,9 @@ check_trl_version()
 
 from logitless.trl.checkpoints import CHECKPOINT_STAGING  # noqa: E402
 from logitless.trl.lm_head import add_logitless_lm_head  # noqa: E402
+from logitless.trl.nonfinite import NonFiniteGuard  # noqa: E402
 from logitless.trl.rewards import LOGIT_KWARGS, wanted_logit_kwargs  # noqa: E402
 from logitless.trl.trainer import GRPOTrainerWithLogits  # noqa: E402
 
-__all__ = ["CHECKPOINT_STAGING", "GRPOTrainerWithLogits", "LOGIT_KWARGS", "add_logitless_lm_head",
+__all__ = ["CHECKPOINT_STAGING", "GRPOTrainerWithLogits", "LOGIT_KWARGS", "NonFiniteGuard", "add_logitless_lm_head",
            "wanted_logit_kwargs"]

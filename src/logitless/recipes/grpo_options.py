@@ -1,0 +1,81 @@
+"""`logitless grpo`'s options: `MultichoiceGRPOConfig`, its help texts, and the options a resume compares.
+Nothing here loads PyTorch, so ``--help`` and a bad option answer at once; the run is `logitless.recipes.grpo`."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from logitless._checks import check_choice, check_finite_numbers, check_generations, check_positive_ints
+from logitless._lazy import later
+from logitless.recipes.config import MODEL_HELP, RUN_CONTROL_HELP, RecipeConfig, check_model_name
+from logitless.recipes.options import add_config_parser
+
+DESCRIPTION = "`logitless grpo`: GRPO on multiple-choice questions with the judge reward, logit-free, crash-safe."
+
+# TRL's loss types that need no other option (luspo needs sequence-level importance sampling); each one
+# runs TRL's loss code on the fused head's log-probs
+LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "vespo")
+SYNTHETIC_QUESTIONS = 256  # the default question set, the same whatever the number of steps
+
+
+@dataclass
+class MultichoiceGRPOConfig(RecipeConfig):
+    judge: str | None = None  # a causal LM to judge chains of thought; None: a frozen copy of the initial policy
+    data: str | None = None  # jsonl / saved or hub dataset with question, choices, answer; None: synthetic
+    output_dir: str = "runs/grpo"
+    steps: int = 4
+    completions_per_step: int = 8
+    num_generations: int = 4
+    max_completion_length: int = 24
+    learning_rate: float = 5e-5
+    loss_type: str = "dapo"
+    temperature: float = 1.0
+    save_every: int = 2
+
+    CHOICES = {**RecipeConfig.CHOICES, "loss_type": LOSS_TYPES}
+    MODEL_OPTIONS = ("model", "judge")
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_positive_ints(self, ("steps", "completions_per_step", "num_generations", "max_completion_length",
+                                   "save_every"))
+        check_generations(self.num_generations, self.completions_per_step)
+        check_finite_numbers(self, ("learning_rate", "temperature"))
+        check_choice("loss_type", self.loss_type, LOSS_TYPES)
+        if self.judge is not None:
+            check_model_name("judge", self.judge)
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.completions_per_step // self.num_generations
+
+
+
+HELP = {
+    "model": f"policy: {MODEL_HELP}",
+    "judge": "judge model reading the chain of thought (default: a frozen copy of the initial policy)",
+    "data": "questions: a jsonl file, a saved dataset directory or a hub dataset with question, choices, answer "
+            f"(default: {SYNTHETIC_QUESTIONS} synthetic questions)",
+    "output_dir": "run directory: checkpoint-STEP directories, history.json, reward.png (both written at every "
+                  "checkpoint); a rerun resumes from it",
+    "steps": "GRPO steps in all (a resume continues up to this number)",
+    "completions_per_step": "completions generated and trained on per step",
+    "num_generations": "completions per question (a GRPO group; at least 2, dividing --completions-per-step)",
+    "max_completion_length": "tokens per completion at most",
+    "learning_rate": "AdamW learning rate, constant",
+    "loss_type": "TRL's loss type",
+    "temperature": "sampling temperature (the loss and the reward read logits at the same temperature)",
+    "save_every": "write a checkpoint-STEP every this many steps",
+    "seed": "seed of the model's initialization, the question order and sampling",
+    **RUN_CONTROL_HELP,
+}
+RESULT_OPTIONS = ("judge", "data", "completions_per_step", "num_generations", "max_completion_length",
+                  "learning_rate", "loss_type", "temperature", "seed")
+FIXED_OPTIONS = ("model",)  # a resume continues the checkpoint's weights; the default judge is a copy of the model
+
+
+def add_parser(subcommands) -> argparse.ArgumentParser:
+    return add_config_parser(subcommands, "grpo", "GRPO on multiple-choice questions with the judge reward, "
+                             "logit-free, resumable from --output-dir", MultichoiceGRPOConfig, HELP,
+                             later("logitless.recipes.grpo", "run_command"), DESCRIPTION)
