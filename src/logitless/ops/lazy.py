@@ -12,7 +12,7 @@ import operator
 import torch
 
 from logitless._tensor_checks import check_tensor
-from logitless.ops.head import LinearHead
+from logitless.ops.head import LinearHead, stat_dtype
 
 
 class CompletionLogits:
@@ -40,7 +40,8 @@ class CompletionLogits:
         return self.hidden.shape[0]
 
     def __getitem__(self, index) -> torch.Tensor:
-        """An int gives one row (V,); a slice or a 1-D index tensor/list gives (k, V), k >= 0. fp32, no grad."""
+        """An int gives one row (V,); a slice or a 1-D index tensor/list gives (k, V), k >= 0. fp32 (fp64 for fp64
+        hidden states), no grad."""
         if not isinstance(index, (slice, list, torch.Tensor)) and hasattr(index, "__index__"):  # int, numpy int
             index = operator.index(index)
             if not -len(self) <= index < len(self):
@@ -50,7 +51,7 @@ class CompletionLogits:
         with torch.no_grad():
             rows = self.hidden[index]  # (H,) or (k, H)
             logits = self.head.logits(rows.reshape(-1, rows.shape[-1]))
-            return logits.float().reshape(*rows.shape[:-1], self.head.vocab_size)
+            return logits.to(stat_dtype(rows.dtype)).reshape(*rows.shape[:-1], self.head.vocab_size)
 
     def __repr__(self) -> str:
         return f"CompletionLogits(shape={tuple(self.shape)}, temperature={self.head.temperature})"

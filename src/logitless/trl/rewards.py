@@ -25,7 +25,7 @@ import torch
 from trl.trainer.utils import pad
 
 from logitless.ops.fused import linear_token_stats
-from logitless.ops.head import LinearHead
+from logitless.ops.head import LinearHead, stat_dtype
 from logitless.ops.lazy import CompletionLogits
 from logitless.trl.lm_head import detached_head
 
@@ -56,8 +56,8 @@ def completion_views(hidden: torch.Tensor, completion_ids_list: list[list[int]],
         ids[row, : len(completion)] = torch.tensor(completion, dtype=torch.long)
         mask[row, : len(completion)] = True
     with torch.no_grad():
-        log_probs = torch.zeros(mask.shape, device=hidden.device).masked_scatter(
-            mask, linear_token_stats(head, hidden[mask], ids[mask], need_entropy=False)[0].float())
+        log_probs = torch.zeros(mask.shape, dtype=stat_dtype(hidden.dtype), device=hidden.device).masked_scatter(
+            mask, linear_token_stats(head, hidden[mask], ids[mask], need_entropy=False)[0])
     views = [CompletionLogits(hidden[row, :length], head) for row, length in enumerate(lengths)]
     return views, [log_probs[row, :length] for row, length in enumerate(lengths)]
 
