@@ -400,22 +400,34 @@ def test_completion_logits_with_a_rollout_func(model_dir, tokenizer, tmp_path, o
     assert passes and set(passes) == {0.0 if old_pass else 1.0}
 
 
-def test_the_zero3_gather_context_is_entered_in_forward_and_backward(monkeypatch, tiny_model):
+def test_a_zero3_partitioned_head_is_gathered_before_it_is_read_in_forward_and_in_backward(monkeypatch):
+    """Under ZeRO-3 the output embedding's weight holds no rows outside TRL's gather context (here: emptied when the
+    forward's context exits, as ZeRO-3 does): the fused forward, its backward and the rewards' head read it inside."""
+    model = tiny_qwen2(seed=0, tie_word_embeddings=False)  # the body never reads the head's weight
+    lm_head_module.add_logitless_lm_head(model, outputs=("log_probs", "entropy"))
+    weight = model.lm_head.weight
+    rows = weight.data
+    weight.ds_status = "partitioned"  # what marks a ZeRO-3 parameter
+    weight.data = torch.empty(0)
     entered = []
 
     @contextlib.contextmanager
-    def counting_gather(*params):
-        entered.append("backward" if torch._C._current_graph_task_id() != -1 else "forward")
+    def partitioned_gather(*params):
+        in_backward = torch._C._current_graph_task_id() != -1
+        entered.append(("backward" if in_backward else "forward", params == (weight,)))
+        weight.data = rows
         yield
+        if not in_backward:
+            weight.data = torch.empty(0)
 
-    monkeypatch.setattr(lm_head_module, "maybe_gather_lm_head_ctx", counting_gather)
-    head = lm_head_of(tiny_model)
-    hidden = torch.randn(2, 5, head.hidden_size, requires_grad=True)
-    labels = torch.randint(0, 1000, (2, 5))
-    log_probs, entropy = lm_head_module.token_log_probs(head, hidden, labels, labels > 100, need_entropy=True)
-    assert entered == ["forward"]
-    (log_probs.sum() + entropy.sum()).backward()
-    assert entered == ["forward", "backward"] and tiny_model.lm_head.weight.grad is not None
+    monkeypatch.setattr(lm_head_module, "maybe_gather_lm_head_ctx", partitioned_gather)
+    input_ids = torch.randint(0, 1000, (2, 6))
+    output = model(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
+    assert entered == [("forward", True)] and weight.numel() == 0
+    (output.log_probs.sum() + output.entropy.sum()).backward()
+    assert entered == [("forward", True), ("backward", True)] and weight.grad.shape == rows.shape
+    weight.data = torch.empty(0)
+    assert lm_head_module.detached_head(model, 1.0).weight.shape == rows.shape and weight.numel() == 0
 
 
 def test_an_all_masked_batch_gives_zero_gradients(tiny_model):

@@ -10,8 +10,9 @@ or logits gradient exist, and the ``lm_head`` module itself is never called.
 
 Sharded heads: an FSDP2 head whose weight is still a DTensor is gathered once per call with an
 averaged gradient placement (so each rank's gradient shard is the mean over ranks, as FSDP2 reduces
-every other gradient); a DeepSpeed ZeRO-3 head is gathered by TRL's own context, in forward and again
-in backward, where the weight is read a second time.
+every other gradient); a DeepSpeed ZeRO-3 head is gathered by TRL's own context before the head is
+read (a partitioned weight holds no rows outside it), and again in backward, where the weight is read
+a second time.
 """
 
 from __future__ import annotations
@@ -65,14 +66,14 @@ def add_logitless_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32:
             hidden, labels = body_outputs.last_hidden_state[:, :-1], labels[:, 1:]
         else:
             hidden, labels = body_outputs.last_hidden_state, shift_labels
-        head = scoring_head(self, temperature, cast_lm_head_to_fp32)
-        hidden = hidden.to(head.weight.device, torch.float32 if cast_lm_head_to_fp32 else head.weight.dtype)
-        labels = labels.to(head.weight.device)
-        label_mask = labels != -100
-        if on_hidden is not None:
-            on_hidden(hidden.detach(), label_mask)
         precision = torch.autocast(hidden.device.type, enabled=False) if cast_lm_head_to_fp32 else nullcontext()
-        with precision:
+        with gathered_output_embedding(self), precision:
+            head = scoring_head(self, temperature, cast_lm_head_to_fp32)
+            hidden = hidden.to(head.weight.device, torch.float32 if cast_lm_head_to_fp32 else head.weight.dtype)
+            labels = labels.to(head.weight.device)
+            label_mask = labels != -100
+            if on_hidden is not None:
+                on_hidden(hidden.detach(), label_mask)
             log_probs, entropy = token_log_probs(head, hidden, labels, label_mask, need_entropy)
         loss = -log_probs.sum() / (label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
         aux_loss = None
@@ -91,9 +92,22 @@ def has_logitless_lm_head(model) -> bool:
     return getattr(model, _INSTALLED, False)
 
 
+def gathered_output_embedding(model):
+    """TRL's ZeRO-3 gather context for the parameters of ``model``'s output embedding: whole while it lasts (a
+    null context without ZeRO-3)."""
+    module = model.get_output_embeddings()
+    return _zero3_gathered(getattr(module, "weight", None), getattr(module, "bias", None))
+
+
+def _zero3_gathered(*tensors: torch.Tensor | None):
+    """TRL's ZeRO-3 gather context for those of ``tensors`` that are partitioned parameters."""
+    return maybe_gather_lm_head_ctx(*(t for t in tensors if hasattr(t, "ds_status")))
+
+
 def scoring_head(model, temperature: float, in_fp32: bool = False) -> LinearHead:
     """The head the fused ops score with: the active copy of a PEFT ``modules_to_save`` head (the original one
-    while adapters are disabled), an FSDP2 DTensor weight gathered with an averaged gradient, fp32 on request."""
+    while adapters are disabled), an FSDP2 DTensor weight gathered with an averaged gradient, fp32 on request.
+    Under ZeRO-3, call it inside `gathered_output_embedding`."""
     head = lm_head_of(model, temperature)
     weight, bias = head.weight, head.bias
     if isinstance(weight, DTensor):
@@ -109,12 +123,11 @@ def scoring_head(model, temperature: float, in_fp32: bool = False) -> LinearHead
 def detached_head(model, temperature: float, in_fp32: bool = False) -> LinearHead:
     """`scoring_head` without autograd, readable after this call returns (for a batch of reward functions): a
     sharded head is gathered once, a ZeRO-3 one copied out of TRL's gather context."""
-    with torch.no_grad():
+    with torch.no_grad(), gathered_output_embedding(model):
         head = scoring_head(model, temperature, in_fp32)
         weight, bias = head.weight, head.bias
-        if is_deepspeed_zero3_enabled():
-            with maybe_gather_lm_head_ctx(weight, bias):
-                weight, bias = weight.clone(), None if bias is None else bias.clone()
+        if is_deepspeed_zero3_enabled():  # the gathered rows are released when the context exits
+            weight, bias = weight.clone(), None if bias is None else bias.clone()
         return LinearHead(weight.detach(), None if bias is None else bias.detach(), head.temperature, head.softcap,
                           head.scale)
 
@@ -124,13 +137,13 @@ def token_log_probs(head: LinearHead, hidden: torch.Tensor, labels: torch.Tensor
     """hidden (B, T, H), labels and label_mask (B, T) -> log-probs and entropy (B, T) (entropy None unless asked),
     0 where the label is masked; only the unmasked positions reach the matmuls. Both are differentiable.
 
-    A head TRL's ZeRO-3 context must gather is gathered here and again in backward, which reads it once more.
+    Under ZeRO-3 the caller holds the head's parameters gathered (`gathered_output_embedding`); backward, which
+    reads them once more, gathers them again.
     """
     flat_mask = label_mask.reshape(-1)
     kept_hidden = hidden.reshape(-1, hidden.shape[-1])[flat_mask]  # (K, H): only the scored positions
     kept_labels = labels.reshape(-1)[flat_mask]
-    with maybe_gather_lm_head_ctx(head.weight, head.bias):
-        log_probs, entropy, _ = linear_token_stats(head, kept_hidden, kept_labels, need_entropy=need_entropy)
+    log_probs, entropy, _ = linear_token_stats(head, kept_hidden, kept_labels, need_entropy=need_entropy)
     if log_probs.grad_fn is not None:
         _gather_head_in_backward(log_probs.grad_fn, head)
     # masked_scatter keeps an all-masked batch connected to the model: a zero loss whose backward runs
@@ -144,7 +157,7 @@ def _gather_head_in_backward(node: torch.autograd.graph.Node, head: LinearHead) 
     entered = []
 
     def enter(_grad_outputs):
-        context = maybe_gather_lm_head_ctx(head.weight, head.bias)
+        context = _zero3_gathered(head.weight, head.bias)  # a copy of the head (fp32 on request) needs none
         context.__enter__()
         entered.append(context)
 
