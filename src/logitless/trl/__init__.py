@@ -2,7 +2,8 @@
 
 Split by concern: `lm_head` (TRL's fused-LM-head seam answered by logitless's ops), `rewards`
 (``completion_logits`` / ``completion_logprobs`` for reward functions), `checkpoints` (atomic
-checkpoints and resume), `trainer` (the class that puts them together).
+checkpoints and resume), `notices` (the line and warnings a run starts with), `trainer` (the class
+that puts them together).
 """
 
 from logitless.trl.version import check_trl_version

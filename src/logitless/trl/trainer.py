@@ -13,11 +13,15 @@ Adopt it by changing one import; every GRPOConfig option keeps its meaning.
 3. Checkpoints appear complete or not at all, and resume from the newest complete one
    (`logitless.trl.checkpoints`) to the weights the uninterrupted run would have reached
    (`logitless.trl.resume`).
+4. Training starts with one line naming the head that scores the tokens and the policy's layout over the
+   processes, and a warning where the launch asked for a layout that accelerate does not run
+   (`logitless.trl.notices`).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from unittest import mock
 
 import trl.trainer.grpo_trainer as trl_grpo
@@ -26,8 +30,11 @@ from trl import GRPOTrainer
 
 from logitless.trl.checkpoints import AtomicCheckpoints
 from logitless.trl.lm_head import add_logitless_lm_head, has_logitless_lm_head
+from logitless.trl.notices import launch_warnings, scoring_line
 from logitless.trl.resume import ExactResume
 from logitless.trl.rewards import LogitAwareRewards
+
+logger = logging.getLogger(__name__)
 
 
 class GRPOTrainerWithLogits(AtomicCheckpoints, ExactResume, LogitAwareRewards, GRPOTrainer):
@@ -55,3 +62,12 @@ class GRPOTrainerWithLogits(AtomicCheckpoints, ExactResume, LogitAwareRewards, G
         """Which code scores the policy's tokens in a training step: ``"logitless"`` (the fused ops, from hidden
         states) whenever the trainer was built; TRL's own head is never used."""
         return "logitless" if has_logitless_lm_head(self._scoring_model) else "trl"
+
+    def train(self, *args, **kwargs):
+        """TRL's ``train``, which first prints (main process) the head that scores the tokens and the policy's layout,
+        and warns where the launch asked for another layout."""
+        if self.accelerator.is_main_process:
+            print(scoring_line(self._scoring_model, self.accelerator, self.args.cast_lm_head_to_fp32), flush=True)
+            for warning in launch_warnings(self._scoring_model, self.accelerator, self.args):
+                logger.warning(warning)
+        return super().train(*args, **kwargs)
