@@ -1,7 +1,7 @@
 """logitless's fused LM head under FSDP2 (fully_shard), 2 CPU processes with gloo, against one process.
 
-accelerate runs FSDP only on accelerators (on CPU it quietly trains with DDP instead), so this runs the head as
-GRPOTrainerWithLogits installs it on a model sharded with torch's own fully_shard, as accelerate's FSDP2 would."""
+The head alone, as GRPOTrainerWithLogits installs it, on tied and untied models, with the head in an FSDP unit of
+its own or in the root's; tests/test_trl_launch.py trains the trainer itself on a model sharded this way."""
 
 import os
 import subprocess
