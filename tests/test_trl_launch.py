@@ -7,8 +7,11 @@ for DDP, DTensor shards for FSDP2, ZeRO-3 partitions) while the optimizer steps.
 the head that scores the tokens once; a launch whose FSDP accelerate does not run says so.
 """
 
+import inspect
+import itertools
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -131,3 +134,19 @@ def test_deepspeed_zero3_by_accelerate_launch_equals_one_process(model_dir, tmp_
     _assert_same_step(saved, one_process, model_dir)
     assert math.isfinite(saved["generated_log"]["grad_norm"]) and saved["generated_log"]["grad_norm"] > 0
 
+
+def test_every_launch_command_in_the_docs_is_run_by_the_test_it_names():
+    """docs/trl.md's Distributed table: a row either says untested or names tests of this file whose launches pass
+    every flag of its command."""
+    lines = (Path(__file__).resolve().parents[1] / "docs" / "trl.md").read_text().splitlines()
+    header = lines.index("| layout | command (`train.py` is your script) | run by |")
+    rows = list(itertools.takewhile(lambda line: line.startswith("|"), lines[header + 2:]))
+    assert len(rows) >= 6
+    for row in rows:
+        _, command, run_by = (cell.strip() for cell in row.strip("|").split(" | "))
+        tests = re.findall(r"`(test_\w+)`", run_by)
+        assert tests or run_by.startswith("untested"), row
+        for name in tests:
+            source = inspect.getsource(globals()[name])
+            for flag in re.findall(r"--\w+", command.split("`")[1]):
+                assert f'"{flag}"' in source, (name, flag)
