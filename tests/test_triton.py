@@ -59,12 +59,44 @@ if INTERPRETED or torch.cuda.is_available():
     @pytest.mark.parametrize("num_rows,width", SHAPES)
     def test_update_stats(num_rows, width, neg_inf):
         blocks, targets = _blocks(num_rows, width, 3, neg_inf)
-        states = [chunks.OnlineSoftmax(num_rows, torch.float32, torch.device(DEVICE), True, True) for _ in range(2)]
+        states = [chunks.OnlineSoftmax(num_rows, torch.float32, torch.device(DEVICE), True, True, True, True)
+                  for _ in range(2)]
         for index, block in enumerate(blocks):
             chunks.update_stats(states[0], block.clone(), index * width, targets, neg_inf)
             triton_ops.update_stats(states[1], block.clone(), index * width, targets, neg_inf)
-        for name in ("max", "shift", "total", "weighted", "logit_sum", "target_logit"):
+        for name in ("max", "shift", "total", "weighted", "logit_sum", "square_total", "max_before_target",
+                     "target_logit"):
             _assert_close(getattr(states[1], name), getattr(states[0], name), name)
+
+    def test_token_extras_on_triton_match_the_pytorch_blocks():
+        """linear_token_stats(extras=...) with impl="triton" against impl="chunked" and the materialized oracle:
+        integer logits full of ties (the first argmax is the top 1), -inf on padded rows, a soft cap, a logit
+        scale, rows not a multiple of the chunk and a prime vocabulary."""
+        from logitless.ops import BlockSizes, reference
+        from logitless.ops.fused import linear_token_stats
+
+        generator = torch.Generator().manual_seed(5)
+        vocab, extras = 1009, ("log_sum_sq_probs", "mean_logits", "is_top1")
+        hidden = torch.randint(-1, 2, (23, 2), generator=generator).float()
+        weight = torch.randint(-1, 2, (vocab, 2), generator=generator).float()
+        bias = torch.zeros(vocab)
+        bias[5::11] = float("-inf")
+        maxima = [(row == row.max()).nonzero().squeeze(1) for row in hidden @ weight.T + bias]
+        targets = torch.stack([m[0] if index % 3 == 0 else m[-1] for index, m in enumerate(maxima)])
+        targets[2::3] = torch.randint(0, vocab, (len(targets[2::3]),), generator=generator)
+        targets[targets % 11 == 5] += 1
+        hidden, weight, bias, targets = (t.to(DEVICE) for t in (hidden, weight, bias, targets))
+        for softcap in (None, 2.0):
+            head = LinearHead(weight, bias, temperature=0.7, softcap=softcap, scale=1.3)
+            got, want = (linear_token_stats(head, hidden, targets, extras=extras, block_sizes=BlockSizes(4, 300),
+                                            impl=impl) for impl in ("triton", "chunked"))
+            for name, g, w in zip(("log_probs", "entropy"), got, want):
+                _assert_close(g, w, name)
+            for name in extras:
+                _assert_close(got[3][name], want[3][name], name)
+            oracle = reference.token_extras(head.logits(hidden), targets)["is_top1"]
+            assert torch.equal(got[3]["is_top1"].cpu(), oracle.cpu())
+            assert 0 < int(oracle.sum()) < len(oracle)
 
     @pytest.mark.parametrize("present", [(True, True, True, True), (True, True, False, False),
                                          (False, False, True, False), (False, True, False, True)],

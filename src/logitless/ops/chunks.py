@@ -11,6 +11,11 @@ grows, the target's logit and (for label smoothing) ``sum z``. Once every block 
     mean log p = sum z / V - lse
 
 so the entropy comes from numbers of its own size (no cancellation between two large log-sum-exps).
+Asked for, the same pass also keeps ``q = sum exp(2 (z - m))`` and the max of the logits left of the
+target, for the statistics without gradient of `TOKEN_EXTRAS` (TRL's names):
+
+    log_sum_sq_probs = log sum p^2 = log q - 2 log s        mean_logits = sum z / V
+    is_top1 = z_target >= m and z_target > max(z left of the target)  (the first argmax, as torch.argmax)
 
 `block_logits_grad`: with lse known, the gradient of a loss with respect to a block's logits has a
 closed form in the gradients g_lp, g_H, g_m that the loss sends to the three statistics,
@@ -30,30 +35,40 @@ import torch
 from logitless.ops.head import LinearHead
 from logitless.ops.scratch import Scratch
 
+TOKEN_EXTRAS = ("log_sum_sq_probs", "mean_logits", "is_top1")  # per-token statistics without gradient
+
 
 class TokenStats(NamedTuple):
-    """Per-token statistics of softmax(logits), (n,) each, stat dtype. Unrequested ones are None."""
+    """Per-token statistics of softmax(logits), (n,) each, stat dtype (is_top1: bool). Unrequested ones are None."""
 
     lse: torch.Tensor
     log_probs: torch.Tensor
     entropy: torch.Tensor | None
     mean_log_prob: torch.Tensor | None
+    log_sum_sq_probs: torch.Tensor | None = None
+    mean_logits: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
 
 
 class OnlineSoftmax:
     """The running per-token sums over vocabulary blocks (see the module docstring)."""
 
     def __init__(self, num_rows: int, dtype: torch.dtype, device: torch.device, need_entropy: bool,
-                 need_logit_sum: bool):
+                 need_logit_sum: bool, need_square_total: bool = False, need_top1: bool = False):
         def zeros():
             return torch.zeros(num_rows, dtype=dtype, device=device)
 
-        self.max = torch.full((num_rows,), float("-inf"), dtype=dtype, device=device)  # running max of z
+        def minus_inf():
+            return torch.full((num_rows,), float("-inf"), dtype=dtype, device=device)
+
+        self.max = minus_inf()  # running max of z
         self.shift = zeros()  # what the sums measure z from: the max where it is finite, else 0
         self.total = zeros()  # sum exp(z - shift)
         self.weighted = zeros() if need_entropy else None  # sum exp(z - shift) * (z - shift)
         self.logit_sum = zeros() if need_logit_sum else None  # sum z
-        self.target_logit = torch.full((num_rows,), float("-inf"), dtype=dtype, device=device)
+        self.square_total = zeros() if need_square_total else None  # sum exp(2 (z - shift))
+        self.max_before_target = minus_inf() if need_top1 else None  # max of z over the columns left of the target
+        self.target_logit = minus_inf()
 
     def rescale(self, block_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Move the sums to the new running max; returns (new shift, factor the old sums were scaled by)."""
@@ -63,16 +78,23 @@ class OnlineSoftmax:
         factor = torch.where(self.total > 0, torch.exp(self.shift - new_shift), 0.0)
         if self.weighted is not None:  # exp(z - m') (z - m') = f exp(z - m) ((z - m) + (m - m'))
             self.weighted = factor * (self.weighted + (self.shift - new_shift) * self.total)
+        if self.square_total is not None:
+            self.square_total = factor.square() * self.square_total
         self.total = factor * self.total
         self.shift = new_shift
         return new_shift, factor
 
     def result(self, vocab_size: int) -> TokenStats:
+        """The statistics whose sums were kept; the others None."""
         log_total = self.total.log()
         lse = self.shift + log_total
         entropy = None if self.weighted is None else log_total - self.weighted / self.total
-        mean_log_prob = None if self.logit_sum is None else self.logit_sum / vocab_size - lse
-        return TokenStats(lse, self.target_logit - lse, entropy, mean_log_prob)
+        mean_logits = None if self.logit_sum is None else self.logit_sum / vocab_size
+        log_sum_sq_probs = None if self.square_total is None else self.square_total.log() - 2 * log_total
+        is_top1 = None if self.max_before_target is None else (
+            (self.target_logit >= self.max) & (self.target_logit > self.max_before_target))
+        return TokenStats(lse, self.target_logit - lse, entropy, None if mean_logits is None else mean_logits - lse,
+                          log_sum_sq_probs, mean_logits, is_top1)
 
 
 def targets_in_block(targets: torch.Tensor, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +117,10 @@ def update_stats(stats: OnlineSoftmax, logits: torch.Tensor, start: int, targets
     stats.target_logit[rows] = logits[rows, columns]
     if stats.logit_sum is not None:
         stats.logit_sum += logits.sum(dim=1)
-    shift, _ = stats.rescale(logits.amax(dim=1))
+    block_max = logits.amax(dim=1)  # (n,)
+    if stats.max_before_target is not None:
+        _update_max_before_target(stats, logits, block_max, start, targets, rows, columns)
+    shift, _ = stats.rescale(block_max)
     if keep is None:
         shifted = logits.sub_(shift.unsqueeze(1))  # (n, c), <= 0
     else:
@@ -107,11 +132,25 @@ def update_stats(stats: OnlineSoftmax, logits: torch.Tensor, start: int, targets
     else:
         weights = torch.exp(shifted, out=scratch.like("weights", logits))  # (n, c)
     stats.total += weights.sum(dim=1)
+    if stats.square_total is not None:
+        stats.square_total += torch.einsum("nc,nc->n", weights, weights)
     if stats.weighted is not None:
         if has_neg_inf:  # a -inf logit has weight 0 and adds 0 * log 0 = 0, not 0 * -inf = NaN
             shifted.masked_fill_(torch.isneginf(shifted), 0.0)
         stats.weighted += shifted.mul_(weights).sum(dim=1)
     return shift
+
+
+def _update_max_before_target(stats: OnlineSoftmax, logits: torch.Tensor, block_max: torch.Tensor, start: int,
+                              targets: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor) -> None:
+    """Fold a block (n, c) into the running max of the logits left of each row's target: the whole block for a
+    target right of it, the columns before the target for the ``rows`` whose target lies in it (at ``columns``)."""
+    before = stats.max_before_target
+    stats.max_before_target = torch.where(targets >= start + logits.shape[1], torch.maximum(before, block_max), before)
+    if rows.numel():
+        left = torch.arange(logits.shape[1], device=logits.device) < columns.unsqueeze(1)  # (r, c)
+        left_max = logits[rows].masked_fill_(~left, float("-inf")).amax(dim=1)  # (r,)
+        stats.max_before_target[rows] = torch.maximum(stats.max_before_target[rows], left_max)
 
 
 class StatGrads(NamedTuple):

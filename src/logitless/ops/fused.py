@@ -3,9 +3,10 @@ without (N, V) logits.
 
 Two autograd Functions over the block engine (`engine.py`) with the softmax accumulator (`softmax.py`):
 
-* `LinearTokenStats`: per-token log p(target), entropy and mean log p. Forward is the two-pass
-  schedule's pass 1 (saving O(N) numbers), backward its pass 2. For statistics whose loss is not
-  known yet (`fused_linear_logprobs`).
+* `LinearTokenStats`: per-token log p(target), entropy and mean log p, and on request the statistics
+  without gradient of `chunks.TOKEN_EXTRAS` (TRL's log_sum_sq_probs, mean_logits, is_top1). Forward is
+  the two-pass schedule's pass 1 (saving O(N) numbers), backward its pass 2. For statistics whose loss
+  is not known yet (`fused_linear_logprobs`).
 * `LinearLoss`: a loss that is a sum of per-token terms of those statistics (cross-entropy, TRL's
   GRPO objective), with its gradients computed during forward in one pass where that pays (CPU,
   fp32 weights); backward only scales them.
@@ -21,12 +22,12 @@ from types import ModuleType
 
 import torch
 
-from logitless._checks import check_choice, check_head_shapes
+from logitless._checks import check_choice, check_head_shapes, check_strings
 from logitless._tensor_checks import check_mask, check_tensor, check_token_ids
 from logitless.ops import chunks, reference
 from logitless.ops.backend import IMPLS, chunk_kernels
 from logitless.ops.blocks import BlockPlan, BlockSizes, plan_blocks
-from logitless.ops.chunks import TokenStats, stat_grads
+from logitless.ops.chunks import TOKEN_EXTRAS, TokenStats, stat_grads
 from logitless.ops.engine import ChunkLoss, one_pass, refuse_second_derivative, two_pass_grads, two_pass_stats
 from logitless.ops.grpo import check_grpo_inputs, grpo_metrics, grpo_token_loss
 from logitless.ops.grpo_settings import GRPOSettings
@@ -39,7 +40,8 @@ TokenLoss = Callable[[slice, torch.Tensor, torch.Tensor | None, torch.Tensor | N
 
 
 class LinearTokenStats(torch.autograd.Function):
-    """hidden (N, H), head -> log_probs, entropy, mean_log_prob, each (N,) in stat dtype.
+    """hidden (N, H), head -> log_probs, entropy, mean_log_prob, each (N,) in stat dtype, then the ``extras`` (names of
+    `TOKEN_EXTRAS`) in their order, (N,) each, without gradient.
 
     ``weight`` and ``bias`` are the head's own tensors, passed again so that autograd sees them as
     inputs. Statistics not asked for come back as zeros and carry no gradient.
@@ -47,21 +49,25 @@ class LinearTokenStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, head: LinearHead, plan: BlockPlan, kernels: ModuleType,
-                need_entropy: bool, need_mean_log_prob: bool):
+                need_entropy: bool, need_mean_log_prob: bool, extras: tuple[str, ...]):
         dtype = stat_dtype(hidden.dtype)
         stats = two_pass_stats((head,), (hidden,), plan, softmax_accumulators(
-            head, targets, kernels, dtype, need_entropy=need_entropy, need_mean_log_prob=need_mean_log_prob))
+            head, targets, kernels, dtype, need_entropy=need_entropy, need_mean_log_prob=need_mean_log_prob,
+            extras=extras))
         ctx.save_for_backward(hidden, weight, bias, targets, stats.lse, stats.entropy)
         ctx.head, ctx.plan, ctx.kernels = head, plan, kernels
         ctx.set_materialize_grads(False)
-        absent = [s is None for s in (stats.entropy, stats.mean_log_prob)]
-        entropy, mean_log_prob = (torch.zeros_like(stats.lse) if s is None else s
-                                  for s in (stats.entropy, stats.mean_log_prob))
-        ctx.mark_non_differentiable(*(s for s, missing in zip((entropy, mean_log_prob), absent) if missing))
-        return stats.log_probs, entropy, mean_log_prob
+        # the mean log p is also there when the mean logit was asked for, but only returned when asked for itself
+        entropy, mean_log_prob = (value if asked else torch.zeros_like(stats.lse) for value, asked in
+                                  ((stats.entropy, need_entropy), (stats.mean_log_prob, need_mean_log_prob)))
+        extra_values = [getattr(stats, name) for name in extras]
+        ctx.mark_non_differentiable(*(value for value, asked in ((entropy, need_entropy),
+                                                                 (mean_log_prob, need_mean_log_prob)) if not asked),
+                                    *extra_values)
+        return stats.log_probs, entropy, mean_log_prob, *extra_values
 
     @staticmethod
-    def backward(ctx, grad_log_probs, grad_entropy, grad_mean_log_prob):
+    def backward(ctx, grad_log_probs, grad_entropy, grad_mean_log_prob, *_grad_extras):
         refuse_second_derivative("the fused log-probs")
         hidden, _, _, targets, lse, entropy = ctx.saved_tensors
         head = ctx.head
@@ -69,7 +75,7 @@ class LinearTokenStats(torch.autograd.Function):
         accumulators = softmax_accumulators(head, targets, ctx.kernels, lse.dtype)
         grads = two_pass_grads((head,), (hidden,), ctx.plan, accumulators, TokenStats(lse, None, entropy, None), coefs,
                                ctx.needs_input_grad[:3])
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 class LinearLoss(torch.autograd.Function):
@@ -138,16 +144,26 @@ def _chunk_loss(head: LinearHead, token_loss: TokenLoss, needs: tuple[bool, bool
 
 
 def linear_token_stats(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, *, need_entropy: bool = True,
-                       need_mean_log_prob: bool = False, chunk_size: int | None = None,
+                       need_mean_log_prob: bool = False, extras: tuple[str, ...] = (), chunk_size: int | None = None,
                        vocab_block_size: int | None = None, block_sizes: BlockSizes | None = None,
                        impl: str = "auto"):
     """(log_probs, entropy, mean_log_prob), each (N,), of flat hidden (N, H) and targets (N,); differentiable.
 
-    ``impl``: "auto", "chunked" or "triton" (see `backend.py`)."""
+    ``extras``: names among `TOKEN_EXTRAS`, statistics computed in the same pass over the blocks, without gradient:
+    ``"log_sum_sq_probs"`` log sum_v p_v^2, ``"mean_logits"`` the mean of the V logits (-inf where one is -inf),
+    ``"is_top1"`` (bool) whether the target is the first argmax of the logits, as ``torch.argmax`` picks it.
+    With any, a fourth item follows: a dict of them by name. ``impl``: "auto", "chunked" or "triton" (see
+    `backend.py`)."""
+    for index, name in enumerate(check_strings("extras", extras)):
+        check_choice(f"extras[{index}]", name, TOKEN_EXTRAS)
+    extras = tuple(dict.fromkeys(extras))
     kernels = chunk_kernels(hidden.device, stat_dtype(hidden.dtype), impl)
     plan = plan_blocks(hidden.shape[0], head, hidden.device, BlockSizes.of(block_sizes, chunk_size, vocab_block_size))
-    return LinearTokenStats.apply(hidden, head.weight, head.bias, targets, head, plan, kernels, need_entropy,
-                                  need_mean_log_prob)
+    log_probs, entropy, mean_log_prob, *extra_values = LinearTokenStats.apply(
+        hidden, head.weight, head.bias, targets, head, plan, kernels, need_entropy, need_mean_log_prob, extras)
+    if not extras:
+        return log_probs, entropy, mean_log_prob
+    return log_probs, entropy, mean_log_prob, dict(zip(extras, extra_values))
 
 
 def linear_loss(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, token_loss: TokenLoss, *,
@@ -175,7 +191,7 @@ def linear_loss(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, t
                                                     need_entropy, need_mean_log_prob, needs)
         return loss, log_probs, entropy if need_entropy else None
     log_probs, entropy, mean_log_prob = LinearTokenStats.apply(hidden, head.weight, head.bias, targets, head, plan,
-                                                               kernels, need_entropy, need_mean_log_prob)
+                                                               kernels, need_entropy, need_mean_log_prob, ())
     loss = token_loss(slice(None), log_probs, entropy.detach() if need_entropy else None,
                       mean_log_prob if need_mean_log_prob else None)
     return loss, log_probs.detach(), entropy.detach() if need_entropy else None

@@ -34,6 +34,15 @@ def kl_from_log_probs(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     return (probs * torch.where(probs > 0, log_p - log_q, 0.0)).sum(dim=-1)
 
 
+def token_extras(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Oracle for the ``extras`` of `linear_token_stats`: (..., V) logits and targets (...) -> log sum p^2, the mean
+    of the V logits and whether the target is the first argmax (torch.argmax's pick), (...) each."""
+    logits = logits.to(stat_dtype(logits.dtype))
+    return {"log_sum_sq_probs": torch.logsumexp(2 * F.log_softmax(logits, dim=-1), dim=-1),
+            "mean_logits": logits.mean(dim=-1),
+            "is_top1": logits.argmax(dim=-1) == targets}
+
+
 def compute_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) over the last dim: (..., V) -> (...), fp32 (fp64 for fp64 input).
 

@@ -1,4 +1,5 @@
-"""The softmax accumulator of the block engine: per-token log p(target), entropy and mean log p.
+"""The softmax accumulator of the block engine: per-token log p(target), entropy and mean log p, and on request
+the statistics without gradient of `chunks.TOKEN_EXTRAS`.
 
 It runs `chunks.OnlineSoftmax` over a row chunk's blocks through the chosen block kernels (the PyTorch
 twins of `chunks.py` or the Triton kernels of `triton.py`), and turns a block into its logits gradient
@@ -31,10 +32,13 @@ class SoftmaxAccumulator:
     """An `engine.Accumulator` of one row chunk: statistics `TokenStats`, per-row gradients `StatGrads`."""
 
     def __init__(self, head: LinearHead, targets: torch.Tensor, kernels: ModuleType, dtype: torch.dtype,
-                 has_neg_inf: bool, need_entropy: bool, need_mean_log_prob: bool, keep: str | None, scratch: Scratch):
+                 has_neg_inf: bool, need_entropy: bool, need_mean_log_prob: bool, extras: tuple[str, ...],
+                 keep: str | None, scratch: Scratch):
         self.head, self.targets, self.kernels, self.has_neg_inf, self.keep = head, targets, kernels, has_neg_inf, keep
         self.scratch = scratch
-        self.online = OnlineSoftmax(targets.shape[0], dtype, targets.device, need_entropy, need_mean_log_prob)
+        self.online = OnlineSoftmax(targets.shape[0], dtype, targets.device, need_entropy,
+                                    need_logit_sum=need_mean_log_prob or "mean_logits" in extras,
+                                    need_square_total="log_sum_sq_probs" in extras, need_top1="is_top1" in extras)
 
     def update(self, start: int, logits: list[torch.Tensor]):
         (block,) = logits  # (n, c)
@@ -58,10 +62,11 @@ class SoftmaxAccumulator:
 
 
 def softmax_accumulators(head: LinearHead, targets: torch.Tensor, kernels: ModuleType, dtype: torch.dtype, *,
-                         need_entropy: bool = False, need_mean_log_prob: bool = False,
+                         need_entropy: bool = False, need_mean_log_prob: bool = False, extras: tuple[str, ...] = (),
                          keep: str | None = None) -> NewAccumulator:
-    """Row chunk -> its `SoftmaxAccumulator`, for the tokens' ``targets`` (N,) and statistics of ``dtype``. The
-    chunks, which the engine runs one after another, share one `Scratch` for their blocks' temporaries."""
+    """Row chunk -> its `SoftmaxAccumulator`, for the tokens' ``targets`` (N,) and statistics of ``dtype``; ``extras``
+    names statistics of `chunks.TOKEN_EXTRAS` to keep the sums of. The chunks, which the engine runs one after
+    another, share one `Scratch` for their blocks' temporaries."""
     has_neg_inf, scratch = head.may_have_neg_inf_logits, Scratch()
     return lambda rows: SoftmaxAccumulator(head, targets[rows], kernels, dtype, has_neg_inf, need_entropy,
-                                           need_mean_log_prob, keep, scratch)
+                                           need_mean_log_prob, extras, keep, scratch)

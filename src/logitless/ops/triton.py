@@ -61,14 +61,13 @@ def update_stats(stats: OnlineSoftmax, logits: torch.Tensor, start: int, targets
     num_rows, num_columns = logits.shape
     if num_rows == 0:
         return stats.shift
+    optional = (stats.weighted, stats.logit_sum, stats.square_total, stats.max_before_target)
     placeholder = stats.total  # for a sum not kept, whose HAS_* flag keeps the kernel from touching it
     grid = (triton.cdiv(num_rows, STATS_TILE.tokens),)
     _update_stats_kernel[grid](
         logits, num_rows, num_columns, logits.stride(0), targets.contiguous(), start,
-        stats.max, stats.shift, stats.total,
-        placeholder if stats.weighted is None else stats.weighted,
-        placeholder if stats.logit_sum is None else stats.logit_sum, stats.target_logit,
-        HAS_WEIGHTED=stats.weighted is not None, HAS_LOGIT_SUM=stats.logit_sum is not None, **_tile(STATS_TILE))
+        stats.max, stats.shift, stats.total, *(placeholder if s is None else s for s in optional), stats.target_logit,
+        *(s is not None for s in optional), **_tile(STATS_TILE))
     return stats.shift
 
 
@@ -143,21 +142,27 @@ if triton is not None:
     def _update_stats_kernel(
         logits_ptr, num_rows, num_columns, row_stride,  # the block (n, c), fp32
         targets_ptr, start,  # (n,) target ids; the block's first column
-        max_ptr, shift_ptr, total_ptr, weighted_ptr, logit_sum_ptr, target_logit_ptr,  # (n,) running sums
-        HAS_WEIGHTED: tl.constexpr, HAS_LOGIT_SUM: tl.constexpr,
-        BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
+        max_ptr, shift_ptr, total_ptr, weighted_ptr, logit_sum_ptr, square_total_ptr, max_before_target_ptr,
+        target_logit_ptr,  # (n,) running sums
+        HAS_WEIGHTED: tl.constexpr, HAS_LOGIT_SUM: tl.constexpr, HAS_SQUARE_TOTAL: tl.constexpr,
+        HAS_TOP1: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
     ):
         rows = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
         in_rows = rows < num_rows
         row_logits = logits_ptr + rows.to(tl.int64)[:, None] * row_stride
         cols = tl.arange(0, BLOCK_VOCAB)
+        target_column = tl.load(targets_ptr + rows, mask=in_rows, other=-1) - start
 
-        # pass over the block: its max
+        # pass over the block: its max, and the max of the columns left of the target
         block_max = tl.full((BLOCK_TOKENS,), float("-inf"), tl.float32)
+        left_max = tl.full((BLOCK_TOKENS,), float("-inf"), tl.float32)
         for c0 in range(0, num_columns, BLOCK_VOCAB):
             tile = in_rows[:, None] & (c0 + cols[None, :] < num_columns)
             z = tl.load(row_logits + c0 + cols[None, :], mask=tile, other=float("-inf"))
             block_max = tl.maximum(block_max, tl.max(z, axis=1))
+            if HAS_TOP1:
+                left = c0 + cols[None, :] < target_column[:, None]
+                left_max = tl.maximum(left_max, tl.max(tl.where(left, z, float("-inf")), axis=1))
 
         # move the running sums to the new max (chunks.OnlineSoftmax.rescale)
         old_shift = tl.load(shift_ptr + rows, mask=in_rows, other=0.0)
@@ -167,13 +172,15 @@ if triton is not None:
         factor = tl.where(total > 0, tl.exp(old_shift - new_shift), 0.0)
         if HAS_WEIGHTED:
             weighted = factor * (tl.load(weighted_ptr + rows, mask=in_rows, other=0.0) + (old_shift - new_shift) * total)
+        if HAS_SQUARE_TOTAL:
+            square_total = factor * factor * tl.load(square_total_ptr + rows, mask=in_rows, other=0.0)
         total = factor * total
 
         # pass over the block: the sums, and the target's logit
-        target_column = tl.load(targets_ptr + rows, mask=in_rows, other=-1) - start
         block_total = tl.zeros((BLOCK_TOKENS, BLOCK_VOCAB), tl.float32)
         block_weighted = tl.zeros((BLOCK_TOKENS, BLOCK_VOCAB), tl.float32)
         block_logit_sum = tl.zeros((BLOCK_TOKENS, BLOCK_VOCAB), tl.float32)
+        block_square_total = tl.zeros((BLOCK_TOKENS, BLOCK_VOCAB), tl.float32)
         target_logit = tl.zeros((BLOCK_TOKENS,), tl.float32)
         found = tl.zeros((BLOCK_TOKENS,), tl.int32)
         for c0 in range(0, num_columns, BLOCK_VOCAB):
@@ -186,6 +193,8 @@ if triton is not None:
                 block_weighted += weights * tl.where(shifted == float("-inf"), 0.0, shifted)
             if HAS_LOGIT_SUM:
                 block_logit_sum += tl.where(tile, z, 0.0)
+            if HAS_SQUARE_TOTAL:
+                block_square_total += weights * weights
             hit = tile & (c0 + cols[None, :] == target_column[:, None])
             target_logit += tl.sum(tl.where(hit, z, 0.0), axis=1)
             found += tl.sum(hit.to(tl.int32), axis=1)
@@ -198,6 +207,11 @@ if triton is not None:
         if HAS_LOGIT_SUM:
             logit_sum = tl.load(logit_sum_ptr + rows, mask=in_rows, other=0.0)
             tl.store(logit_sum_ptr + rows, logit_sum + tl.sum(block_logit_sum, axis=1), mask=in_rows)
+        if HAS_SQUARE_TOTAL:
+            tl.store(square_total_ptr + rows, square_total + tl.sum(block_square_total, axis=1), mask=in_rows)
+        if HAS_TOP1:
+            max_before_target = tl.load(max_before_target_ptr + rows, mask=in_rows, other=float("-inf"))
+            tl.store(max_before_target_ptr + rows, tl.maximum(max_before_target, left_max), mask=in_rows)
         tl.store(target_logit_ptr + rows, target_logit, mask=in_rows & (found > 0))
 
     @triton.jit
