@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from logitless import fused_grpo_loss, fused_linear_cross_entropy, fused_linear_kl, fused_linear_logprobs
-from logitless.ops import reference
+from logitless.ops import fused_linear_jsd, reference
 
 FUZZ = settings(max_examples=500, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
@@ -184,4 +184,32 @@ def test_kl(case, teacher_size, with_mask):
         want = want * mask
     upstream = torch.randn(want.shape, generator=generator)
     _assert_matches([kl, *_grads((kl * upstream).sum(), fused)],
+                    [want, *_grads((want * upstream.double()).sum(), oracle)], dtype == torch.bfloat16, 5e-5)
+
+
+@FUZZ
+@given(case=heads(), teacher_size=st.integers(1, 10), with_mask=st.booleans(),
+       beta=st.one_of(st.sampled_from([0.0, 1.0]), st.floats(0.01, 0.99)))
+def test_jsd(case, teacher_size, with_mask, beta):
+    # the teacher: another hidden size, its own bias (with -inf entries where the student's are); against float64
+    fused, _ = _leaves(case)
+    generator, dtype = case["generator"], case["hidden"].dtype
+    oracle = [t.detach().double().requires_grad_() for t in fused]
+    hidden_t = (torch.randn(*case["hidden"].shape[:-1], teacher_size, generator=generator) * 0.7).to(dtype)
+    weight_t = (torch.randn(case["weight"].shape[0], teacher_size, generator=generator) * 0.7).to(dtype)
+    bias_t = None if case["bias"] is None else case["bias"] + torch.randn(case["bias"].shape, generator=generator).to(
+        dtype)
+    options = case["options"]
+    head_options = _oracle_options(options)
+    mask = case["mask"] if with_mask else None
+    divergence = fused_linear_jsd(fused[0], fused[1], hidden_t, weight_t, bias_s=_head(fused)["bias"], bias_t=bias_t,
+                                  beta=beta, mask=mask, **options)
+    log_p_s, log_p_t = (torch.log_softmax(reference.linear_logits(h.double(), w.double(),
+                                                                  None if b is None else b.double(), **head_options), -1)
+                        for h, w, b in ((oracle[0], oracle[1], _head(oracle)["bias"]), (hidden_t, weight_t, bias_t)))
+    want = reference.generalized_jsd(log_p_s, log_p_t, beta)
+    if mask is not None:
+        want = want * mask
+    upstream = torch.randn(want.shape, generator=generator)
+    _assert_matches([divergence, *_grads((divergence * upstream).sum(), fused)],
                     [want, *_grads((want * upstream.double()).sum(), oracle)], dtype == torch.bfloat16, 5e-5)

@@ -2,13 +2,15 @@
 
 import dataclasses
 import os
+from typing import NamedTuple
 
 import pytest
 import torch
 
 from logitless import fused_grpo_loss, fused_linear_cross_entropy, fused_linear_logprobs
-from logitless.ops import BlockSizes, default_block_sizes, fused_linear_kl
+from logitless.ops import BlockSizes, LinearHead, default_block_sizes, fused_linear_jsd, fused_linear_kl
 from logitless.ops import engine
+from logitless.ops.blocks import BlockPlan
 
 BLOCKS = BlockSizes(tokens=5, vocab=64)  # several row chunks and vocabulary blocks on the shapes below
 TRITON_RUNS_HERE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
@@ -52,7 +54,15 @@ def _kl(t, **options):
     return kl.sum()
 
 
-OPS = {"logprobs": _logprobs, "cross_entropy": _cross_entropy, "grpo": _grpo, "kl": _kl}
+def _jsd(t, **options):
+    hidden_t = torch.randn(2, 7, 6, generator=torch.Generator().manual_seed(3))
+    weight_t = torch.randn(t["weight"].shape[0], 6, generator=torch.Generator().manual_seed(4))
+    divergence = fused_linear_jsd(t["hidden"], t["weight"], hidden_t, weight_t, bias_s=t["bias"], mask=t["mask"],
+                                  beta=0.3, temperature=0.9, softcap=2.5, logit_scale=0.8, **options)
+    return divergence.sum()
+
+
+OPS = {"logprobs": _logprobs, "cross_entropy": _cross_entropy, "grpo": _grpo, "kl": _kl, "jsd": _jsd}
 
 
 def _value_and_grads(op, **options):
@@ -98,6 +108,53 @@ def test_every_op_runs_through_the_engine(name, monkeypatch):
     assert calls == []
     _value_and_grads(OPS[name], impl="chunked", block_sizes=BLOCKS)
     assert calls and all(sizes == BLOCKS for sizes in calls)
+
+
+class _RowMax(NamedTuple):
+    max: torch.Tensor
+
+
+class _RowLogSumExp(NamedTuple):
+    max: torch.Tensor
+    lse: torch.Tensor
+
+
+class _MaxSweep:
+    """A first sweep: each row's max logit."""
+
+    def __init__(self, rows: slice):
+        self.max = torch.full((rows.stop - rows.start,), float("-inf"))
+
+    def update(self, start, logits):
+        self.max = torch.maximum(self.max, logits[0].amax(dim=1))
+
+    def finish(self):
+        return _RowMax(self.max)
+
+
+class _SumSweep:
+    """A second sweep, measuring each block from the row's max the first sweep found."""
+
+    def __init__(self, first: _RowMax):
+        self.first, self.total = first, torch.zeros_like(first.max)
+
+    def update(self, start, logits):
+        self.total += (logits[0] - self.first.max.unsqueeze(1)).exp().sum(dim=1)
+
+    def finish(self):
+        return _RowLogSumExp(self.first.max, self.first.max + self.total.log())
+
+
+@pytest.mark.parametrize("num_rows", [13, 0])
+def test_a_second_sweep_starts_from_each_chunks_first_statistics(num_rows):
+    """two_pass_stats(..., then=...): a log-sum-exp in two sweeps of each row chunk (the max, then the sum of
+    exp(z - max)), over several row chunks and vocabulary blocks, against torch's."""
+    generator = torch.Generator().manual_seed(0)
+    hidden, head = torch.randn(num_rows, 8, generator=generator), LinearHead(torch.randn(301, 8, generator=generator))
+    stats = engine.two_pass_stats((head,), (hidden,), BlockPlan(BLOCKS, single_pass=False), _MaxSweep,
+                                  lambda rows, first: _SumSweep(first))
+    assert isinstance(stats, _RowLogSumExp) and stats.lse.shape == (num_rows,)
+    torch.testing.assert_close(stats.lse, torch.logsumexp(head.logits(hidden), dim=-1))
 
 
 @pytest.mark.parametrize("name", ["logprobs", "cross_entropy", "grpo"])

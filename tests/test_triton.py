@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from logitless.ops import chunks, kl_blocks  # noqa: E402
+from logitless.ops import chunks, jsd_blocks, kl_blocks, reference  # noqa: E402
 from logitless.ops import triton as triton_ops  # noqa: E402
 from logitless.ops.head import LinearHead  # noqa: E402
 
@@ -116,23 +116,106 @@ if INTERPRETED or torch.cuda.is_available():
         assert torch.isfinite(want).all()
         _assert_close(got, want, "block gradient")
 
+    @pytest.mark.parametrize("need_gap, need_entropy", [(True, (False, False)), (True, (True, False)),
+                                                        (False, (False, True))])
     @pytest.mark.parametrize("neg_inf", [False, True])
     @pytest.mark.parametrize("num_rows,width", SHAPES)
-    def test_kl_update_stats(num_rows, width, neg_inf):
+    def test_kl_update_stats(num_rows, width, neg_inf, need_gap, need_entropy):
         blocks_p, _ = _blocks(num_rows, width, 3, neg_inf)
         blocks_q = [block * 0.5 - 1.0 + torch.randn_like(block) for block in blocks_p]  # -inf where p's are
-        sums = [kl_blocks.KLSums(num_rows, torch.float32, torch.device(DEVICE)) for _ in range(2)]
+        sums = [kl_blocks.KLSums(num_rows, torch.float32, torch.device(DEVICE), need_gap=need_gap,
+                                 need_entropy=need_entropy) for _ in range(2)]
         for block_p, block_q in zip(blocks_p, blocks_q):
             kl_blocks.kl_update_stats(sums[0], block_p.clone(), block_q.clone(), neg_inf)
             triton_ops.kl_update_stats(sums[1], block_p.clone(), block_q.clone(), neg_inf)
-        for side in ("p", "q"):
-            for name in ("max", "shift", "total"):
+        distributions = [torch.distributions.Categorical(logits=torch.cat(b, 1)) for b in (blocks_p, blocks_q)]
+        for side, has_entropy, distribution in zip(("p", "q"), need_entropy, distributions):
+            for name in ("max", "shift", "total") + (("weighted",) if has_entropy else ()):
                 _assert_close(getattr(getattr(sums[1], side), name), getattr(getattr(sums[0], side), name),
                               f"{side}.{name}")
-        _assert_close(sums[1].gap, sums[0].gap, "gap")
-        want = torch.distributions.kl_divergence(*(torch.distributions.Categorical(logits=torch.cat(b, 1))
-                                                   for b in (blocks_p, blocks_q)))
-        _assert_close(kl_blocks.kl_stats(sums[1]).kl, want, "kl")
+            if has_entropy:
+                _assert_close(getattr(sums[1], side).entropy(), distribution.entropy(), f"{side} entropy")
+            else:
+                assert getattr(sums[1], side).weighted is None
+        if need_gap:
+            _assert_close(sums[1].gap, sums[0].gap, "gap")
+            _assert_close(kl_blocks.kl_stats(sums[1]).kl, torch.distributions.kl_divergence(*distributions), "kl")
+        else:
+            assert sums[1].gap is None
+
+    @pytest.mark.parametrize("beta", [0.3, 0.5])
+    @pytest.mark.parametrize("neg_inf", [False, True])
+    @pytest.mark.parametrize("num_rows,width", SHAPES)
+    def test_jsd_update_stats(num_rows, width, neg_inf, beta):
+        blocks_s, _ = _blocks(num_rows, width, 3, neg_inf)
+        blocks_t = [block * 0.5 - 1.0 + torch.randn_like(block) for block in blocks_s]  # -inf where the student's are
+        if neg_inf:
+            blocks_t[1][:, ::5] = float("-inf")  # and where the student's are not
+        lse_s, lse_t = (torch.logsumexp(torch.cat(b, 1), 1) for b in (blocks_s, blocks_t))
+        sums = [jsd_blocks.MixtureSums(num_rows, torch.float32, torch.device(DEVICE)) for _ in range(2)]
+        for block_s, block_t in zip(blocks_s, blocks_t):
+            jsd_blocks.jsd_update_stats(sums[0], block_s.clone(), block_t.clone(), lse_s, lse_t, beta, neg_inf)
+            triton_ops.jsd_update_stats(sums[1], block_s.clone(), block_t.clone(), lse_s, lse_t, beta, neg_inf)
+        _assert_close(sums[1].student_kl, sums[0].student_kl, "KL(p_s || m)")
+        _assert_close(sums[1].teacher_kl, sums[0].teacher_kl, "KL(p_t || m)")
+        log_p_s, log_p_t = (torch.log_softmax(torch.cat(b, 1), 1) for b in (blocks_s, blocks_t))
+        normalizers = jsd_blocks.JSDStats(lse_s, lse_t, None, None, None)
+        _assert_close(jsd_blocks.jsd_stats(normalizers, sums[1], beta).divergence,
+                      reference.generalized_jsd(log_p_s, log_p_t, beta), "divergence")
+
+    @pytest.mark.parametrize("beta", [0.0, 0.3])
+    @pytest.mark.parametrize("softcap", [None, 3.0])
+    @pytest.mark.parametrize("num_rows,width", SHAPES)
+    def test_jsd_block_logits_grad(num_rows, width, softcap, beta):
+        (block_s,), _ = _blocks(num_rows, width, 1, neg_inf=softcap is None)
+        block_t = block_s * 0.5 + torch.randn_like(block_s)
+        if softcap is not None:
+            block_s = softcap * torch.tanh(block_s / softcap) / 0.7  # logits of a capped head at temperature 0.7
+        head = LinearHead(torch.zeros(width, 2, device=DEVICE), temperature=0.7, softcap=softcap, scale=1.5)
+        log_p_s, log_p_t = torch.log_softmax(block_s, 1), torch.log_softmax(block_t, 1)
+        student_kl = torch.randn(num_rows, device=DEVICE)  # any per-row centering term
+        stats = jsd_blocks.JSDStats(torch.logsumexp(block_s, 1), torch.logsumexp(block_t, 1), None, None, student_kl)
+        grad_divergence = torch.randn(num_rows, device=DEVICE)
+        want, got = (kernels.jsd_block_logits_grad(head, block_s.clone(), block_t.clone(), stats, grad_divergence,
+                                                   beta, softcap is None) for kernels in (jsd_blocks, triton_ops))
+        assert torch.isfinite(want).all() and (width == 1 or want.abs().max() > 0)
+        _assert_close(got, want, "JSD block gradient")
+        if beta == 0.0 and softcap is None:  # the forward KL's gradient: p_s - p_t, times the row's factor
+            _assert_close(want, (log_p_s.exp() - log_p_t.exp()) * (grad_divergence * 1.5 / 0.7)[:, None], "p_s - p_t")
+
+    @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+    def test_fused_jsd_on_triton_matches_the_pytorch_blocks(beta):
+        """fused_linear_jsd with impl="triton" (both sweeps and the gradient on the kernels) against
+        impl="chunked" and the materialized JSD: odd shapes, -inf on padded rows, different hidden sizes, a mask,
+        a soft cap, the student's entropy."""
+        from logitless.ops import BlockSizes, fused_linear_jsd
+
+        generator = torch.Generator().manual_seed(7)
+        vocab = 1009
+        hidden_s = (torch.randn(3, 7, 8, generator=generator) * 0.6).to(DEVICE).requires_grad_()
+        weight_s = (torch.randn(vocab, 8, generator=generator) * 0.6).to(DEVICE).requires_grad_()
+        bias_s = torch.randn(vocab, generator=generator).to(DEVICE)
+        bias_s[::11] = float("-inf")
+        bias_s.requires_grad_()
+        hidden_t = (torch.randn(3, 7, 5, generator=generator) * 0.6).to(DEVICE)
+        weight_t = (torch.randn(vocab, 5, generator=generator) * 0.6).to(DEVICE)
+        bias_t = torch.randn(vocab, generator=generator).to(DEVICE)
+        bias_t[::11] = float("-inf")
+        mask = (torch.rand(3, 7, generator=generator) > 0.25).to(DEVICE)
+        inputs = (hidden_s, weight_s, bias_s)
+
+        def jsd_and_grads(**options):
+            divergence, entropy = fused_linear_jsd(hidden_s, weight_s, hidden_t, weight_t, bias_s=bias_s,
+                                                   bias_t=bias_t, beta=beta, temperature=0.8, softcap=2.0,
+                                                   logit_scale=1.3, mask=mask, return_entropy=True, **options)
+            weights = torch.linspace(0.5, 1.5, divergence.numel(), device=DEVICE).reshape(divergence.shape)
+            return [divergence, entropy, *torch.autograd.grad((divergence * weights).sum(), inputs)]
+
+        got = jsd_and_grads(impl="triton", block_sizes=BlockSizes(4, 300))
+        for want in (jsd_and_grads(impl="chunked", block_sizes=BlockSizes(4, 300)), jsd_and_grads(impl="reference")):
+            for name, g, w in zip(("divergence", "entropy", "grad hidden", "grad weight", "grad bias"), got, want):
+                assert torch.isfinite(w).all(), name
+                torch.testing.assert_close(g.cpu(), w.cpu(), rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
     @pytest.mark.parametrize("softcap", [None, 3.0])
     @pytest.mark.parametrize("num_rows,width", SHAPES)

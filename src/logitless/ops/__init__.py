@@ -1,6 +1,6 @@
 """LM-head ops: one head definition (`head`), materialized oracles (`reference`), the block engine (`engine`,
-with `blocks` for its sizes and schedule), its accumulators (`softmax`, `kl`), their block math (`chunks`,
-`triton`) and the fused autograd Functions built on them (`fused`, `kl`).
+with `blocks` for its sizes and schedule), its accumulators (`softmax`, `kl`, `jsd`), their block math (`chunks`,
+`kl_blocks`, `jsd_blocks`, `triton`) and the fused autograd Functions built on them (`fused`, `kl`, `jsd`).
 
 Nothing here imports transformers or TRL. The names below are imported on first use, so that a module
 such as `grpo_settings` loads without PyTorch.
@@ -15,6 +15,7 @@ _EXPORTS = {
     "gumbel_softmax_topk": "logitless.ops.gumbel",
     "LinearHead": "logitless.ops.head",
     "fused_linear_kl": "logitless.ops.kl",
+    "fused_linear_jsd": "logitless.ops.jsd",
     "compute_entropy": "logitless.ops.reference",
 }
 __all__ = sorted(_EXPORTS)

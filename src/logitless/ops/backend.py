@@ -1,9 +1,9 @@
 """Which implementation of an op runs (``impl``), and for the block engine, which block kernels: Triton or PyTorch.
 
 ``impl`` is one of `IMPLS`: "reference" materializes the logits (`ops/reference.py`), "chunked" runs
-the PyTorch block math (`ops/chunks.py`, and `ops/kl_blocks.py` for the KL), "triton" the Triton
-kernels of `ops/triton.py`, and "auto" picks: Triton for fp32 block logits on CUDA when triton works,
-PyTorch everywhere else. ``LOGITLESS_TRITON`` sets what "auto" picks: ``0`` turns Triton off; ``1``
+the PyTorch block math (`ops/chunks.py`, `ops/kl_blocks.py` for the KL, `ops/jsd_blocks.py` for the
+generalized JSD), "triton" the Triton kernels of `ops/triton.py`, and "auto" picks: Triton for fp32
+block logits on CUDA when triton works, PyTorch everywhere else. ``LOGITLESS_TRITON`` sets what "auto" picks: ``0`` turns Triton off; ``1``
 asks for it wherever it can run (with TRITON_INTERPRET=1 that includes the CPU, which is how the
 tests check the kernels end to end).
 """
@@ -25,7 +25,8 @@ BLOCK_IMPLS = ("auto", "chunked", "triton")  # the implementations that run the 
 def chunk_kernels(device: torch.device, stat_dtype: torch.dtype, impl: str = "auto",
                   pytorch: ModuleType = chunks) -> ModuleType:
     """The block math for blocks of this device and dtype under ``impl``: the module ``pytorch`` (`chunks` for the
-    softmax accumulator, `kl_blocks` for the KL's) or `triton`, which has every kernel those modules have."""
+    softmax accumulator, `kl_blocks` for the KL's, `jsd_blocks` for the JSD's) or `triton`, which has every kernel
+    those modules have."""
     check_choice("impl", impl, BLOCK_IMPLS)
     if impl == "chunked":
         return pytorch

@@ -84,11 +84,19 @@ class OnlineSoftmax:
         self.shift = new_shift
         return new_shift, factor
 
+    def lse(self) -> torch.Tensor:
+        """log sum exp(z) (n,)."""
+        return self.shift + self.total.log()
+
+    def entropy(self) -> torch.Tensor:
+        """-sum p log p (n,), where its sum was kept."""
+        return self.total.log() - self.weighted / self.total
+
     def result(self, vocab_size: int) -> TokenStats:
         """The statistics whose sums were kept; the others None."""
         log_total = self.total.log()
-        lse = self.shift + log_total
-        entropy = None if self.weighted is None else log_total - self.weighted / self.total
+        lse = self.lse()
+        entropy = None if self.weighted is None else self.entropy()
         mean_logits = None if self.logit_sum is None else self.logit_sum / vocab_size
         log_sum_sq_probs = None if self.square_total is None else self.square_total.log() - 2 * log_total
         is_top1 = None if self.max_before_target is None else (

@@ -18,7 +18,9 @@ an `Accumulator`, plugged into one of two schedules, both exact:
   matmuls, each of a cache-friendly shape.
 
 An op may read several heads' logits (the KL reads two); gradients flow to the first head and its hidden
-states only.
+states only. Pass 1 may sweep each row chunk's blocks twice, for statistics whose sums need numbers only
+a whole sweep gives (the generalized JSD sums against a mixture of two normalized distributions, so it
+needs both log-sum-exps first): the second sweep's accumulator starts from the chunk's first statistics.
 """
 
 from __future__ import annotations
@@ -34,15 +36,19 @@ from logitless.ops.input_grads import InputGrads
 from logitless.ops.scratch import Scratch
 
 
-class Accumulator(Protocol):
-    """One row chunk's running per-row statistics over the vocabulary blocks, and a block's logits gradient."""
+class Sweep(Protocol):
+    """One row chunk's running per-row statistics over the vocabulary blocks."""
 
     def update(self, start: int, logits: list[torch.Tensor]) -> object:
         """Fold in the block starting at vocabulary entry ``start``: each head's logits (n, c), which may be
-        overwritten. Returns the block as `block_grad` takes it once the block is kept (one pass)."""
+        overwritten. Returns the block as `Accumulator.block_grad` takes it once the block is kept (one pass)."""
 
     def finish(self) -> NamedTuple:
         """The chunk's per-row statistics, (n,) each (None for one not computed)."""
+
+
+class Accumulator(Sweep, Protocol):
+    """A `Sweep`, and a block's logits gradient from the statistics."""
 
     def block_grad(self, start: int, block, stats: NamedTuple, row_grads: NamedTuple) -> torch.Tensor:
         """d loss / d (hidden @ W.T + b) of the first head for one block (n, c), which is consumed: ``block``
@@ -51,6 +57,7 @@ class Accumulator(Protocol):
 
 
 NewAccumulator = Callable[[slice], Accumulator]  # a row chunk's slice of all tokens (within bounds) -> its accumulator
+NextSweep = Callable[[slice, NamedTuple], Sweep]  # a row chunk and its statistics from the first sweep -> a second sweep
 # chunk_loss(rows, stats) -> (the loss summed over the chunk's tokens (), its per-row gradients; None when no
 # gradient is needed)
 ChunkLoss = Callable[[slice, tuple], tuple[torch.Tensor, "tuple | None"]]
@@ -106,17 +113,30 @@ def _block_logits(heads: Sequence[LinearHead], chunk_hiddens: list[torch.Tensor]
     return blocks
 
 
+def _sweep(heads: Sequence[LinearHead], chunk_hiddens: list[torch.Tensor], plan: BlockPlan, sweep: Sweep,
+           scratch: Scratch) -> NamedTuple:
+    """Every vocabulary block of one row chunk through ``sweep``; its finished statistics."""
+    for start, columns in vocab_blocks(heads[0].vocab_size, plan):
+        sweep.update(start, _block_logits(heads, chunk_hiddens, start, columns, scratch))
+    return sweep.finish()
+
+
 def two_pass_stats(heads: Sequence[LinearHead], hiddens: Sequence[torch.Tensor], plan: BlockPlan,
-                   new_accumulator: NewAccumulator) -> NamedTuple:
-    """Pass 1 of two: every token's statistics, hiddens (N, H_i) -> the accumulator's statistics, (N,) each."""
+                   new_accumulator: NewAccumulator, then: NextSweep | None = None) -> NamedTuple:
+    """Pass 1 of two: every token's statistics, hiddens (N, H_i) -> the accumulator's statistics, (N,) each.
+
+    ``then``: each row chunk is swept a second time, by ``then(rows, the chunk's first statistics)``, whose
+    statistics are returned instead (carrying over what they need of the first)."""
     parts, scratch = [], Scratch()
     for rows in row_chunks(hiddens[0].shape[0], plan):
         chunk_hiddens = [compute_operand(hidden[rows]) for hidden in hiddens]
-        accumulator = new_accumulator(rows)
-        for start, columns in vocab_blocks(heads[0].vocab_size, plan):
-            accumulator.update(start, _block_logits(heads, chunk_hiddens, start, columns, scratch))
-        parts.append(accumulator.finish())
-    return _concat(parts) if parts else new_accumulator(slice(0, 0)).finish()
+        stats = _sweep(heads, chunk_hiddens, plan, new_accumulator(rows), scratch)
+        parts.append(stats if then is None else _sweep(heads, chunk_hiddens, plan, then(rows, stats), scratch))
+    if parts:
+        return _concat(parts)
+    nothing = slice(0, 0)
+    stats = new_accumulator(nothing).finish()
+    return stats if then is None else then(nothing, stats).finish()
 
 
 def two_pass_grads(heads: Sequence[LinearHead], hiddens: Sequence[torch.Tensor], plan: BlockPlan,

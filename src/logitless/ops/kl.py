@@ -26,13 +26,13 @@ from typing import NamedTuple
 import torch
 
 from logitless._checks import check_choice
-from logitless._tensor_checks import check_mask, check_tensor
 from logitless.ops import kl_blocks, reference
 from logitless.ops.backend import IMPLS, chunk_kernels
 from logitless.ops.blocks import BlockPlan, BlockSizes, plan_blocks
 from logitless.ops.engine import NewAccumulator, refuse_second_derivative, two_pass_grads, two_pass_stats
 from logitless.ops.head import LinearHead, stat_dtype
 from logitless.ops.kl_blocks import KLStats, KLSums, kl_stats
+from logitless.ops.two_heads import check_same_vocabulary, check_side, fixed_head, kept_rows, scatter_kept, side_head
 
 
 class KLGrads(NamedTuple):
@@ -99,42 +99,14 @@ def heads_kl(hidden_p: torch.Tensor, head_p: LinearHead, hidden_q: torch.Tensor,
     kernels, "auto" picks as for the other fused ops (`backend.py`)."""
     check_choice("impl", impl, IMPLS)
     sizes = BlockSizes.of(block_sizes, chunk_size, vocab_block_size)
-    if head_q.vocab_size != head_p.vocab_size:
-        raise ValueError(f"weight_q: vocabulary of {head_q.vocab_size} rows, weight_p has {head_p.vocab_size}")
-    fixed_q = LinearHead(head_q.weight.detach(), None if head_q.bias is None else head_q.bias.detach(),
-                         head_q.temperature, head_q.softcap, head_q.scale)
+    check_same_vocabulary(head_p, head_q, ("p", "q"))
+    fixed_q = fixed_head(head_q)
     if impl == "reference":
         return reference.kl_from_log_probs(torch.log_softmax(head_p.logits(hidden_p), dim=-1),
                                            torch.log_softmax(fixed_q.logits(hidden_q.detach()), dim=-1))
     kernels = chunk_kernels(hidden_p.device, stat_dtype(hidden_p.dtype), impl, pytorch=kl_blocks)
     plan = plan_blocks(hidden_p.shape[0], head_p, hidden_p.device, sizes)
     return LinearKL.apply(hidden_p, head_p.weight, head_p.bias, hidden_q.detach(), head_p, fixed_q, plan, kernels)
-
-
-def _check_side(side: str, hidden, weight, bias) -> None:
-    check_tensor(f"hidden_{side}", hidden, floating=True)
-    check_tensor(f"weight_{side}", weight, ndim=2, floating=True)
-    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"weight_{side}: hidden size {weight.shape[1]} does not match hidden_{side}'s last dim "
-                         f"(shape {tuple(hidden.shape)})")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight_{side}: dtype {weight.dtype} differs from hidden_{side}'s {hidden.dtype}")
-    if bias is not None:
-        check_tensor(f"bias_{side}", bias, ndim=1, floating=True)
-        if bias.shape[0] != weight.shape[0]:
-            raise ValueError(f"bias_{side}: length {bias.shape[0]} does not match weight_{side}'s "
-                             f"{weight.shape[0]} rows")
-
-
-def _head(side: str, weight, bias, temperature, softcap, logit_scale) -> LinearHead:
-    """The ``side`` ("p" or "q") head; its errors name ``weight_SIDE`` and ``bias_SIDE``."""
-    try:
-        return LinearHead(weight, bias, temperature, softcap, logit_scale)
-    except (TypeError, ValueError) as err:
-        field, _, rest = str(err).partition(": ")
-        if field in ("weight", "bias"):
-            raise type(err)(f"{field}_{side}: {rest}") from None
-        raise
 
 
 def fused_linear_kl(hidden_p: torch.Tensor, weight_p: torch.Tensor, hidden_q: torch.Tensor, weight_q: torch.Tensor, *,
@@ -154,21 +126,11 @@ def fused_linear_kl(hidden_p: torch.Tensor, weight_p: torch.Tensor, hidden_q: to
     "chunked" | "triton") as in `fused_linear_logprobs`. For heads that differ in
     their logit scale, soft cap or temperature, use `heads_kl`.
     """
-    _check_side("p", hidden_p, weight_p, bias_p)
-    _check_side("q", hidden_q, weight_q, bias_q)
-    if hidden_q.shape[:-1] != hidden_p.shape[:-1]:
-        raise ValueError(f"hidden_q: leading dims {tuple(hidden_q.shape[:-1])} do not match hidden_p's "
-                         f"{tuple(hidden_p.shape[:-1])}")
-    head_p, head_q = (_head(side, weight, bias, temperature, softcap, logit_scale)
+    check_side("p", hidden_p, weight_p, bias_p)
+    check_side("q", hidden_q, weight_q, bias_q)
+    flat_p, flat_q, kept = kept_rows(hidden_p, hidden_q, mask, ("p", "q"))
+    head_p, head_q = (side_head(side, weight, bias, temperature, softcap, logit_scale)
                       for side, weight, bias in (("p", weight_p, bias_p), ("q", weight_q, bias_q)))
-    leading = hidden_p.shape[:-1]
-    flat_p, flat_q = hidden_p.reshape(-1, hidden_p.shape[-1]), hidden_q.reshape(-1, hidden_q.shape[-1])
-    kept = None
-    if mask is not None:
-        kept = check_mask("mask", mask, "hidden_p's leading dims", hidden_p[..., 0]).reshape(-1).nonzero().squeeze(1)
-        flat_p, flat_q = flat_p.index_select(0, kept), flat_q.index_select(0, kept)
     kl = heads_kl(flat_p, head_p, flat_q, head_q, chunk_size=chunk_size, vocab_block_size=vocab_block_size,
                   block_sizes=block_sizes, impl=impl)
-    if kept is not None:
-        kl = torch.zeros(leading.numel(), dtype=kl.dtype, device=kl.device).index_copy(0, kept, kl)
-    return kl.reshape(leading)
+    return scatter_kept(kl, kept, hidden_p.shape[:-1])

@@ -7,7 +7,9 @@ m_q; totals s_p, s_q) and ``g = sum exp(z_p - m_p) ((z_p - m_p) - (z_q - m_q))``
 
     KL = g / s_p - log s_p + log s_q
 
-comes from numbers of its own size (no cancellation between large log-sum-exps).
+comes from numbers of its own size (no cancellation between large log-sum-exps). Where asked, the same
+sweep keeps a head's entropy sum ``w = sum exp(z - m) (z - m)`` (`chunks.OnlineSoftmax`), and leaves out
+the gap (the generalized JSD reads only the two heads' log-sum-exps and the student's entropy from it).
 `kl_block_logits_grad` turns a block into d KL / d z_p = p (log p - log q - KL), times the per-row
 gradient of the loss, carried back through the soft cap and logit factor of p's head.
 
@@ -26,12 +28,14 @@ from logitless.ops.head import LinearHead
 
 
 class KLSums:
-    """One row chunk's running sums: an online softmax per head and the gap g (see the module docstring)."""
+    """One row chunk's running sums: an online softmax per head (with its entropy sum where ``need_entropy`` says,
+    for p and q), and the gap g (see the module docstring) unless ``need_gap`` is False."""
 
-    def __init__(self, num_rows: int, dtype: torch.dtype, device: torch.device):
-        self.p = OnlineSoftmax(num_rows, dtype, device, need_entropy=False, need_logit_sum=False)
-        self.q = OnlineSoftmax(num_rows, dtype, device, need_entropy=False, need_logit_sum=False)
-        self.gap = torch.zeros(num_rows, dtype=dtype, device=device)
+    def __init__(self, num_rows: int, dtype: torch.dtype, device: torch.device, *, need_gap: bool = True,
+                 need_entropy: tuple[bool, bool] = (False, False)):
+        self.p = OnlineSoftmax(num_rows, dtype, device, need_entropy=need_entropy[0], need_logit_sum=False)
+        self.q = OnlineSoftmax(num_rows, dtype, device, need_entropy=need_entropy[1], need_logit_sum=False)
+        self.gap = torch.zeros(num_rows, dtype=dtype, device=device) if need_gap else None
 
 
 class KLStats(NamedTuple):
@@ -51,17 +55,33 @@ def kl_update_stats(sums: KLSums, logits_p: torch.Tensor, logits_q: torch.Tensor
     old_shift_p, old_shift_q, old_total_p = sums.p.shift, sums.q.shift, sums.p.total
     shift_q, _ = sums.q.rescale(logits_q.amax(dim=1))
     shift_p, factor = sums.p.rescale(logits_p.amax(dim=1))
-    # the gap measured from the new shifts: each term moves by (m_p - m_p') - (m_q - m_q')
-    sums.gap = factor * (sums.gap + ((old_shift_p - shift_p) - (old_shift_q - shift_q)) * old_total_p)
+    if sums.gap is not None:  # the gap measured from the new shifts: each term moves by (m_p - m_p') - (m_q - m_q')
+        sums.gap = factor * (sums.gap + ((old_shift_p - shift_p) - (old_shift_q - shift_q)) * old_total_p)
     shifted_q = logits_q.sub_(shift_q.unsqueeze(1))  # (n, c)
-    sums.q.total += shifted_q.exp().sum(dim=1)
+    weights_q = shifted_q.exp()  # (n, c): exp(z_q - m_q)
+    sums.q.total += weights_q.sum(dim=1)
+    _add_entropy_terms(sums.q, weights_q, shifted_q, has_neg_inf)
     shifted_p = logits_p.sub_(shift_p.unsqueeze(1))
     weights = shifted_p.exp()  # (n, c): exp(z_p - m_p)
     sums.p.total += weights.sum(dim=1)
+    _add_entropy_terms(sums.p, weights, shifted_p, has_neg_inf)
+    if sums.gap is None:
+        return
     gap = shifted_p.sub_(shifted_q)
     if has_neg_inf:  # where p = 0 the term is 0, whatever q is
         gap.masked_fill_(weights == 0, 0.0)
     sums.gap += weights.mul_(gap).sum(dim=1)
+
+
+def _add_entropy_terms(softmax: OnlineSoftmax, weights: torch.Tensor, shifted: torch.Tensor, has_neg_inf: bool) -> None:
+    """``softmax.weighted += sum exp(z - m) (z - m)`` over a block (n, c), 0 * log 0 = 0 at -inf logits, where the
+    head's entropy is asked for; the block is only read."""
+    if softmax.weighted is None:
+        return
+    terms = weights * shifted  # (n, c)
+    if has_neg_inf:
+        terms.masked_fill_(weights == 0, 0.0)
+    softmax.weighted += terms.sum(dim=1)
 
 
 def kl_block_logits_grad(head_p: LinearHead, logits_p: torch.Tensor, logits_q: torch.Tensor, stats: KLStats,

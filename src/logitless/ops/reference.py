@@ -34,6 +34,22 @@ def kl_from_log_probs(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     return (probs * torch.where(probs > 0, log_p - log_q, 0.0)).sum(dim=-1)
 
 
+def generalized_jsd(log_p_s: torch.Tensor, log_p_t: torch.Tensor, beta: float) -> torch.Tensor:
+    """TRL's divergence of a student from a teacher, from log-softmax outputs (..., V) -> (...): KL(p_t || p_s) at
+    ``beta`` 0, KL(p_s || p_t) at 1, otherwise ``beta KL(p_t || m) + (1 - beta) KL(p_s || m)`` with the mixture
+    ``m = (1 - beta) p_s + beta p_t``. A term with p = 0 is 0 (also in the gradient)."""
+    if beta == 0:
+        return kl_from_log_probs(log_p_t, log_p_s)
+    if beta == 1:
+        return kl_from_log_probs(log_p_s, log_p_t)
+    p_s, p_t = log_p_s.exp(), log_p_t.exp()
+    mixture = (1 - beta) * p_s + beta * p_t
+    log_m = torch.where(mixture > 0, mixture, 1.0).log()  # m = 0 only where p_s = p_t = 0, whose terms are 0
+    kl_s = (p_s * torch.where(p_s > 0, log_p_s - log_m, 0.0)).sum(dim=-1)
+    kl_t = (p_t * torch.where(p_t > 0, log_p_t - log_m, 0.0)).sum(dim=-1)
+    return beta * kl_t + (1 - beta) * kl_s
+
+
 def token_extras(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
     """Oracle for the ``extras`` of `linear_token_stats`: (..., V) logits and targets (...) -> log sum p^2, the mean
     of the V logits and whether the target is the first argmax (torch.argmax's pick), (...) each."""

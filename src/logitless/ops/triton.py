@@ -1,6 +1,7 @@
 """Triton versions of the block math, for fp32 blocks on GPUs: `update_stats` and `block_logits_grad` (the
 softmax accumulator's, twins of `chunks.py`), `kl_update_stats` and `kl_block_logits_grad` (the KL's, twins
-of `kl_blocks.py`).
+of `kl_blocks.py`), `jsd_update_stats` and `jsd_block_logits_grad` (the generalized JSD's, twins of
+`jsd_blocks.py`, whose first sweep is `kl_update_stats`).
 
 Same signatures and results as the PyTorch twins. Every kernel tiles tokens and vocabulary with a
 `BlockSizes` tile: the statistics kernels give each program ``tokens`` rows and stream the block's
@@ -12,6 +13,7 @@ yet tuned on hardware. Optional: without triton this module still imports and `a
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -19,6 +21,7 @@ import torch
 from logitless.ops.blocks import BlockSizes
 from logitless.ops.chunks import OnlineSoftmax, StatGrads
 from logitless.ops.head import LinearHead
+from logitless.ops.jsd_blocks import JSDStats, MixtureSums
 from logitless.ops.kl_blocks import KLStats, KLSums
 from logitless.ops.scratch import Scratch
 
@@ -91,11 +94,11 @@ def block_logits_grad(head: LinearHead, logits: torch.Tensor, start: int, target
     return logits
 
 
-def _check_pair(logits_p: torch.Tensor, logits_q: torch.Tensor) -> None:
-    _check_block(logits_p, "logits_p")
-    _check_block(logits_q, "logits_q")
-    if logits_q.shape != logits_p.shape:
-        raise ValueError(f"logits_q: shape {tuple(logits_q.shape)} differs from logits_p's {tuple(logits_p.shape)}")
+def _check_pair(first: torch.Tensor, second: torch.Tensor, names: tuple[str, str] = ("logits_p", "logits_q")) -> None:
+    _check_block(first, names[0])
+    _check_block(second, names[1])
+    if second.shape != first.shape:
+        raise ValueError(f"{names[1]}: shape {tuple(second.shape)} differs from {names[0]}'s {tuple(first.shape)}")
 
 
 def kl_update_stats(sums: KLSums, logits_p: torch.Tensor, logits_q: torch.Tensor, has_neg_inf: bool) -> None:
@@ -105,9 +108,12 @@ def kl_update_stats(sums: KLSums, logits_p: torch.Tensor, logits_q: torch.Tensor
     num_rows, num_columns = logits_p.shape
     if num_rows == 0:
         return
+    optional = (sums.p.weighted, sums.q.weighted, sums.gap)
+    placeholder = sums.p.total  # for a sum not kept, whose HAS_* flag keeps the kernel from touching it
     _kl_update_stats_kernel[(triton.cdiv(num_rows, STATS_TILE.tokens),)](
         logits_p, logits_q, num_rows, num_columns, logits_p.stride(0), logits_q.stride(0),
-        sums.p.max, sums.p.shift, sums.p.total, sums.q.max, sums.q.shift, sums.q.total, sums.gap,
+        sums.p.max, sums.p.shift, sums.p.total, sums.q.max, sums.q.shift, sums.q.total,
+        *(placeholder if s is None else s for s in optional), *(s is not None for s in optional),
         **_tile(STATS_TILE))
 
 
@@ -126,6 +132,42 @@ def kl_block_logits_grad(head_p: LinearHead, logits_p: torch.Tensor, logits_q: t
         1.0 if head_p.softcap is None else head_p.temperature / head_p.softcap,
         HAS_SOFTCAP=head_p.softcap is not None, **_tile(GRAD_TILE))
     return logits_p
+
+
+def jsd_update_stats(sums: MixtureSums, logits_s: torch.Tensor, logits_t: torch.Tensor, lse_s: torch.Tensor,
+                     lse_t: torch.Tensor, beta: float, has_neg_inf: bool, scratch: Scratch | None = None) -> None:
+    """Add one block's terms (n, c) to KL(p_s || m) and KL(p_t || m) in place, 0 < beta < 1 (the kernel handles
+    -inf itself and only reads the blocks, so it needs no ``scratch``)."""
+    _check_pair(logits_s, logits_t, ("logits_s", "logits_t"))
+    num_rows, num_columns = logits_s.shape
+    if num_rows == 0:
+        return
+    _jsd_update_stats_kernel[(triton.cdiv(num_rows, STATS_TILE.tokens),)](
+        logits_s, logits_t, num_rows, num_columns, logits_s.stride(0), logits_t.stride(0),
+        _row_vector(lse_s), _row_vector(lse_t), sums.student_kl, sums.teacher_kl, math.log1p(-beta), math.log(beta),
+        **_tile(STATS_TILE))
+
+
+def jsd_block_logits_grad(head_s: LinearHead, logits_s: torch.Tensor, logits_t: torch.Tensor, stats: JSDStats,
+                          grad_divergence: torch.Tensor, beta: float, has_neg_inf: bool,
+                          scratch: Scratch | None = None) -> torch.Tensor:
+    """grad_divergence * d divergence / d z_s for one block (n, c), 0 <= beta < 1, carried back to
+    hidden_s @ W_s.T + b_s, written over ``logits_s`` and returned."""
+    _check_pair(logits_s, logits_t, ("logits_s", "logits_t"))
+    num_rows, num_columns = logits_s.shape
+    if num_rows == 0:
+        return logits_s
+    forward_kl = beta == 0.0
+    row_grad = grad_divergence * (head_s.logit_factor * (1.0 if forward_kl else 1.0 - beta))
+    student_kl = stats.lse_s if forward_kl else stats.student_kl  # the forward KL's gradient does not read it
+    grid = (triton.cdiv(num_rows, GRAD_TILE.tokens), triton.cdiv(num_columns, GRAD_TILE.vocab))
+    _jsd_block_grad_kernel[grid](
+        logits_s, logits_t, num_rows, num_columns, logits_s.stride(0), logits_t.stride(0),
+        *(_row_vector(v) for v in (stats.lse_s, stats.lse_t, student_kl, row_grad)),
+        0.0 if forward_kl else math.log1p(-beta), 0.0 if forward_kl else math.log(beta),
+        1.0 if head_s.softcap is None else head_s.temperature / head_s.softcap,
+        FORWARD_KL=forward_kl, HAS_SOFTCAP=head_s.softcap is not None, **_tile(GRAD_TILE))
+    return logits_s
 
 
 if triton is not None:
@@ -250,7 +292,9 @@ if triton is not None:
     @triton.jit
     def _kl_update_stats_kernel(
         p_ptr, q_ptr, num_rows, num_columns, p_row_stride, q_row_stride,  # the two heads' blocks (n, c), fp32
-        max_p_ptr, shift_p_ptr, total_p_ptr, max_q_ptr, shift_q_ptr, total_q_ptr, gap_ptr,  # (n,) running sums
+        max_p_ptr, shift_p_ptr, total_p_ptr, max_q_ptr, shift_q_ptr, total_q_ptr,  # (n,) running sums
+        weighted_p_ptr, weighted_q_ptr, gap_ptr,  # (n,) running sums, read if HAS_*
+        HAS_ENTROPY_P: tl.constexpr, HAS_ENTROPY_Q: tl.constexpr, HAS_GAP: tl.constexpr,
         BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
     ):
         rows = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
@@ -280,21 +324,36 @@ if triton is not None:
         shift_q = tl.where(new_max_q == float("-inf"), 0.0, new_max_q)
         factor_p = tl.where(total_p > 0, tl.exp(old_shift_p - shift_p), 0.0)
         factor_q = tl.where(total_q > 0, tl.exp(old_shift_q - shift_q), 0.0)
-        gap = factor_p * (tl.load(gap_ptr + rows, mask=in_rows, other=0.0)
-                          + ((old_shift_p - shift_p) - (old_shift_q - shift_q)) * total_p)
+        if HAS_ENTROPY_P:
+            weighted_p = factor_p * (tl.load(weighted_p_ptr + rows, mask=in_rows, other=0.0)
+                                     + (old_shift_p - shift_p) * total_p)
+        if HAS_ENTROPY_Q:
+            weighted_q = factor_q * (tl.load(weighted_q_ptr + rows, mask=in_rows, other=0.0)
+                                     + (old_shift_q - shift_q) * total_q)
+        if HAS_GAP:
+            gap = factor_p * (tl.load(gap_ptr + rows, mask=in_rows, other=0.0)
+                              + ((old_shift_p - shift_p) - (old_shift_q - shift_q)) * total_p)
 
         # pass over the block: the sums
         block_total_p = tl.zeros((BLOCK_TOKENS, BLOCK_VOCAB), tl.float32)
         block_total_q = tl.zeros((BLOCK_TOKENS, BLOCK_VOCAB), tl.float32)
+        block_weighted_p = tl.zeros((BLOCK_TOKENS, BLOCK_VOCAB), tl.float32)
+        block_weighted_q = tl.zeros((BLOCK_TOKENS, BLOCK_VOCAB), tl.float32)
         block_gap = tl.zeros((BLOCK_TOKENS, BLOCK_VOCAB), tl.float32)
         for c0 in range(0, num_columns, BLOCK_VOCAB):
             tile = in_rows[:, None] & (c0 + cols[None, :] < num_columns)
             shifted_p = tl.load(p_rows + c0 + cols[None, :], mask=tile, other=float("-inf")) - shift_p[:, None]
             shifted_q = tl.load(q_rows + c0 + cols[None, :], mask=tile, other=float("-inf")) - shift_q[:, None]
             weights = tl.exp(shifted_p)  # 0 outside the tile and where p = 0
+            weights_q = tl.exp(shifted_q)
             block_total_p += weights
-            block_total_q += tl.exp(shifted_q)
-            block_gap += tl.where(weights == 0, 0.0, weights * (shifted_p - shifted_q))  # p = 0: the term is 0
+            block_total_q += weights_q
+            if HAS_ENTROPY_P:  # 0 * log 0 = 0 where the logit is -inf
+                block_weighted_p += tl.where(weights == 0, 0.0, weights * shifted_p)
+            if HAS_ENTROPY_Q:
+                block_weighted_q += tl.where(weights_q == 0, 0.0, weights_q * shifted_q)
+            if HAS_GAP:
+                block_gap += tl.where(weights == 0, 0.0, weights * (shifted_p - shifted_q))  # p = 0: the term is 0
 
         tl.store(max_p_ptr + rows, new_max_p, mask=in_rows)
         tl.store(max_q_ptr + rows, new_max_q, mask=in_rows)
@@ -302,7 +361,12 @@ if triton is not None:
         tl.store(shift_q_ptr + rows, shift_q, mask=in_rows)
         tl.store(total_p_ptr + rows, factor_p * total_p + tl.sum(block_total_p, axis=1), mask=in_rows)
         tl.store(total_q_ptr + rows, factor_q * total_q + tl.sum(block_total_q, axis=1), mask=in_rows)
-        tl.store(gap_ptr + rows, gap + tl.sum(block_gap, axis=1), mask=in_rows)
+        if HAS_ENTROPY_P:
+            tl.store(weighted_p_ptr + rows, weighted_p + tl.sum(block_weighted_p, axis=1), mask=in_rows)
+        if HAS_ENTROPY_Q:
+            tl.store(weighted_q_ptr + rows, weighted_q + tl.sum(block_weighted_q, axis=1), mask=in_rows)
+        if HAS_GAP:
+            tl.store(gap_ptr + rows, gap + tl.sum(block_gap, axis=1), mask=in_rows)
 
     @triton.jit
     def _kl_block_grad_kernel(
@@ -326,3 +390,72 @@ if triton is not None:
             capped = z_p * temperature_over_softcap
             grad *= 1.0 - capped * capped
         tl.store(p_pointers, grad, mask=tile)
+
+    @triton.jit
+    def _log_mixture(log_p_s, log_p_t, log_student_weight, log_teacher_weight):
+        """log((1 - beta) p_s + beta p_t) in log space, given log(1 - beta) and log(beta); -inf where both p are 0."""
+        student = log_p_s + log_student_weight
+        teacher = log_p_t + log_teacher_weight
+        top = tl.maximum(student, teacher)
+        log_m = top + tl.log(tl.exp(student - top) + tl.exp(teacher - top))
+        return tl.where(top == float("-inf"), float("-inf"), log_m)
+
+    @triton.jit
+    def _jsd_update_stats_kernel(
+        s_ptr, t_ptr, num_rows, num_columns, s_row_stride, t_row_stride,  # the two heads' blocks (n, c), fp32
+        lse_s_ptr, lse_t_ptr, student_kl_ptr, teacher_kl_ptr,  # (n,) fp32: log-sum-exps; running KLs to the mixture
+        log_student_weight, log_teacher_weight,  # log(1 - beta), log(beta)
+        BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+        in_rows = rows < num_rows
+        s_rows = s_ptr + rows.to(tl.int64)[:, None] * s_row_stride
+        t_rows = t_ptr + rows.to(tl.int64)[:, None] * t_row_stride
+        cols = tl.arange(0, BLOCK_VOCAB)
+        lse_s = tl.load(lse_s_ptr + rows, mask=in_rows, other=0.0)
+        lse_t = tl.load(lse_t_ptr + rows, mask=in_rows, other=0.0)
+
+        block_student_kl = tl.zeros((BLOCK_TOKENS, BLOCK_VOCAB), tl.float32)
+        block_teacher_kl = tl.zeros((BLOCK_TOKENS, BLOCK_VOCAB), tl.float32)
+        for c0 in range(0, num_columns, BLOCK_VOCAB):
+            tile = in_rows[:, None] & (c0 + cols[None, :] < num_columns)
+            log_p_s = tl.load(s_rows + c0 + cols[None, :], mask=tile, other=float("-inf")) - lse_s[:, None]
+            log_p_t = tl.load(t_rows + c0 + cols[None, :], mask=tile, other=float("-inf")) - lse_t[:, None]
+            log_m = _log_mixture(log_p_s, log_p_t, log_student_weight, log_teacher_weight)
+            p_s = tl.exp(log_p_s)  # 0 outside the tile and at -inf logits, where the terms are 0
+            p_t = tl.exp(log_p_t)
+            block_student_kl += tl.where(p_s == 0, 0.0, p_s * (log_p_s - log_m))
+            block_teacher_kl += tl.where(p_t == 0, 0.0, p_t * (log_p_t - log_m))
+
+        student_kl = tl.load(student_kl_ptr + rows, mask=in_rows, other=0.0)
+        teacher_kl = tl.load(teacher_kl_ptr + rows, mask=in_rows, other=0.0)
+        tl.store(student_kl_ptr + rows, student_kl + tl.sum(block_student_kl, axis=1), mask=in_rows)
+        tl.store(teacher_kl_ptr + rows, teacher_kl + tl.sum(block_teacher_kl, axis=1), mask=in_rows)
+
+    @triton.jit
+    def _jsd_block_grad_kernel(
+        s_ptr, t_ptr, num_rows, num_columns, s_row_stride, t_row_stride,  # blocks (n, c), fp32; the gradient over s
+        lse_s_ptr, lse_t_ptr, student_kl_ptr, row_grad_ptr,  # (n,) fp32; row_grad: d loss / d divergence * factor
+        log_student_weight, log_teacher_weight, temperature_over_softcap,
+        FORWARD_KL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
+    ):
+        # beta = 0: grad = row_grad * (p_s - p_t); otherwise row_grad * p_s * (log p_s - log m - KL(p_s || m)),
+        # 0 where p_s = 0 (row_grad holds the 1 - beta); times the soft cap's slope
+        rows, cols, in_rows, tile = _grad_tile(num_rows, num_columns, BLOCK_TOKENS, BLOCK_VOCAB)
+        s_pointers = s_ptr + rows.to(tl.int64)[:, None] * s_row_stride + cols[None, :]
+        z_s = tl.load(s_pointers, mask=tile, other=0.0)
+        z_t = tl.load(t_ptr + rows.to(tl.int64)[:, None] * t_row_stride + cols[None, :], mask=tile, other=0.0)
+        log_p_s = z_s - tl.load(lse_s_ptr + rows, mask=in_rows, other=0.0)[:, None]
+        log_p_t = z_t - tl.load(lse_t_ptr + rows, mask=in_rows, other=0.0)[:, None]
+        p_s = tl.exp(log_p_s)
+        if FORWARD_KL:
+            grad = p_s - tl.exp(log_p_t)
+        else:
+            log_m = _log_mixture(log_p_s, log_p_t, log_student_weight, log_teacher_weight)
+            coef = log_p_s - log_m - tl.load(student_kl_ptr + rows, mask=in_rows, other=0.0)[:, None]
+            grad = tl.where(p_s == 0, 0.0, p_s * coef)
+        grad *= tl.load(row_grad_ptr + rows, mask=in_rows, other=0.0)[:, None]
+        if HAS_SOFTCAP:  # 1 - tanh^2, tanh = z * T / c
+            capped = z_s * temperature_over_softcap
+            grad *= 1.0 - capped * capped
+        tl.store(s_pointers, grad, mask=tile)
