@@ -204,8 +204,8 @@ def test_jsd(case, teacher_size, with_mask, beta):
     mask = case["mask"] if with_mask else None
     divergence = fused_linear_jsd(fused[0], fused[1], hidden_t, weight_t, bias_s=_head(fused)["bias"], bias_t=bias_t,
                                   beta=beta, mask=mask, **options)
-    log_p_s, log_p_t = (torch.log_softmax(reference.linear_logits(h.double(), w.double(),
-                                                                  None if b is None else b.double(), **head_options), -1)
+    log_p_s, log_p_t = (torch.log_softmax(reference.linear_logits(h.double(), w.double(), None if b is None
+                                                                  else b.double(), **head_options), -1)
                         for h, w, b in ((oracle[0], oracle[1], _head(oracle)["bias"]), (hidden_t, weight_t, bias_t)))
     want = reference.generalized_jsd(log_p_s, log_p_t, beta)
     if mask is not None:

@@ -152,8 +152,9 @@ def test_bf16_inputs_give_fp32_statistics():
 
 def test_no_tokens():
     _, weight, bias, _ = _random_case()
-    *_, extras = linear_token_stats(_head(weight, bias, OPTIONS[0]), torch.zeros(0, 8), torch.zeros(0, dtype=torch.long),
-                                    extras=EXTRAS, impl="chunked")
+    no_ids = torch.zeros(0, dtype=torch.long)
+    *_, extras = linear_token_stats(_head(weight, bias, OPTIONS[0]), torch.zeros(0, 8), no_ids, extras=EXTRAS,
+                                    impl="chunked")
     assert all(value.shape == (0,) for value in extras.values())
 
 

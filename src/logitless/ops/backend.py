@@ -3,9 +3,9 @@
 ``impl`` is one of `IMPLS`: "reference" materializes the logits (`ops/reference.py`), "chunked" runs
 the PyTorch block math (`ops/chunks.py`, `ops/kl_blocks.py` for the KL, `ops/jsd_blocks.py` for the
 generalized JSD), "triton" the Triton kernels of `ops/triton.py`, and "auto" picks: Triton for fp32
-block logits on CUDA when triton works, PyTorch everywhere else. ``LOGITLESS_TRITON`` sets what "auto" picks: ``0`` turns Triton off; ``1``
-asks for it wherever it can run (with TRITON_INTERPRET=1 that includes the CPU, which is how the
-tests check the kernels end to end).
+block logits on CUDA when triton works, PyTorch everywhere else. ``LOGITLESS_TRITON`` sets what "auto"
+picks: ``0`` turns Triton off; ``1`` asks for it wherever it can run (with TRITON_INTERPRET=1 that
+includes the CPU, which is how the tests check the kernels end to end).
 """
 
 from __future__ import annotations

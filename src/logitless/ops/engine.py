@@ -57,7 +57,7 @@ class Accumulator(Sweep, Protocol):
 
 
 NewAccumulator = Callable[[slice], Accumulator]  # a row chunk's slice of all tokens (within bounds) -> its accumulator
-NextSweep = Callable[[slice, NamedTuple], Sweep]  # a row chunk and its statistics from the first sweep -> a second sweep
+NextSweep = Callable[[slice, NamedTuple], Sweep]  # a row chunk and its first sweep's statistics -> a second sweep
 # chunk_loss(rows, stats) -> (the loss summed over the chunk's tokens (), its per-row gradients; None when no
 # gradient is needed)
 ChunkLoss = Callable[[slice, tuple], tuple[torch.Tensor, "tuple | None"]]

@@ -46,7 +46,8 @@ class JSDAccumulator:
 
     def __init__(self, head_s: LinearHead, beta: float, kernels: ModuleType, num_rows: int, dtype: torch.dtype,
                  device: torch.device, has_neg_inf: bool, scratch: Scratch):
-        self.head_s, self.beta, self.kernels, self.has_neg_inf, self.scratch = head_s, beta, kernels, has_neg_inf, scratch
+        self.head_s, self.beta, self.kernels, self.has_neg_inf = head_s, beta, kernels, has_neg_inf
+        self.scratch = scratch
         self.student_is_p = beta != 0.0  # the KL's p: the student, but the teacher for KL(p_t || p_s)
         student_entropy = (True, False) if self.student_is_p else (False, True)
         self.sums = KLSums(num_rows, dtype, device, need_gap=beta in (0.0, 1.0), need_entropy=student_entropy)
