@@ -82,16 +82,18 @@ def test_matches_the_fp64_oracle(beta, temperature):
         _assert_close(got, expected, name)
 
 
+@pytest.mark.parametrize("softcaps", [(3.0, None), (None, 5.0)], ids=["student_capped", "teacher_capped"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("beta", BETAS)
-def test_matches_trls_chunked_divergence(beta, temperature):
-    """TRL's DistillationTrainer kernel on the same inputs: each model its own logit scale and soft cap (here the
-    student's capped, the teacher's not), both the same temperature."""
+def test_matches_trls_chunked_divergence(beta, temperature, softcaps):
+    """TRL's DistillationTrainer kernel on the same inputs: each model its own logit scale and soft cap, both the
+    same temperature."""
     student, teacher = _inputs(seed=1)
+    softcap_s, softcap_t = softcaps
     trl_divergence, trl_entropy = ChunkedDivergenceFunction.apply(
-        *student.values(), *teacher.values(), beta, temperature, 1.3, 3.0, 0.8, None)
-    head_s = LinearHead(student["weight_s"], student["bias_s"], temperature, softcap=3.0, scale=1.3)
-    head_t = LinearHead(teacher["weight_t"], teacher["bias_t"], temperature, scale=0.8)
+        *student.values(), *teacher.values(), beta, temperature, 1.3, softcap_s, 0.8, softcap_t)
+    head_s = LinearHead(student["weight_s"], student["bias_s"], temperature, softcap=softcap_s, scale=1.3)
+    head_t = LinearHead(teacher["weight_t"], teacher["bias_t"], temperature, softcap=softcap_t, scale=0.8)
     divergence, entropy = heads_jsd(student["hidden_s"], head_s, teacher["hidden_t"], head_t, beta=beta,
                                     block_sizes=BLOCKS, impl="chunked")
     _assert_close(divergence, trl_divergence, "divergence")
