@@ -56,7 +56,7 @@ class JSDAccumulator:
         """Fold in one block of both heads' logits (n, c); both are consumed."""
         logits_s, logits_t = logits
         pair = (logits_s, logits_t) if self.student_is_p else (logits_t, logits_s)
-        self.kernels.kl_update_stats(self.sums, *pair, self.has_neg_inf)
+        self.kernels.kl_update_stats(self.sums, *pair, self.has_neg_inf, scratch=self.scratch)
 
     def finish(self) -> JSDStats:
         student, teacher = (self.sums.p, self.sums.q) if self.student_is_p else (self.sums.q, self.sums.p)
@@ -69,7 +69,7 @@ class JSDAccumulator:
         if self.beta == 1.0:
             return self.kernels.kl_block_logits_grad(self.head_s, logits_s, logits_t,
                                                      KLStats(stats.lse_s, stats.lse_t, stats.divergence),
-                                                     row_grads.divergence)
+                                                     row_grads.divergence, scratch=self.scratch)
         return self.kernels.jsd_block_logits_grad(self.head_s, logits_s, logits_t, stats, row_grads.divergence,
                                                   self.beta, self.has_neg_inf, scratch=self.scratch)
 

@@ -32,6 +32,7 @@ from logitless.ops.blocks import BlockPlan, BlockSizes, plan_blocks
 from logitless.ops.engine import NewAccumulator, refuse_second_derivative, two_pass_grads, two_pass_stats
 from logitless.ops.head import LinearHead, stat_dtype
 from logitless.ops.kl_blocks import KLStats, KLSums, kl_stats
+from logitless.ops.scratch import Scratch
 from logitless.ops.two_heads import check_same_vocabulary, check_side, fixed_head, kept_rows, scatter_kept, side_head
 
 
@@ -44,27 +45,30 @@ class KLAccumulator:
     of ``kernels`` (`kl_blocks` or `triton`): statistics `KLStats`, per-row gradients `KLGrads`."""
 
     def __init__(self, head_p: LinearHead, kernels: ModuleType, num_rows: int, dtype: torch.dtype,
-                 device: torch.device, has_neg_inf: bool):
-        self.head_p, self.kernels, self.has_neg_inf = head_p, kernels, has_neg_inf
+                 device: torch.device, has_neg_inf: bool, scratch: Scratch):
+        self.head_p, self.kernels, self.has_neg_inf, self.scratch = head_p, kernels, has_neg_inf, scratch
         self.sums = KLSums(num_rows, dtype, device)
 
     def update(self, start: int, logits: list[torch.Tensor]) -> None:
         """Fold in one block of both heads' logits (n, c); both are consumed."""
-        self.kernels.kl_update_stats(self.sums, *logits, self.has_neg_inf)
+        self.kernels.kl_update_stats(self.sums, *logits, self.has_neg_inf, scratch=self.scratch)
 
     def finish(self) -> KLStats:
         return kl_stats(self.sums)
 
     def block_grad(self, start: int, block: list[torch.Tensor], stats: KLStats, row_grads: KLGrads) -> torch.Tensor:
         """g * p * (log p - log q - KL) for one block (n, c), carried back to hidden_p @ W_p.T + b_p."""
-        return self.kernels.kl_block_logits_grad(self.head_p, *block, stats, row_grads.kl)
+        return self.kernels.kl_block_logits_grad(self.head_p, *block, stats, row_grads.kl, scratch=self.scratch)
 
 
 def _kl_accumulators(head_p: LinearHead, head_q: LinearHead, hidden_p: torch.Tensor,
                      kernels: ModuleType) -> NewAccumulator:
-    has_neg_inf = head_p.may_have_neg_inf_logits or head_q.may_have_neg_inf_logits
+    """Row chunk -> its `KLAccumulator`; the chunks, which the engine runs one after another, share one `Scratch`
+    for their blocks' temporaries."""
+    has_neg_inf, scratch = head_p.may_have_neg_inf_logits or head_q.may_have_neg_inf_logits, Scratch()
     dtype = stat_dtype(hidden_p.dtype)
-    return lambda rows: KLAccumulator(head_p, kernels, rows.stop - rows.start, dtype, hidden_p.device, has_neg_inf)
+    return lambda rows: KLAccumulator(head_p, kernels, rows.stop - rows.start, dtype, hidden_p.device, has_neg_inf,
+                                      scratch)
 
 
 class LinearKL(torch.autograd.Function):

@@ -101,9 +101,10 @@ def _check_pair(first: torch.Tensor, second: torch.Tensor, names: tuple[str, str
         raise ValueError(f"{names[1]}: shape {tuple(second.shape)} differs from {names[0]}'s {tuple(first.shape)}")
 
 
-def kl_update_stats(sums: KLSums, logits_p: torch.Tensor, logits_q: torch.Tensor, has_neg_inf: bool) -> None:
+def kl_update_stats(sums: KLSums, logits_p: torch.Tensor, logits_q: torch.Tensor, has_neg_inf: bool,
+                    scratch: Scratch | None = None) -> None:
     """Fold one block of both heads' logits (n, c) into ``sums`` in place (the kernel handles -inf itself and
-    only reads the blocks)."""
+    only reads the blocks, so it needs no ``scratch``)."""
     _check_pair(logits_p, logits_q)
     num_rows, num_columns = logits_p.shape
     if num_rows == 0:
@@ -118,9 +119,9 @@ def kl_update_stats(sums: KLSums, logits_p: torch.Tensor, logits_q: torch.Tensor
 
 
 def kl_block_logits_grad(head_p: LinearHead, logits_p: torch.Tensor, logits_q: torch.Tensor, stats: KLStats,
-                         grad_kl: torch.Tensor) -> torch.Tensor:
+                         grad_kl: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
     """grad_kl * p * (log p - log q - KL) for one block (n, c), carried back to hidden_p @ W_p.T + b_p, written
-    over ``logits_p`` and returned."""
+    over ``logits_p`` and returned (no temporaries: ``scratch`` is not needed)."""
     _check_pair(logits_p, logits_q)
     num_rows, num_columns = logits_p.shape
     if num_rows == 0:
