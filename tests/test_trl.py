@@ -434,14 +434,15 @@ def test_an_all_masked_batch_gives_zero_gradients(tiny_model):
     head = lm_head_of(tiny_model)
     hidden = torch.randn(2, 3, head.hidden_size, requires_grad=True)
     labels = torch.full((2, 3), -100)
-    log_probs, _ = lm_head_module.token_log_probs(head, hidden, labels, labels != -100, need_entropy=False)
-    log_probs.sum().backward()
+    fields = lm_head_module.token_fields(head, hidden, labels, labels != -100, ("log_probs", "is_top1"))
+    assert fields["entropy"] is None and not fields["is_top1"].any()
+    fields["log_probs"].sum().backward()
     assert torch.equal(hidden.grad, torch.zeros_like(hidden))
 
 
 def test_what_the_seam_cannot_compute_is_refused(tiny_model):
-    with pytest.raises(NotImplementedError, match="outputs: .*'is_top1'"):
-        lm_head_module.add_logitless_lm_head(tiny_model, outputs=("log_probs", "is_top1"))
+    with pytest.raises(NotImplementedError, match="outputs: .*'logits'"):
+        lm_head_module.add_logitless_lm_head(tiny_model, outputs=("log_probs", "logits"))
     with pytest.raises(ImportError, match=r"TRL >=1.16,<1.17, found 1.17.0"):
         check_trl_version("1.17.0")
     check_trl_version("1.16.2")

@@ -79,4 +79,4 @@ def test_processes_that_each_train_alone_are_warned(model):
     alone = _accelerator(DistributedType.NO, num_processes=1)
     found = launch_warnings(model, alone, SimpleNamespace(fsdp=False), {"WORLD_SIZE": "2"})
     assert found == ["logitless: 2 processes were launched but each trains alone (accelerate found no GPU and use_cpu "
-                     "is off): set use_cpu=True in GRPOConfig to train them together on CPU"]
+                     "is off): set use_cpu=True in the trainer's config to train them together on CPU"]

@@ -16,7 +16,7 @@ _EXPORTS = {
                      "grpo_microbatch_train_step", "sft_microbatch_train_step"), "logitless.losses"),
     **dict.fromkeys(("masked_mean", "masked_normalize"), "logitless.masked"),
     **dict.fromkeys(("GRPOSettings", "LinearHead", "compute_entropy", "fused_grpo_loss", "fused_linear_cross_entropy",
-                     "fused_linear_kl", "fused_linear_logprobs"), "logitless.ops"),
+                     "fused_linear_jsd", "fused_linear_kl", "fused_linear_logprobs"), "logitless.ops"),
     "math_reward": "logitless.rewards.math",
     **dict.fromkeys(("MultichoiceJudge", "extract_answer_probability_from_logits", "multichoice_judge_reward"),
                     "logitless.multichoice.reward"),

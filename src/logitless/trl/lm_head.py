@@ -32,7 +32,9 @@ from logitless.ops.fused import linear_token_stats
 from logitless.ops.head import LinearHead
 
 _INSTALLED = "_logitless_lm_head"  # set on a model whose forward `add_logitless_lm_head` replaced
-COMPUTED_OUTPUTS = ("log_probs", "entropy")  # the per-token fields of FusedCausalLMOutput this head computes
+# the per-token fields of FusedCausalLMOutput, all computed here: log_probs always, the others when a trainer asks
+# (entropy, differentiable; the rest without gradient, from the same pass over the blocks)
+COMPUTED_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 # on_hidden(hidden (B, T', H) no grad, label_mask (B, T')): sees the hidden states each scoring call reads
 HiddenObserver = Callable[[torch.Tensor, torch.Tensor], None]
@@ -49,7 +51,6 @@ def add_logitless_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32:
     unsupported = sorted(set(outputs) - set(COMPUTED_OUTPUTS))
     if unsupported:
         raise NotImplementedError(f"outputs: logitless's fused LM head computes {COMPUTED_OUTPUTS}, not {unsupported}")
-    need_entropy = "entropy" in outputs
     original_forward = model.forward
 
     @functools.wraps(type(model).forward)  # generate validates its keyword arguments against this signature
@@ -74,14 +75,14 @@ def add_logitless_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32:
             label_mask = labels != -100
             if on_hidden is not None:
                 on_hidden(hidden.detach(), label_mask)
-            log_probs, entropy = token_log_probs(head, hidden, labels, label_mask, need_entropy)
+            fields = token_fields(head, hidden, labels, label_mask, outputs)
+        log_probs = fields["log_probs"]
         loss = -log_probs.sum() / (label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
         aux_loss = None
         if kwargs.get("output_router_logits"):
             aux_loss = router_aux_loss(text_config, body_outputs.router_logits, kwargs.get("attention_mask"))
             loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
-        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=label_mask,
-                                   aux_loss=aux_loss)
+        return FusedCausalLMOutput(loss=loss, **fields, label_mask=label_mask, aux_loss=aux_loss)
 
     model.forward = types.MethodType(forward, model)
     setattr(model, _INSTALLED, True)
@@ -96,10 +97,10 @@ def gathered_output_embedding(model):
     """TRL's ZeRO-3 gather context for the parameters of ``model``'s output embedding: whole while it lasts (a
     null context without ZeRO-3)."""
     module = model.get_output_embeddings()
-    return _zero3_gathered(getattr(module, "weight", None), getattr(module, "bias", None))
+    return zero3_gathered(getattr(module, "weight", None), getattr(module, "bias", None))
 
 
-def _zero3_gathered(*tensors: torch.Tensor | None):
+def zero3_gathered(*tensors: torch.Tensor | None):
     """TRL's ZeRO-3 gather context for those of ``tensors`` that are partitioned parameters."""
     return maybe_gather_lm_head_ctx(*(t for t in tensors if hasattr(t, "ds_status")))
 
@@ -132,10 +133,11 @@ def detached_head(model, temperature: float, in_fp32: bool = False) -> LinearHea
                           head.scale)
 
 
-def token_log_probs(head: LinearHead, hidden: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor,
-                    need_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """hidden (B, T, H), labels and label_mask (B, T) -> log-probs and entropy (B, T) (entropy None unless asked),
-    0 where the label is masked; only the unmasked positions reach the matmuls. Both are differentiable.
+def token_fields(head: LinearHead, hidden: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor,
+                 outputs: tuple[str, ...]) -> dict[str, torch.Tensor | None]:
+    """hidden (B, T, H), labels and label_mask (B, T) -> each field of `COMPUTED_OUTPUTS`, (B, T) for those in
+    ``outputs`` (and log_probs always), None for the others; 0 (False) where the label is masked. Only the
+    unmasked positions reach the matmuls. log_probs and entropy are differentiable.
 
     Under ZeRO-3 the caller holds the head's parameters gathered (`gathered_output_embedding`); backward, which
     reads them once more, gathers them again.
@@ -143,21 +145,26 @@ def token_log_probs(head: LinearHead, hidden: torch.Tensor, labels: torch.Tensor
     flat_mask = label_mask.reshape(-1)
     kept_hidden = hidden.reshape(-1, hidden.shape[-1])[flat_mask]  # (K, H): only the scored positions
     kept_labels = labels.reshape(-1)[flat_mask]
-    log_probs, entropy, _ = linear_token_stats(head, kept_hidden, kept_labels, need_entropy=need_entropy)
+    extras = tuple(name for name in COMPUTED_OUTPUTS[2:] if name in outputs)
+    log_probs, entropy, _, *asked = linear_token_stats(head, kept_hidden, kept_labels, need_entropy="entropy" in outputs,
+                                                       extras=extras)
     if log_probs.grad_fn is not None:
-        _gather_head_in_backward(log_probs.grad_fn, head)
-    # masked_scatter keeps an all-masked batch connected to the model: a zero loss whose backward runs
-    scatter = functools.partial(torch.zeros(label_mask.shape, dtype=log_probs.dtype, device=log_probs.device)
-                                .masked_scatter, label_mask)
-    return scatter(log_probs), scatter(entropy) if need_entropy else None
+        gather_head_in_backward(log_probs.grad_fn, head)
+    kept = {"log_probs": log_probs, "entropy": entropy if "entropy" in outputs else None, **(asked[0] if asked else {})}
+
+    def scatter(values: torch.Tensor | None) -> torch.Tensor | None:
+        # masked_scatter keeps an all-masked batch connected to the model: a zero loss whose backward runs
+        return None if values is None else values.new_zeros(label_mask.shape).masked_scatter(label_mask, values)
+
+    return {name: scatter(kept.get(name)) for name in COMPUTED_OUTPUTS}
 
 
-def _gather_head_in_backward(node: torch.autograd.graph.Node, head: LinearHead) -> None:
+def gather_head_in_backward(node: torch.autograd.graph.Node, head: LinearHead) -> None:
     """Enter TRL's ZeRO-3 gather context for the duration of ``node``'s backward (a null context otherwise)."""
     entered = []
 
     def enter(_grad_outputs):
-        context = _zero3_gathered(head.weight, head.bias)  # a copy of the head (fp32 on request) needs none
+        context = zero3_gathered(head.weight, head.bias)  # a copy of the head (fp32 on request) needs none
         context.__enter__()
         entered.append(context)
 

@@ -1,4 +1,4 @@
-"""What GRPOTrainerWithLogits says when training starts: the head that scores the tokens and how the policy is laid
+"""What logitless's TRL trainers say when training starts: the head that scores the tokens and how the policy is laid
 out over the processes, and a warning for each way the launch asked for one layout and runs with another.
 
 accelerate decides the layout from the machine as well as from the launch flags: on CPU it runs FSDP as DDP (every
@@ -40,14 +40,15 @@ def policy_layout(model, accelerator) -> str:
     return "one process"
 
 
-def scoring_line(model, accelerator, cast_lm_head_to_fp32: bool = False) -> str:
-    """One line naming the head that scores the policy's tokens, the kernels it runs and the policy's layout."""
+def scoring_line(model, accelerator, cast_lm_head_to_fp32: bool = False,
+                 what: str = "tokens scored by logitless's fused LM head") -> str:
+    """One line saying ``what`` logitless computes, the kernels it runs and the policy's layout."""
     head_dtype = model.get_output_embeddings().weight.dtype
     kernels = chunk_kernels(accelerator.device, stat_dtype(head_dtype))
     blocks = "Triton kernels" if kernels.__name__.endswith("triton") else "PyTorch blocks"
     precision = ", fp32" if cast_lm_head_to_fp32 else ""
     vocabulary = model.config.get_text_config().vocab_size
-    return (f"logitless: tokens scored by logitless's fused LM head ({blocks} on {accelerator.device.type}{precision}, "
+    return (f"logitless: {what} ({blocks} on {accelerator.device.type}{precision}, "
             f"{vocabulary:,}-token vocabulary, no (batch, seq, vocab) logits); policy: "
             f"{policy_layout(model, accelerator)}")
 
@@ -58,7 +59,7 @@ def launch_warnings(model, accelerator, args, environ: Mapping[str, str] = os.en
     launched = int(environ.get("WORLD_SIZE", "1"))
     if launched > accelerator.num_processes:
         found.append(f"logitless: {launched} processes were launched but each trains alone (accelerate found no GPU "
-                     "and use_cpu is off): set use_cpu=True in GRPOConfig to train them together on CPU")
+                     "and use_cpu is off): set use_cpu=True in the trainer's config to train them together on CPU")
     fsdp_requested = _flag(environ, "ACCELERATE_USE_FSDP") or bool(getattr(args, "fsdp", False))
     if fsdp_requested and accelerator.distributed_type != DistributedType.FSDP and not is_sharded_fsdp2(model):
         found.append("logitless: FSDP was requested but the model is not sharded: accelerate runs FSDP only on GPUs "

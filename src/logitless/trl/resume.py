@@ -1,4 +1,5 @@
-"""Exact GRPO resume: a run stopped anywhere and resumed from a checkpoint ends with the uninterrupted run's weights.
+"""Exact resume of the trainers that generate (GRPO, on-policy distillation): a run stopped anywhere and resumed
+from a checkpoint ends with the uninterrupted run's weights.
 
 A TRL checkpoint holds the weights, the optimizer, the schedule, the trainer state and each process's
 random-number state (restored where the uninterrupted run would be); resuming from that alone diverges,
@@ -42,7 +43,8 @@ def _replay_to_epoch(sampler, epoch: int) -> None:
 
 
 class ExactResume:
-    """Mixin for `trl.GRPOTrainer`: a prompt order that resumes, and the generation buffer kept in every checkpoint."""
+    """Mixin for `trl.GRPOTrainer` and `trl.DistillationTrainer`: a prompt order that resumes, and the generation
+    buffer kept in every checkpoint."""
 
     def _get_train_sampler(self, dataset=None):
         sampler = super()._get_train_sampler(dataset)

@@ -76,28 +76,31 @@ def _policy_adapters_on(model) -> bool:
     return not any(isinstance(module, BaseTunerLayer) and module.disable_adapters for module in model.modules())
 
 class LogitAwareRewards:
-    """Mixin for `trl.GRPOTrainer`: hands ``completion_logits`` / ``completion_logprobs`` to the reward functions
-    that declare them. The subclass installs `keep_scored_hidden` as its fused LM head's ``on_hidden``."""
+    """Mixin for `trl.GRPOTrainer` and `trl.RLOOTrainer`: hands ``completion_logits`` / ``completion_logprobs`` to the reward functions
+    that declare them. `LogitlessHead`, after it in the bases, installs `keep_scored_hidden` as the fused LM head's
+    observer of the hidden states it scores."""
 
-    def _init_logit_rewards(self) -> None:
+    def __init__(self, *args, **kwargs):
+        self._hidden_capture: list[torch.Tensor] | None = None  # armed: scored hidden states are appended here
+        super().__init__(*args, **kwargs)
         self._logit_reward_funcs = {i: wanted for i, f in enumerate(self.reward_funcs)
                                     if (wanted := wanted_logit_kwargs(f))}
-        self._hidden_capture: list[torch.Tensor] | None = None  # armed: scored hidden states are appended here
         self._reward_hidden: torch.Tensor | None = None  # (B, C, H) for the rewards of the current batch
         self._prompt_completion_ids = None  # the last generated (prompt_ids_list, completion_ids_list)
 
     @property
     def captures_during_generate(self) -> bool:
-        """Whether completion hidden states can be read from transformers' generate (one sampled turn)."""
-        return not (self.use_vllm or self.use_transformers_continuous_batching or self.rollout_func is not None
-                    or self.tools)
+        """Whether completion hidden states can be read from transformers' generate (one sampled turn). RLOOTrainer
+        has neither tools nor a rollout_func."""
+        return not (self.use_vllm or self.use_transformers_continuous_batching
+                    or getattr(self, "rollout_func", None) is not None or getattr(self, "tools", None))
 
     @property
     def old_pass_before_rewards(self) -> bool:
         """Whether TRL scores the old log-probs (a policy pass over prompt + completion) before the rewards."""
         generate_every = self.args.steps_per_generation * self.num_iterations
         return (self.args.gradient_accumulation_steps % generate_every != 0
-                or (self.use_vllm and self.vllm_importance_sampling_correction))
+                or (self.use_vllm and getattr(self, "vllm_importance_sampling_correction", False)))
 
     def keep_scored_hidden(self, hidden: torch.Tensor, label_mask: torch.Tensor) -> None:
         """The fused LM head's observer: while armed, keep the hidden states each scoring call reads."""
@@ -111,9 +114,8 @@ class LogitAwareRewards:
             self._prompt_completion_ids = (output[0], output[1])
         return output
 
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        generate = functools.partial(super()._generate_single_turn, prompt_ids, images, multimodal_fields,
-                                     num_generations, has_tool_images)
+    def _generate_single_turn(self, *args, **kwargs):
+        generate = functools.partial(super()._generate_single_turn, *args, **kwargs)
         if not (self._logit_reward_funcs and self.captures_during_generate and not self.old_pass_before_rewards):
             return generate()
         steps: list[torch.Tensor] = []  # per generated token: (B, H), the head's input for its last position
@@ -168,7 +170,7 @@ class LogitAwareRewards:
         mode = "train" if self.model.training else "eval"
         hidden = self._hidden_for_rewards(mode)
         head = detached_head(self.accelerator.unwrap_model(self.model), self.temperature,
-                             self.args.cast_lm_head_to_fp32)
+                             getattr(self.args, "cast_lm_head_to_fp32", False))  # RLOOConfig has no such option
         views, log_probs = completion_views(hidden, completion_ids_list, head)
         available = {"completion_logits": views, "completion_logprobs": log_probs}
         originals = list(self.reward_funcs)

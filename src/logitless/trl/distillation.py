@@ -1,0 +1,88 @@
+"""On-policy distillation with the exact divergence: TRL's DistillationTrainer on logitless's fused JSD.
+
+TRL 1.16's DistillationTrainer computes its generalized JSD (``beta`` 0: forward KL(teacher || student),
+1: reverse KL(student || teacher), otherwise the JSD with the mixture ``(1 - beta) p_student + beta
+p_teacher``; ``temperature``) from the student's and the teacher's final hidden states and heads, through
+one function, ``_chunked_divergence_loss``. `divergence_loss` has its signature and answers it with
+`logitless.ops.jsd.heads_jsd`: exact over the full vocabulary, no ``(B, T, V)`` tensor of either model,
+no gradient for the teacher, whose hidden size may differ from the student's.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import torch
+import trl.trainer.distillation_trainer as trl_distillation
+from torch.distributed.tensor import DTensor
+from trl import DistillationTrainer as TRLDistillationTrainer
+
+from logitless.ops.head import LinearHead
+from logitless.ops.jsd import heads_jsd
+from logitless.trl.checkpoints import AtomicCheckpoints
+from logitless.trl.lm_head import gather_head_in_backward, zero3_gathered
+from logitless.trl.resume import ExactResume
+from logitless.trl.seam import announce_start
+
+
+def _whole(tensor: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """An FSDP2 shard gathered into a plain tensor (once per call, as TRL does), in ``dtype`` when given."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
+        return tensor if dtype is None else tensor.to(dtype)
+    return tensor
+
+
+def divergence_loss(student_hidden_states: torch.Tensor, teacher_hidden_states: torch.Tensor,
+                    student_lm_head_weight: torch.Tensor, teacher_lm_head_weight: torch.Tensor,
+                    completion_mask: torch.Tensor, beta: float, num_items_in_batch: torch.Tensor | int | None = None,
+                    student_lm_head_bias: torch.Tensor | None = None, teacher_lm_head_bias: torch.Tensor | None = None,
+                    student_logit_scale: float = 1.0, teacher_logit_scale: float = 1.0,
+                    student_final_logit_softcapping: float | None = None,
+                    teacher_final_logit_softcapping: float | None = None,
+                    temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TRL's ``_chunked_divergence_loss``: hidden states (B, K, H_s) and (B, K, H_t) at the completion tokens, their
+    heads, and ``completion_mask`` (B, K) -> (loss, the sum of the student's per-token entropy, the count of valid
+    positions). The loss is the divergence summed over the valid positions and divided by ``num_items_in_batch``
+    (their count when None)."""
+    student_weight = _whole(student_lm_head_weight, student_hidden_states.dtype)
+    teacher_weight = _whole(teacher_lm_head_weight, teacher_hidden_states.dtype)
+    student_bias, teacher_bias = _whole(student_lm_head_bias), _whole(teacher_lm_head_bias)
+    valid = completion_mask.reshape(-1) != 0
+    student_rows = student_hidden_states.reshape(-1, student_hidden_states.shape[-1])[valid]  # (N, H_s)
+    teacher_rows = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1])[valid]  # (N, H_t)
+    with zero3_gathered(student_weight, student_bias, teacher_weight, teacher_bias):
+        student_head = LinearHead(student_weight, student_bias, temperature, student_final_logit_softcapping,
+                                  student_logit_scale)
+        teacher_head = LinearHead(teacher_weight, teacher_bias, temperature, teacher_final_logit_softcapping,
+                                  teacher_logit_scale)
+        divergence, entropy = heads_jsd(student_rows, student_head, teacher_rows, teacher_head, beta=beta)
+    if divergence.grad_fn is not None:
+        gather_head_in_backward(divergence.grad_fn, student_head)
+    count = valid.sum()
+    if num_items_in_batch is None:
+        return divergence.sum() / count.clamp(min=1), entropy.sum(), count
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(divergence.device)
+    return divergence.sum() / num_items_in_batch, entropy.sum(), count
+
+
+class LogitlessDivergence:
+    """Mixin for `trl.DistillationTrainer`: its divergence is `divergence_loss` (the trainer's own loss code, which
+    reads both models' hidden states and heads, runs unchanged around it)."""
+
+    lm_head_path = "logitless"  # the divergence never comes from TRL's chunked kernel
+
+    def _compute_loss(self, *args, **kwargs):
+        with mock.patch.object(trl_distillation, "_chunked_divergence_loss", divergence_loss):
+            return super()._compute_loss(*args, **kwargs)
+
+    def train(self, *args, **kwargs):
+        """TRL's ``train``, which first prints (main process) how the divergence is computed."""
+        student = self.accelerator.unwrap_model(self.model)
+        announce_start(self, student, "the divergence to the teacher computed by logitless's fused JSD of both heads")
+        return super().train(*args, **kwargs)
+
+
+class DistillationTrainer(AtomicCheckpoints, ExactResume, LogitlessDivergence, TRLDistillationTrainer):
+    """Drop-in for `trl.DistillationTrainer`; see the module docstring."""
