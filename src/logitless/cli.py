@@ -1,4 +1,5 @@
-"""The ``logitless`` command: demo | sft | grpo | grade | bench (lmhead | grpo | reward | jax | grade | grade-variance).
+"""The ``logitless`` command: demo | sft | grpo | grade | distill | bench (lmhead | grpo | reward | jax | grade |
+grade-variance | trl | cli).
 
 Each subcommand's options live in a module of their own, which exposes ``add_parser(subcommands)`` (adding
 its parser and a ``handler``); registering one is one line in `build_parser`. Those modules load no
@@ -14,7 +15,7 @@ import warnings
 
 from logitless import __version__, demo_options
 from logitless.bench import cli as bench_cli
-from logitless.recipes import grade_options, grpo_options, interrupts, sft_options
+from logitless.recipes import distill_options, grade_options, grpo_options, interrupts, sft_options
 
 
 class _Parser(argparse.ArgumentParser):
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     sft_options.add_parser(commands)
     grpo_options.add_parser(commands)
     grade_options.add_parser(commands)
+    distill_options.add_parser(commands)
     bench_cli.add_parser(commands)
     return parser
 

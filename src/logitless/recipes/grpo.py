@@ -21,16 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm.auto import tqdm
-from transformers import ProgressCallback, TrainerCallback
+from transformers import TrainerCallback
 
 from logitless.checkpoint import CHECKPOINT_STAGING, STEP_CHECKPOINT, checkpoint_step
 from logitless.plots import plot_curves
-from logitless.recipes import interrupts
-from logitless.recipes.common import (NONFINITE_ADVICE, announce_start, check_model_source, hub_reachable, load_model,
-                                      plural, refuse_other_commands_data, resume_checkpoint, run_recipe,
-                                      skipped_note)
+from logitless.recipes.common import (NONFINITE_ADVICE, check_model_source, hub_reachable, load_model, plural,
+                                      refuse_other_commands_data, resume_checkpoint, run_recipe, skipped_note)
 from logitless.recipes.grpo_options import (FIXED_OPTIONS, RESULT_OPTIONS, SYNTHETIC_QUESTIONS,
                                             MultichoiceGRPOConfig)
+from logitless.recipes.trl_runs import train_resumably
 from logitless.rundir import RunDirectory, file_identity, write_json_atomically, write_text_atomically
 from logitless.trl.nonfinite import NonFiniteGuard
 
@@ -38,18 +37,6 @@ EQUAL_REWARD_STEPS = 2  # a warning when every completion of the first this many
 WARM_UP_HINT = ("GRPO learns only from reward differences within a group. The reward reads the letter after "
                 "'ANSWER:', so the policy must first write that format: warm it up with `logitless sft` on "
                 "(prompt, ' ANSWER: <letter>') pairs, as `logitless demo` does (docs/runs.md, 'GRPO that can learn')")
-
-
-class _QuietProgress(ProgressCallback):
-    """TRL's step bar, named like the other commands' bars, without a printed dict of metrics per step."""
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        super().on_train_begin(args, state, control, **kwargs)
-        if self.training_bar is not None:
-            self.training_bar.set_description("logitless grpo")
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        pass
 
 
 OUTPUTS = (STEP_CHECKPOINT, CHECKPOINT_STAGING, "history.json", "reward.png", "README.md")
@@ -110,20 +97,6 @@ def prepare_grpo(config: MultichoiceGRPOConfig) -> GRPOPlan:
     return GRPOPlan(config, records, run, checkpoint, changes)
 
 
-class _NewLearningRate(TrainerCallback):
-    """A resume that was allowed to change the learning rate: the restored optimizer and (constant)
-    schedule take the new one."""
-
-    def __init__(self, learning_rate: float):
-        self.learning_rate = learning_rate
-
-    def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
-        for group in optimizer.param_groups:
-            group["lr"] = self.learning_rate
-        lr_scheduler.base_lrs = [self.learning_rate] * len(optimizer.param_groups)
-        lr_scheduler._last_lr = list(lr_scheduler.base_lrs)  # what the Trainer logs as this step's rate
-
-
 def train_grpo_multichoice(config: MultichoiceGRPOConfig | GRPOPlan, *, progress: bool = True) -> dict:
     """Train; returns the per-step history of reward, both reward factors, loss, entropy and learning rate."""
     from transformers.utils import logging as hf_logging
@@ -151,18 +124,16 @@ def train_grpo_multichoice(config: MultichoiceGRPOConfig | GRPOPlan, *, progress
     guard = NonFiniteGuard(config.on_nonfinite, NONFINITE_ADVICE)
     trainer = GRPOTrainerWithLogits(model=policy, reward_funcs=reward, args=args,
                                     train_dataset=to_trl_dataset(plan.records), processing_class=tokenizer,
-                                    callbacks=[guard])
-    if "learning_rate" in plan.changes:
-        trainer.add_callback(_NewLearningRate(config.learning_rate))
-    if progress:  # the bar, without a printed dict of every metric at each step (history.json has them)
-        trainer.remove_callback(ProgressCallback)
-        trainer.add_callback(_QuietProgress)
-    trainer.add_callback(_RunRecord(config, output_dir, guard))
-    announce_start("grpo", plan.checkpoint, config.steps)
-    trainer.train(resume_from_checkpoint=None if plan.checkpoint is None else str(plan.checkpoint))
-    history = write_history(output_dir, trainer.state.log_history, guard.skipped)
-    write_run_card(output_dir, config, history)
-    return history
+                                    callbacks=[guard, _EqualRewardsWarning(config.steps)])
+
+    def write_outputs(log_history: list[dict]) -> dict:
+        history = write_history(output_dir, log_history, guard.skipped)
+        write_run_card(output_dir, config, history)
+        return history
+
+    train_resumably(trainer, "grpo", plan.checkpoint, config.steps, plan.changes, config.learning_rate, progress,
+                    write_outputs)
+    return write_outputs(trainer.state.log_history)
 
 
 REWARD_FORMULA = "P(correct | model) x (1 - P(correct | judge))"
@@ -214,26 +185,14 @@ tokenizer = AutoTokenizer.from_pretrained("{output_dir}/checkpoint-STEP")
 """)
 
 
-class _RunRecord(TrainerCallback):
-    """Keeps the command's outputs current: the step count an interrupt reports, history.json, the plot and
-    the run card at every save, and a warning when every completion of the first steps got the same reward."""
+class _EqualRewardsWarning(TrainerCallback):
+    """A warning when every completion of each group of the first steps got the same reward."""
 
-    def __init__(self, config: MultichoiceGRPOConfig, output_dir: Path, guard: NonFiniteGuard):
-        self.config, self.output_dir, self.guard = config, output_dir, guard
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        interrupts.track("logitless grpo", self.output_dir, state.global_step, self.config.steps)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        interrupts.step_done(state.global_step)
-
-    def on_save(self, args, state, control, **kwargs):
-        history = write_history(self.output_dir, state.log_history, self.guard.skipped)
-        write_run_card(self.output_dir, self.config, history)
+    def __init__(self, steps: int):
+        self.first_steps = min(EQUAL_REWARD_STEPS, steps)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        first_steps = min(EQUAL_REWARD_STEPS, self.config.steps)
-        if "frac_reward_zero_std" not in (logs or {}) or state.global_step != first_steps:
+        if "frac_reward_zero_std" not in (logs or {}) or state.global_step != self.first_steps:
             return
         first = [entry for entry in state.log_history if "frac_reward_zero_std" in entry][:EQUAL_REWARD_STEPS]
         if all(entry["frac_reward_zero_std"] == 1.0 for entry in first):

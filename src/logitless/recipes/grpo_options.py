@@ -51,7 +51,6 @@ class MultichoiceGRPOConfig(RecipeConfig):
         return self.completions_per_step // self.num_generations
 
 
-
 HELP = {
     "model": f"policy: {MODEL_HELP}",
     "judge": "judge model reading the chain of thought (default: a frozen copy of the initial policy)",

@@ -1,0 +1,183 @@
+"""`logitless distill`: on-policy distillation with the exact divergence, logit-free, resumable, crash-safe.
+
+The student generates a completion for each prompt; the teacher scores it; the student learns the
+generalized JSD (``beta``: 0 forward KL, 1 reverse KL) to the teacher over the full vocabulary, from
+both models' hidden states and heads (`logitless.trl.DistillationTrainer`): no ``(B, T, V)`` tensor of
+either model. Without ``--teacher`` the teacher is warm-started here first: the embedded
+tiny-qwen2-untied after ``teacher_steps`` of SFT on the multiple-choice answer format
+(`logitless.multichoice.warm_start`), saved in OUTPUT_DIR/teacher and reused by a resume.
+
+Before any model is loaded (`prepare_distill`): the prompts are read and checked and the output
+directory is claimed (`logitless.rundir`). Checkpoints (``checkpoint-STEP``, each complete or absent)
+are written every ``save_every`` steps and at the end; a rerun resumes from the newest complete one to
+the weights of the uninterrupted run, and refuses options that would change the result unless
+``allow_changed`` names them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from logitless.checkpoint import CHECKPOINT_STAGING, STEP_CHECKPOINT, checkpoint_step
+from logitless.plots import plot_curve
+from logitless.recipes.common import (NONFINITE_ADVICE, check_model_source, load_model, plural,
+                                      refuse_other_commands_data, resume_checkpoint, run_recipe, skipped_note)
+from logitless.recipes.distill_options import (BUILT_IN_PROMPTS, FIXED_OPTIONS, RESULT_OPTIONS, DistillConfig)
+from logitless.recipes.trl_runs import train_resumably
+from logitless.rundir import RunDirectory, file_identity, remove_tree, write_json_atomically, write_text_atomically
+
+TEACHER = "teacher"  # the built-in teacher's directory in OUTPUT_DIR
+OUTPUTS = (STEP_CHECKPOINT, CHECKPOINT_STAGING, TEACHER, f".{TEACHER}.partial", "history.json", "divergence.png",
+           "README.md")
+
+
+@dataclass
+class DistillPlan:
+    """What `prepare_distill` checked and claimed, before any model is loaded."""
+
+    config: DistillConfig
+    prompts: list[str]
+    run: RunDirectory
+    checkpoint: Path | None  # to resume from
+    changes: dict[str, list]  # options a resume was allowed to change: name -> [before, now]
+
+
+def load_prompts(config: DistillConfig) -> list[str]:
+    """The prompts, at least one step's worth; errors name ``data`` or ``prompts_per_step``."""
+    from logitless.data import read_jsonl
+    from logitless.multichoice.data import synthetic_multichoice
+
+    if config.data is None:
+        return [record["prompt"] for record in synthetic_multichoice(count=BUILT_IN_PROMPTS, seed=config.seed + 1)]
+    refuse_other_commands_data("data", config.data, "distill", "grade")
+    prompts = []
+    for where, record in read_jsonl(config.data, "data"):
+        if not isinstance(record.get("prompt"), str) or not record["prompt"]:
+            raise ValueError(f"data: {where} has no 'prompt' string, or an empty one")
+        prompts.append(record["prompt"])
+    if len(prompts) < config.prompts_per_step:
+        raise ValueError(f"prompts_per_step: {config.prompts_per_step} exceeds the {len(prompts)} prompts in "
+                         f"{config.data}")
+    return prompts
+
+
+def prepare_distill(config: DistillConfig) -> DistillPlan:
+    """Every check that needs no model: options, prompts, output directory, resume options. Raises ValueError
+    naming the option at fault; writes only ``logitless-run.json`` (and removes this run's earlier outputs when it
+    starts over)."""
+    prompts = load_prompts(config)
+    check_model_source("model", config.model)
+    if config.teacher is not None:
+        check_model_source("teacher", config.teacher)
+    run = RunDirectory.claim(config.output_dir, "distill", outputs=OUTPUTS, overwrite=config.overwrite)
+    with run.released_on_error():
+        checkpoint = resume_checkpoint("distill", run.path, config)
+        options = {**dataclasses.asdict(config), "data": file_identity(config.data)}
+        changes = run.start(options, resume=checkpoint is not None, result_options=RESULT_OPTIONS,
+                            fixed_options=FIXED_OPTIONS, allow_changed=config.allow_changed,
+                            step=None if checkpoint is None else checkpoint_step(checkpoint))
+    return DistillPlan(config, prompts, run, checkpoint, changes)
+
+
+def teacher_directory(config: DistillConfig, run_dir: Path, progress: bool) -> str:
+    """``--teacher``, or the built-in teacher in OUTPUT_DIR/teacher, warm-started now unless a run made it already
+    (it appears whole or not at all: written beside it, then renamed)."""
+    from logitless.multichoice.warm_start import warm_start_policy
+
+    if config.teacher is not None:
+        return config.teacher
+    final = run_dir / TEACHER
+    if not final.is_dir():
+        partial = run_dir / f".{TEACHER}.partial"
+        if partial.exists():
+            remove_tree(partial)  # a warm start that a crash interrupted
+        print(f"logitless distill: warm-starting the teacher ({config.teacher_steps} SFT steps of tiny-qwen2-untied "
+              f"on the multiple-choice answer format) into {final}")
+        warm_start_policy(partial, steps=config.teacher_steps, seed=config.seed, progress=progress)
+        os.rename(partial, final)
+    return str(final)
+
+
+def train_distill(config: DistillConfig | DistillPlan, *, progress: bool = True) -> dict:
+    """Train; returns the per-step history of the divergence, the student's entropy and the learning rate."""
+    from datasets import Dataset
+    from transformers.utils import logging as hf_logging
+    from trl import DistillationConfig
+
+    from logitless.trl import DistillationTrainer, NonFiniteGuard
+
+    plan = config if isinstance(config, DistillPlan) else prepare_distill(config)
+    config, output_dir = plan.config, plan.run.path
+    hf_logging.disable_progress_bar()  # no bars for each checkpoint write and model load
+    teacher_dir = teacher_directory(config, output_dir, progress)
+    student, tokenizer = load_model("model", config.model, config.seed)
+    teacher, _ = load_model("teacher", teacher_dir, config.seed)
+    args = DistillationConfig(output_dir=str(output_dir), use_cpu=True, bf16=False, activation_checkpointing=False,
+                              per_device_train_batch_size=config.prompts_per_step,
+                              max_completion_length=config.max_completion_length, max_steps=config.steps,
+                              learning_rate=config.learning_rate, lr_scheduler_type="constant", beta=config.beta,
+                              temperature=config.temperature, logging_steps=1, report_to="none",
+                              save_strategy="steps", save_steps=config.save_every,
+                              save_total_limit=config.save_total_limit, seed=config.seed, disable_tqdm=not progress)
+    guard = NonFiniteGuard(config.on_nonfinite, NONFINITE_ADVICE)
+    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args,
+                                  train_dataset=Dataset.from_dict({"prompt": plan.prompts}), processing_class=tokenizer,
+                                  callbacks=[guard])
+
+    def write_outputs(log_history: list[dict]) -> dict:
+        return write_history(output_dir, config, log_history, guard.skipped)
+
+    train_resumably(trainer, "distill", plan.checkpoint, config.steps, plan.changes, config.learning_rate, progress,
+                    write_outputs)
+    return write_outputs(trainer.state.log_history)
+
+
+def divergence_name(beta: float) -> str:
+    """What ``beta`` makes of the divergence, in words."""
+    if beta == 0:
+        return "forward KL(teacher || student)"
+    if beta == 1:
+        return "reverse KL(student || teacher)"
+    return f"generalized JSD (beta {beta})"
+
+
+def write_history(output_dir: Path, config: DistillConfig, log_history: list[dict], skipped: list[int]) -> dict:
+    """history.json, divergence.png and README.md from the Trainer's log; returns the per-step history."""
+    logged = [entry for entry in log_history if "loss" in entry]
+    history = {name: [entry.get(name, float("nan")) for entry in logged]
+               for name in ("loss", "entropy", "learning_rate")}
+    history["skipped"] = skipped
+    write_json_atomically(output_dir / "history.json", history)
+    plot_curve(history["loss"], output_dir / "divergence.png",
+               title=f"logitless distill: {divergence_name(config.beta)} to the teacher",
+               ylabel="per token, on the student's completions (nats)")
+    write_text_atomically(output_dir / "README.md", f"""# logitless distill run
+
+On-policy distillation (TRL's DistillationTrainer, the divergence computed by logitless's fused LM heads) of the
+student `{config.model}` from the teacher `{config.teacher or f"{output_dir / TEACHER} (warm-started here)"}`:
+{divergence_name(config.beta)} over the full vocabulary, temperature {config.temperature}, learning rate
+{config.learning_rate}, {config.prompts_per_step} prompts per step ({config.data or "the built-in prompts"}).
+
+- the divergence per step: history.json (`loss`), divergence.png
+- checkpoints: `checkpoint-STEP/` (each complete or absent); rerun the same `logitless distill` command to resume
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{output_dir}/checkpoint-STEP")
+tokenizer = AutoTokenizer.from_pretrained("{output_dir}/checkpoint-STEP")
+```
+""")
+    return history
+
+
+def run_command(config: DistillConfig, args: argparse.Namespace) -> int:
+    plan, history = run_recipe("distill", config, args, prepare_distill, train_distill)
+    divergence = history["loss"]
+    print(f"divergence to the teacher {divergence[0]:.4f} -> {divergence[-1]:.4f} over "
+          f"{plural(len(divergence), 'step')}{skipped_note(history)}; plot: {plan.run.path / 'divergence.png'}")
+    return 0

@@ -1,0 +1,73 @@
+"""What the recipes that train with a TRL trainer (`logitless grpo`, `logitless distill`) share: a quiet progress
+bar, a learning rate a resume was allowed to change, interrupts that report the step, and outputs kept current at
+every checkpoint."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from transformers import ProgressCallback, TrainerCallback
+
+from logitless.recipes import interrupts
+from logitless.recipes.common import announce_start
+
+
+class QuietProgress(ProgressCallback):
+    """TRL's step bar, named like the other commands' bars, without a printed dict of metrics per step."""
+
+    def __init__(self, label: str):
+        super().__init__()
+        self.label = label
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        if self.training_bar is not None:
+            self.training_bar.set_description(self.label)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        pass
+
+
+class NewLearningRate(TrainerCallback):
+    """A resume that was allowed to change the learning rate: the restored optimizer and (constant)
+    schedule take the new one."""
+
+    def __init__(self, learning_rate: float):
+        self.learning_rate = learning_rate
+
+    def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+        for group in optimizer.param_groups:
+            group["lr"] = self.learning_rate
+        lr_scheduler.base_lrs = [self.learning_rate] * len(optimizer.param_groups)
+        lr_scheduler._last_lr = list(lr_scheduler.base_lrs)  # what the Trainer logs as this step's rate
+
+
+class RunTracking(TrainerCallback):
+    """The step an interrupt reports, and ``write_outputs(log_history)`` (history, plots) at every save."""
+
+    def __init__(self, label: str, output_dir: Path, steps: int, write_outputs: Callable[[list[dict]], object]):
+        self.label, self.output_dir, self.steps, self.write_outputs = label, output_dir, steps, write_outputs
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        interrupts.track(self.label, self.output_dir, state.global_step, self.steps)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        interrupts.step_done(state.global_step)
+
+    def on_save(self, args, state, control, **kwargs):
+        self.write_outputs(state.log_history)
+
+
+def train_resumably(trainer, command: str, checkpoint: Path | None, steps: int, changes: dict, learning_rate: float,
+                    progress: bool, write_outputs: Callable[[list[dict]], object]) -> None:
+    """Train ``trainer`` for ``logitless COMMAND``, from ``checkpoint`` when resuming (with the learning rate a resume
+    was allowed to change), its outputs written at every save."""
+    if "learning_rate" in changes:
+        trainer.add_callback(NewLearningRate(learning_rate))
+    if progress:  # the bar, without a printed dict of every metric at each step (history.json has them)
+        trainer.remove_callback(ProgressCallback)
+        trainer.add_callback(QuietProgress(f"logitless {command}"))
+    trainer.add_callback(RunTracking(f"logitless {command}", Path(trainer.args.output_dir), steps, write_outputs))
+    announce_start(command, checkpoint, steps)
+    trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
