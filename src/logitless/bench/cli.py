@@ -1,4 +1,4 @@
-"""The ``logitless bench`` subcommands: lmhead, grpo, reward, jax, grade, grade-variance, cli.
+"""The ``logitless bench`` subcommands: lmhead, grpo, reward, jax, grade, grade-variance, trl, cli.
 
 `add_parser(subcommands)` adds ``bench`` and returns its own subcommands, so a benchmark module can
 register itself there with one line (``mymodule.add_parser(bench_targets)``). Every option is checked,
@@ -12,7 +12,7 @@ import dataclasses
 import importlib
 
 from logitless._checks import check_generations
-from logitless.bench import cli_startup, grade, grade_variance, lmhead
+from logitless.bench import cli_startup, grade, grade_variance, lmhead, trainers
 from logitless.bench import grpo as bench_grpo
 from logitless.bench import jax as bench_jax
 from logitless.bench.options import (add_device_option, add_model_option, require_device, require_model,
@@ -87,5 +87,6 @@ def add_parser(subcommands):
     bench_jax.add_parser(targets)
     grade.add_parser(targets)
     grade_variance.add_parser(targets)
+    trainers.add_parser(targets)
     cli_startup.add_parser(targets)
     return targets
