@@ -55,6 +55,22 @@ def test_bench_bad_options(argv, match):
         main(["bench", "lmhead", *argv])
 
 
+def test_bench_trl_small(tmp_path):
+    """A trainer that does not generate and one that does, stock TRL and logitless, at a tiny size: the same losses,
+    and every time and peak measured (tests/test_trl_trainers.py checks each trainer's step against stock TRL's)."""
+    out_json = tmp_path / "t.json"
+    assert main(["bench", "trl", "--steps", "2", "--batch", "2", "--seq", "8", "--completions", "4",
+                 "--completion-length", "4", "--rounds", "1", "--trainers", "sft", "rloo", "--json", str(out_json)]) == 0
+    report = json.loads(out_json.read_text())
+    assert list(report["results"]) == ["sft", "rloo"]
+    for name, results in report["results"].items():
+        assert set(results) == {"trl", "logitless"}, name
+        for result in results.values():
+            assert result["step_s"] > result["loss_backward_s"] > 0 and result["peak_mb"] > 0, name
+            assert len(result["losses"]) == 2 and len(result["rounds_step_s"]) == 1
+        assert results["logitless"]["losses"] == pytest.approx(results["trl"]["losses"], rel=1e-5, abs=1e-6), name
+
+
 def test_bench_grpo_small(tmp_path, capsys):
     """On a model directory of the user's (a tokenizer-sized vocabulary, so the report must read it from there)."""
     from logitless.models import qwen_tokenizer, save_model_and_tokenizer, tiny_qwen2

@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from logitless.bench.ratios import add_ratios, format_ratio
+from logitless.bench.timing import timed
 from logitless.bench.worker import run_worker_process, worker_main
 from logitless.models import EMBEDDED_DEFAULT
 
@@ -43,21 +44,6 @@ def _prompts(count: int) -> list[str]:
 
 
 CONFIG = GRPOBenchConfig  # what `logitless bench grpo` builds from its options
-
-
-def _timed(function, seconds: list[float], device):
-    """``function`` that adds its wall time to ``seconds[0]``, the work it queued on ``device`` included."""
-    from logitless.bench.memory import synchronize
-
-    def timed(*args, **kwargs):
-        synchronize(device)
-        started = time.perf_counter()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            synchronize(device)
-            seconds[0] += time.perf_counter() - started
-    return timed
 
 
 def run_worker(worker: str, model_dir: str, config: GRPOBenchConfig) -> dict:
@@ -90,8 +76,8 @@ def run_worker(worker: str, model_dir: str, config: GRPOBenchConfig) -> dict:
                       args=args, train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
                       **extra)
         loss_seconds, device = [0.0], trainer.accelerator.device
-        trainer.compute_loss = _timed(trainer.compute_loss, loss_seconds, device)
-        trainer.accelerator.backward = _timed(trainer.accelerator.backward, loss_seconds, device)
+        trainer.compute_loss = timed(trainer.compute_loss, loss_seconds, device)
+        trainer.accelerator.backward = timed(trainer.accelerator.backward, loss_seconds, device)
         torch.manual_seed(0)
         with PeakMemory(device) as peak:
             started = time.perf_counter()

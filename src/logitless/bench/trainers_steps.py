@@ -15,6 +15,7 @@ from transformers import TrainerCallback
 
 import logitless.trl
 from logitless.bench.memory import PeakMemory, synchronize
+from logitless.bench.timing import timed
 from logitless.bench.trainers import IMPLEMENTATIONS, TRAINERS, TRLBenchConfig
 from logitless.bench.worker import worker_main
 from logitless.models import load_tokenizer
@@ -66,36 +67,44 @@ def _trainer(name: str, implementation: str, model_dir: str, teacher_dir: str, o
 
 
 class StepClock(TrainerCallback):
-    """The wall time of each optimizer step, the work queued on ``device`` included."""
+    """The wall time of each optimizer step, and of the loss and its backward within it (``loss_seconds[0]``, summed
+    by `bench.timing.timed` wrappers), the work queued on ``device`` included."""
 
-    def __init__(self, device: torch.device):
-        self.device, self.seconds = device, []
+    def __init__(self, device: torch.device, loss_seconds: list[float]):
+        self.device, self.loss_seconds = device, loss_seconds
+        self.seconds, self.loss_backward_seconds = [], []
 
     def on_step_begin(self, args, state, control, **kwargs):
         synchronize(self.device)
-        self.started = time.perf_counter()
+        self.started, self.loss_started = time.perf_counter(), self.loss_seconds[0]
 
     def on_step_end(self, args, state, control, **kwargs):
         synchronize(self.device)
         self.seconds.append(time.perf_counter() - self.started)
+        self.loss_backward_seconds.append(self.loss_seconds[0] - self.loss_started)
 
 
 def run_worker(worker: str, model_dirs: str, config: TRLBenchConfig) -> dict:
-    """One trainer (``NAME:IMPLEMENTATION``) in this fresh process: its steps timed, the peak memory of the run."""
+    """One trainer (``NAME:IMPLEMENTATION``) in this fresh process: its steps timed (whole, and the loss with its
+    backward), the peak memory of the run."""
     name, implementation = worker.split(":")
     model_dir, teacher_dir = model_dirs.split(",")
     with tempfile.TemporaryDirectory() as output_dir:
         torch.manual_seed(0)
         trainer = _trainer(name, implementation, model_dir, teacher_dir, output_dir, config)
-        device = trainer.accelerator.device
-        clock = StepClock(device)
+        device, loss_seconds = trainer.accelerator.device, [0.0]
+        trainer.compute_loss = timed(trainer.compute_loss, loss_seconds, device)
+        trainer.accelerator.backward = timed(trainer.accelerator.backward, loss_seconds, device)
+        clock = StepClock(device, loss_seconds)
         trainer.add_callback(clock)
         torch.manual_seed(0)
         with PeakMemory(device) as peak:
             trainer.train()
             synchronize(device)
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    return {"step_s": statistics.median(clock.seconds[1:] or clock.seconds), "steps_s": clock.seconds,
+    timed_steps = slice(1, None) if len(clock.seconds) > 1 else slice(None)  # the first step allocates
+    return {"step_s": statistics.median(clock.seconds[timed_steps]), "steps_s": clock.seconds,
+            "loss_backward_s": statistics.median(clock.loss_backward_seconds[timed_steps]),
             "peak_mb": peak.megabytes, "losses": losses}
 
 

@@ -5,6 +5,7 @@ in `logitless.recipes.config`."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 from pathlib import Path
@@ -14,6 +15,7 @@ from logitless.checkpoint import checkpoint_step, last_complete_checkpoint
 from logitless.models import EMBEDDED_MODELS, load_model_and_tokenizer
 from logitless.nonfinite import NonFiniteError
 from logitless.recipes.options import option_error, option_fields
+from logitless.rundir import RunDirectory, file_identity
 
 NONFINITE_ADVICE = "Lower --learning-rate, or pass --on-nonfinite skip to skip such steps."
 
@@ -64,6 +66,21 @@ def resume_checkpoint(command: str, run_dir: Path, config) -> Path | None:
         raise ValueError(f"steps: the run in {run_dir} is already at step {checkpoint_step(checkpoint)}, past "
                          f"{config.steps}; pass a larger --steps to train on, or --no-resume to start over")
     return checkpoint
+
+
+def claim_run(command: str, config, outputs, result_options, fixed_options) -> tuple[RunDirectory, Path | None, dict]:
+    """Claim ``config.output_dir`` for ``logitless COMMAND`` (which writes ``outputs`` there) and record the run's
+    options, after the checks that need no model: (the run directory, the checkpoint to resume from or None, the
+    changes a resume was allowed to make). Raises ValueError naming the option at fault; writes only
+    ``logitless-run.json`` (and removes this run's earlier outputs when it starts over)."""
+    run = RunDirectory.claim(config.output_dir, command, outputs=outputs, overwrite=config.overwrite)
+    with run.released_on_error():
+        checkpoint = resume_checkpoint(command, run.path, config)
+        options = {**dataclasses.asdict(config), "data": file_identity(config.data)}
+        changes = run.start(options, resume=checkpoint is not None, result_options=result_options,
+                            fixed_options=fixed_options, allow_changed=config.allow_changed,
+                            step=None if checkpoint is None else checkpoint_step(checkpoint))
+    return run, checkpoint, changes
 
 
 def announce_start(command: str, checkpoint: Path | None, steps: int) -> None:

@@ -15,7 +15,6 @@ stops the run before that step is applied or saved (``on_nonfinite="skip"`` skip
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,14 +22,14 @@ from pathlib import Path
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
-from logitless.checkpoint import CHECKPOINT_STAGING, STEP_CHECKPOINT, checkpoint_step
+from logitless.checkpoint import CHECKPOINT_STAGING, STEP_CHECKPOINT
 from logitless.plots import plot_curves
-from logitless.recipes.common import (NONFINITE_ADVICE, check_model_source, hub_reachable, load_model, plural,
-                                      refuse_other_commands_data, resume_checkpoint, run_recipe, skipped_note)
+from logitless.recipes.common import (NONFINITE_ADVICE, check_model_source, claim_run, hub_reachable, load_model,
+                                      plural, refuse_other_commands_data, run_recipe, skipped_note)
 from logitless.recipes.grpo_options import (FIXED_OPTIONS, RESULT_OPTIONS, SYNTHETIC_QUESTIONS,
                                             MultichoiceGRPOConfig)
 from logitless.recipes.trl_runs import train_resumably
-from logitless.rundir import RunDirectory, file_identity, write_json_atomically, write_text_atomically
+from logitless.rundir import RunDirectory, write_json_atomically, write_text_atomically
 from logitless.trl.nonfinite import NonFiniteGuard
 
 EQUAL_REWARD_STEPS = 2  # a warning when every completion of the first this many steps got the same reward
@@ -87,13 +86,7 @@ def prepare_grpo(config: MultichoiceGRPOConfig) -> GRPOPlan:
     check_model_source("model", config.model)
     if config.judge is not None:
         check_model_source("judge", config.judge)
-    run = RunDirectory.claim(config.output_dir, "grpo", outputs=OUTPUTS, overwrite=config.overwrite)
-    with run.released_on_error():
-        checkpoint = resume_checkpoint("grpo", run.path, config)
-        options = {**dataclasses.asdict(config), "data": file_identity(config.data)}
-        changes = run.start(options, resume=checkpoint is not None, result_options=RESULT_OPTIONS,
-                            fixed_options=FIXED_OPTIONS, allow_changed=config.allow_changed,
-                            step=None if checkpoint is None else checkpoint_step(checkpoint))
+    run, checkpoint, changes = claim_run("grpo", config, OUTPUTS, RESULT_OPTIONS, FIXED_OPTIONS)
     return GRPOPlan(config, records, run, checkpoint, changes)
 
 
