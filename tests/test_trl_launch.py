@@ -1,5 +1,6 @@
 """GRPOTrainerWithLogits launched as docs/trl.md's "Distributed" section tells users, on 2 CPU processes (gloo), against
-the same script (tests/grpo_launch.py) in one process.
+the same script (tests/grpo_launch.py) in one process; and SFTTrainer and DPOTrainer under torchrun
+(tests/trainer_launch.py).
 
 Each launch trains one SGD step with learning rate 1, so the weights move by exactly the gradient: the weights after
 the step equal the one-process run's to 1e-6, and the parameters have the layout the launch promises (whole replicas
@@ -49,14 +50,17 @@ def model_dir(tmp_path_factory, tokenizer) -> Path:
     return save_model_and_tokenizer(tiny_qwen2(seed=0), tokenizer, tmp_path_factory.mktemp("launch") / "model")
 
 
-def _run(launcher: list[str], model_dir: Path, run_dir: Path, *options: str) -> tuple[dict, str]:
-    """The script under ``launcher`` (``[sys.executable]`` for one process) -> (what it saved, its whole output)."""
+def _run(launcher: list[str], model_dir: Path, run_dir: Path, *options: str, script: Path = SCRIPT,
+         arguments: tuple[str, ...] = ()) -> tuple[dict, str]:
+    """``script ARGUMENTS MODEL_DIR OUTPUT OPTIONS`` under ``launcher`` (``[sys.executable]`` for one process) -> (what
+    it saved, its whole output)."""
     output = run_dir / "saved.pt"
     env = os.environ | {"OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1",
                         "HF_HOME": str(run_dir / "hf"),  # no accelerate config file: the flags alone
                         "PYTHONPATH": os.pathsep.join([LIBRARY_ROOT, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([*launcher, str(SCRIPT), str(model_dir), str(output), *options], capture_output=True,
-                          text=True, timeout=600, env=env, cwd=run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run([*launcher, str(script), *arguments, str(model_dir), str(output), *options],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=run_dir)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-6000:]
     return torch.load(output), log
@@ -133,6 +137,23 @@ def test_deepspeed_zero3_by_accelerate_launch_equals_one_process(model_dir, tmp_
     assert log.count(SCORING_LINE) == 2 and "policy: DeepSpeed ZeRO-3 over 2 processes" in log
     _assert_same_step(saved, one_process, model_dir)
     assert math.isfinite(saved["generated_log"]["grad_norm"]) and saved["generated_log"]["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("trainer", ["sft", "dpo"])
+def test_sft_and_dpo_by_torchrun_equal_one_process(trainer, model_dir, tmp_path):
+    """logitless's SFTTrainer and DPOTrainer under DDP (2 processes, gloo): one SGD step ends with the one-process
+    step's weights, so the two processes' fused-head gradients averaged to the whole batch's."""
+    script = Path(__file__).with_name("trainer_launch.py")
+    saved = {}
+    for name, launcher in (("one", [sys.executable]), ("two", torchrun("--nproc_per_node", "2"))):
+        saved[name], log = _run(launcher, model_dir, tmp_path / name, script=script, arguments=(trainer,))
+        assert log.count("logitless: tokens scored by logitless's fused LM head") == 1
+    assert saved["two"]["world_size"] == 2 and saved["two"]["wrapper"] == "DistributedDataParallel"
+    initial = load_file(model_dir / "model.safetensors")
+    assert max((saved["one"]["weights"][name] - initial[name]).abs().max().item() for name in initial) > 0.01
+    for name, weight in saved["one"]["weights"].items():
+        torch.testing.assert_close(saved["two"]["weights"][name], weight, atol=1e-6, rtol=0, msg=name)
+    assert saved["two"]["log"]["loss"] == pytest.approx(saved["one"]["log"]["loss"], rel=1e-5)
 
 
 def test_every_launch_command_in_the_docs_is_run_by_the_test_it_names():
