@@ -126,11 +126,12 @@ def _seq_chunked(stats_of_slice, num_chunks: int, *per_token):
 
 def _loss_function(loss: str, impl: str, shape: Shape):
     """loss(hidden, weight, *the other inputs of `_specs`) -> the scalar loss, by ``impl``."""
+    import jax
     import jax.numpy as jnp
 
     from logitless.jax import (BlockSizes, Head, fused_grpo_loss, fused_linear_cross_entropy, fused_linear_kl,
                                reference)
-    from logitless.jax.grpo import grpo_loss_from_stats, token_weights
+    from logitless.jax.grpo import GRPOData, GRPOTerms, token_weights
 
     ops_impl = "auto" if impl == "logitless" else "reference"
     blocks = BlockSizes(vocab=shape.vocab_block) if impl == "logitless" and shape.vocab_block else None
@@ -171,15 +172,14 @@ def _loss_function(loss: str, impl: str, shape: Shape):
                                    old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, settings=SETTINGS,
                                    block_sizes=blocks, impl=ops_impl)[0]
 
-        def slice_stats(hidden, ids):  # (n,) each
-            stats = reference.token_stats(Head(weight), hidden, ids)
-            return stats.log_probs, stats.entropy
+        def slice_stats(hidden, ids):  # (n,)
+            return reference.token_stats(Head(weight), hidden, ids)
 
         keep = completion_mask > 0
-        log_probs, entropy = (values.reshape(keep.shape) for values in
-                              _seq_chunked(slice_stats, shape.seq_chunks, flat(hidden), flat(completion_ids)))
-        return grpo_loss_from_stats(log_probs, entropy, keep, advantages[:, None], old_log_probs, ref_log_probs,
-                                    token_weights(keep, SETTINGS), SETTINGS)[0]
+        stats = _seq_chunked(slice_stats, shape.seq_chunks, flat(hidden), flat(completion_ids))
+        data = GRPOData(jnp.broadcast_to(advantages[:, None], keep.shape), old_log_probs, ref_log_probs,
+                        token_weights(keep, SETTINGS), keep.astype(jnp.float32))
+        return GRPOTerms(SETTINGS)(stats, jax.tree.map(flat, data)).sum()
     return grpo
 
 

@@ -80,7 +80,8 @@ def check_impl(impl) -> str:
     if impl in ("fused", "materialized"):
         raise ValueError("impl: 'fused' is spelled 'auto' (or 'chunked'); 'materialized' is 'reference'")
     if impl == "triton":
-        raise ValueError("impl: 'triton' kernels are PyTorch's (logitless.ops); in JAX: 'auto', 'chunked' or 'reference'")
+        raise ValueError("impl: 'triton' kernels are PyTorch's (logitless.ops); in JAX: 'auto', 'chunked' or "
+                         "'reference'")
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {', '.join(map(repr, IMPLS))}, got {impl!r}")
     return impl
@@ -115,7 +116,8 @@ def take_head(head, weight, bias, temperature, softcap, logit_scale, hidden, suf
     if bias is not None:
         bias = check_array(f"bias{suffix}", bias, ndim=1, floating=True)
         if bias.shape[0] != weight.shape[0]:
-            raise ValueError(f"bias{suffix}: length {bias.shape[0]} does not match the vocabulary size {weight.shape[0]}")
+            raise ValueError(f"bias{suffix}: length {bias.shape[0]} does not match the vocabulary size "
+                             f"{weight.shape[0]}")
         values = concrete(bias)
         if values is not None and (np.isnan(values).any() or np.isposinf(values).any()):
             raise ValueError(f"bias{suffix}: contains NaN or +inf (only -inf, for vocabulary rows that can never be "

@@ -1,4 +1,4 @@
-"""The JAX block engine: the loops over token blocks and vocabulary blocks of the two-pass schedule.
+"""The JAX block engine: the loops over token blocks and vocabulary blocks of the two-pass and one-pass schedules.
 
 The logits of a block of ``tokens`` rows and ``vocab`` columns of each head,
 ``head.columns(...).logits(hidden[rows])`` (fp32, ``(n, vocab)``), are the only logits that ever exist. What
@@ -7,7 +7,7 @@ an op computes from them is an `Accumulator`, the protocol of `logitless.ops.eng
 and finishes them (`Sweep.finish`); `Accumulator.block_grads` turns a block into its logits gradients. The
 running statistics are a pytree of (n,) arrays handed from call to call, where the PyTorch accumulators keep
 them on ``self``; the per-row inputs (target ids) are cut to the block's rows and handed in, where a PyTorch
-accumulator is made for a row chunk. The two passes, each loop written once:
+accumulator is made for a row chunk. The schedules, each loop written once:
 
 * `two_pass_stats` (forward): for each token block, a scan over vocabulary blocks folds every block into the
   accumulator's statistics, then finishes them; an accumulator with a `second_sweep` (the generalized JSD,
@@ -22,9 +22,11 @@ accumulator is made for a row chunk. The two passes, each loop written once:
   two passes run the other way round (row chunks outer), which on a GPU needs an fp32 dW accumulator
   summed over chunks for a bf16 weight; here the vocabulary is the outer loop, so XLA holds one block of dW.
 
-Every op runs the two passes here. The PyTorch engine's one-pass schedule (a row chunk's logits kept from its
-statistics to its gradient: three matmuls instead of four) sums dW over row chunks, and that fp32 (V, H)
-accumulator is 2.5 GB at V=151936, H=4096, more than all the rest of the compiled step's temporaries.
+* `one_pass`, as the PyTorch engine's, for a loss that is a sum of per-token terms known at forward time: each
+  token block's logits are kept from its statistics to its gradient, three matmuls instead of four. It sums
+  dW over token blocks in the weight's dtype, so it serves fp32 weights on one device (on a CPU, where it
+  measures faster); a bf16 weight would need an fp32 (V, H) accumulator, 2.5 GB at V=151936, H=4096, more
+  than all the rest of the compiled step's temporaries.
 
 Sharded (`Plan` names the mesh axes, inside `jax.shard_map`): each device runs the loops on its own tokens and
 its own vocabulary shard, and `Sweep.across` combines the devices' running statistics of their columns
@@ -84,12 +86,15 @@ class Block(NamedTuple):
     def first(self) -> jax.Array:
         return self.offset + self.start
 
+    def owned(self) -> jax.Array:
+        """(size,) bool: the entries this block owns (all but those the previous block owns, when clamped)."""
+        return self.start + jnp.arange(self.size) >= self.nominal
+
     def own(self, values: jax.Array, axis: int, fill) -> jax.Array:
-        """``values`` with the entries along ``axis`` that the previous block owns set to ``fill``."""
+        """``values`` (2-D) with the entries along ``axis`` that the previous block owns set to ``fill``."""
         if not self.ragged:
             return values
-        owned = self.start + jnp.arange(self.size) >= self.nominal  # (size,)
-        return jnp.where(jnp.expand_dims(owned, 1 - axis), values, fill)
+        return jnp.where(jnp.expand_dims(self.owned(), 1 - axis), values, fill)
 
 
 Zeros = Callable[[], jax.Array]  # () -> (n,) zeros in the statistics' dtype, varying over the loop's mesh axes
@@ -301,8 +306,8 @@ def two_pass_grads(plan: Plan, heads: tuple[Head, ...], hiddens: tuple[jax.Array
     def output(like, needed: bool):  # dW or db: written block by block, each block summed over the token shards
         return varying_zeros(like.shape, like.dtype, axes - frozenset(plan.token_axes)) if needed else None
 
-    grads = tuple(HeadGrads(zeros(hidden.shape, dtype, need[0]), output(head.weight, need[1]), output(head.bias, need[2]))
-                  for head, hidden, need in zip(heads, hiddens, needs))
+    grads = tuple(HeadGrads(zeros(hidden.shape, dtype, need[0]), output(head.weight, need[1]),
+                            output(head.bias, need[2])) for head, hidden, need in zip(heads, hiddens, needs))
     (grads, _), _ = lax.scan(vocab_step, (grads, (heads, hiddens)), jnp.arange(_num_blocks(local_vocab, sizes.vocab)))
     return tuple(grad._replace(hidden=None if grad.hidden is None else
                                _summed(grad.hidden, plan.vocab_axes).astype(hidden.dtype))
@@ -312,3 +317,69 @@ def two_pass_grads(plan: Plan, heads: tuple[Head, ...], hiddens: tuple[jax.Array
 def _summed(value, axes: tuple[str, ...]):
     """``value`` summed over the devices of mesh ``axes`` (as is without any, or for None)."""
     return value if value is None or not axes else lax.psum(value, axes)
+
+
+# chunk_loss(rows, stats, row_data) -> (the loss summed over the token block's own rows (), the per-row gradients
+# `Accumulator.block_grads` reads, a pytree of per-row outputs (n,) each)
+ChunkLoss = Callable[[Block, NamedTuple, object], tuple[jax.Array, NamedTuple, object]]
+
+
+def one_pass(plan: Plan, head: Head, hidden: jax.Array, accumulator: Accumulator, row_data, chunk_loss: ChunkLoss,
+             needs: tuple[bool, bool, bool]):
+    """One pass, for a loss that is a sum of per-token terms known at forward time, on one device: (loss (), the
+    statistics (N,) each, the per-row outputs of ``chunk_loss`` (N,) each, `HeadGrads` of what ``needs`` asks for).
+
+    Each token block's logits are kept, block by block ((n, V) in all), from `Sweep.update` to
+    `Accumulator.block_grads`: three matmuls instead of the two passes' four. dW (and db) are summed over the
+    token blocks in the weight's dtype, which is why this schedule is for fp32 (or fp64) weights; dh is final
+    when its token block is done.
+    """
+    num_tokens, vocab_size = hidden.shape[0], head.vocab_size
+    dtype, sizes = stat_dtype(hidden.dtype), plan.sizes
+    vocab_indices = jnp.arange(_num_blocks(vocab_size, sizes.vocab))
+
+    def token_step(index, carry):
+        loss, outputs, grads = carry
+        rows = Block.at(index, sizes.tokens, num_tokens)
+        hidden_rows, block_data = _rows(hidden, rows), _rows_of(row_data, rows)
+
+        def fold(running, vocab_index):
+            cols = Block.at(vocab_index, sizes.vocab, vocab_size)
+            logits = head.columns(cols.start, cols.size).logits(hidden_rows, dtype)  # (n, v)
+            return accumulator.update(running, cols, (logits,), block_data), logits
+
+        running = accumulator.init(lambda: jnp.zeros((sizes.tokens,), dtype), None)
+        running, kept = lax.scan(fold, running, vocab_indices)  # kept: (blocks, n, v), the token block's logits
+        stats = accumulator.finish(running, block_data)
+        block_loss, row_grads, row_outputs = chunk_loss(rows, stats, block_data)
+
+        def add_block(grads, block):
+            vocab_index, logits = block
+            cols = Block.at(vocab_index, sizes.vocab, vocab_size)
+            (grad,) = accumulator.block_grads(cols, (logits,), block_data, stats, row_grads, (True,))
+            grad = cols.own(grad, axis=1, fill=0.0)  # the previous block's columns got theirs already
+            sums = HeadGrads(grads.hidden, *(None if whole is None else _rows(whole, cols)
+                                             for whole in (grads.weight, grads.bias)))
+            sums = _add_block_grad(sums, head.columns(cols.start, cols.size), hidden_rows, logits, grad, rows, cols)
+            return HeadGrads(sums.hidden, *(None if whole is None else lax.dynamic_update_slice_in_dim(
+                whole, block, cols.start, 0) for whole, block in zip((grads.weight, grads.bias),
+                                                                        (sums.weight, sums.bias)))), None
+
+        grads, _ = lax.scan(add_block, grads, (vocab_indices, kept))
+        outputs = jax.tree.map(lambda out, value: lax.dynamic_update_slice_in_dim(out, value, rows.start, axis=0),
+                               outputs, (stats, row_outputs))
+        return loss + block_loss, outputs, grads
+
+    def empty_outputs(block_data):  # the shapes and dtypes of a token block's statistics and per-row outputs
+        stats = accumulator.finish(accumulator.init(lambda: jnp.zeros((sizes.tokens,), dtype), None), block_data)
+        return stats, chunk_loss(Block.at(0, sizes.tokens, num_tokens), stats, block_data)[2]
+
+    block_outputs = jax.eval_shape(empty_outputs, _rows_of(row_data, Block.at(0, sizes.tokens, num_tokens)))
+    outputs = jax.tree.map(lambda value: jnp.zeros((num_tokens,), value.dtype), block_outputs)
+    grads = HeadGrads(jnp.zeros(hidden.shape, dtype) if needs[0] else None,
+                      jnp.zeros_like(head.weight) if needs[1] else None,
+                      jnp.zeros_like(head.bias) if needs[2] else None)
+    loss, (stats, row_outputs), grads = lax.fori_loop(0, _num_blocks(num_tokens, sizes.tokens), token_step,
+                                                      (jnp.zeros((), dtype), outputs, grads))
+    return loss, stats, row_outputs, grads._replace(hidden=None if grads.hidden is None else
+                                                    grads.hidden.astype(hidden.dtype))

@@ -1,24 +1,35 @@
-"""`linear_stats`: one `jax.custom_vjp` for every fused op, generic over the block engine's `Accumulator`.
+"""The fused ops' `jax.custom_vjp` functions over the block engine.
 
-Forward is the two-pass schedule's pass 1 (`engine.two_pass_stats`), which keeps O(N) residuals: the
-inputs and the accumulator's per-token statistics. Backward is pass 2 (`engine.two_pass_grads`), for the
-inputs JAX differentiates: with ``symbolic_zeros`` the forward rule sees which of them are perturbed, so a
-head that is not differentiated (a fixed teacher, a reference model) costs no gradient, and an output whose
-cotangent is zero (an entropy used only as a metric) adds no term. The PyTorch ops hold one autograd
-Function per accumulator (`LinearTokenStats`, `LinearKL`, `LinearJSD`); here a new statistic is an
-accumulator alone.
+`linear_stats`, one for every op, generic over the engine's `Accumulator`: forward is the two-pass schedule's
+pass 1 (`engine.two_pass_stats`), which keeps O(N) residuals: the inputs and the accumulator's per-token
+statistics. Backward is pass 2 (`engine.two_pass_grads`), for the inputs JAX differentiates: with
+``symbolic_zeros`` the forward rule sees which of them are perturbed, so a head that is not differentiated (a
+fixed teacher, a reference model) costs no gradient, and an output whose cotangent is zero (an entropy used
+only as a metric) adds no term. The PyTorch ops hold one autograd Function per accumulator (`LinearTokenStats`,
+`LinearKL`, `LinearJSD`); here a new statistic is an accumulator alone.
+
+`linear_loss`, as PyTorch's `LinearLoss`: a loss summed over per-token terms of the softmax statistics
+(cross-entropy, the GRPO objective), whose gradients are computed in forward by the one-pass schedule
+(`engine.one_pass`); backward only scales them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from logitless.jax.engine import Accumulator, Plan, two_pass_grads, two_pass_stats
+from logitless.jax.engine import Accumulator, Block, Plan, one_pass, two_pass_grads, two_pass_stats
 from logitless.jax.head import Head
+from logitless.jax.softmax import SoftmaxAccumulator, SoftmaxGrads, SoftmaxStats
+
+# token_loss(stats, loss_data) -> the loss's per-token terms (n,), from the statistics and per-token arrays of the
+# loss (n,) each; hashable (a frozen dataclass), as a custom_vjp's static argument must be
+TokenLoss = Callable[[SoftmaxStats, object], jax.Array]
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=[], meta_fields=["needs"])
@@ -57,3 +68,63 @@ def _backward(accumulator: Accumulator, plan: Plan, residuals, cotangents):
 
 
 linear_stats.defvjp(_forward_rule, _backward, symbolic_zeros=True)
+
+
+def _value(primal):
+    return primal.value
+
+
+def _perturbed(tree) -> bool:
+    return any(primal.perturbed for primal in jax.tree.leaves(tree))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def linear_loss(accumulator: SoftmaxAccumulator, plan: Plan, token_loss: TokenLoss, head: Head, hidden, targets,
+                loss_data) -> tuple[jax.Array, tuple]:
+    """(the sum of ``token_loss``'s terms over all tokens (), ``accumulator.outputs`` (N,) each) of hidden (N, H)
+    and the targets (N,); the loss is differentiable in hidden, weight, bias and ``loss_data``, the outputs are
+    returned for metrics and carry no gradient. Runs on one device."""
+    stats = two_pass_stats(plan, (head,), (hidden,), accumulator, targets)
+    return token_loss(stats, loss_data).sum(), accumulator.outputs(stats)
+
+
+def _chunk_loss(token_loss: TokenLoss, loss_data, with_data_grads: bool):
+    """The one-pass schedule's `engine.ChunkLoss`: a token block's loss over its own rows, the gradients of the
+    log-prob and mean log-prob (the entropy is a metric) and, asked for, of ``loss_data``'s rows."""
+
+    def chunk_loss(rows: Block, stats: SoftmaxStats, targets):
+        data = jax.tree.map(lambda values: jax.lax.dynamic_slice_in_dim(values, rows.start, rows.size), loss_data)
+
+        def block_loss(log_probs, mean_log_prob, data):
+            terms = token_loss(stats._replace(log_probs=log_probs, mean_log_prob=mean_log_prob), data)
+            return jnp.where(rows.owned(), terms, 0.0).sum()
+
+        value, vjp = jax.vjp(block_loss, stats.log_probs, stats.mean_log_prob, data)
+        grad_log_probs, grad_mean_log_prob, data_grads = vjp(jnp.ones_like(value))
+        return value, SoftmaxGrads(grad_log_probs, None, grad_mean_log_prob), data_grads if with_data_grads else ()
+
+    return chunk_loss
+
+
+def _loss_forward(accumulator, plan, token_loss, head, hidden, targets, loss_data):
+    needs = (hidden.perturbed, head.weight.perturbed, head.bias is not None and head.bias.perturbed)
+    with_data_grads = _perturbed(loss_data)
+    head, hidden, targets, loss_data = jax.tree.map(_value, (head, hidden, targets, loss_data))
+    loss, stats, data_grads, grads = one_pass(plan, head, hidden, accumulator, targets,
+                                              _chunk_loss(token_loss, loss_data, with_data_grads), needs)
+    return (loss, accumulator.outputs(stats)), (head, grads, data_grads if with_data_grads else None)
+
+
+def _loss_backward(accumulator, plan, token_loss, residuals, cotangents):
+    head, grads, data_grads = residuals
+    grad_loss = cotangents[0]
+
+    def scaled(grad):
+        return None if grad is None else (grad_loss * grad).astype(grad.dtype)
+
+    head_grad = None if grads.weight is None and grads.bias is None else Head(
+        scaled(grads.weight), scaled(grads.bias), head.temperature, head.softcap, head.logit_scale)
+    return head_grad, scaled(grads.hidden), None, None if data_grads is None else jax.tree.map(scaled, data_grads)
+
+
+linear_loss.defvjp(_loss_forward, _loss_backward, symbolic_zeros=True)

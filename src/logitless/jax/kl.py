@@ -5,7 +5,8 @@ p is the distribution being trained (a policy, a student), from ``hidden_p`` and
 reference, a teacher) from ``hidden_q`` and its own head, which may have another hidden size. Over the full
 vocabulary, as `logitless.ops.kl` computes it,
 
-    KL = sum_v p_v (log p_v - log q_v) = g / s_p - log s_p + log s_q,   g = sum exp(z_p - m_p)((z_p - m_p) - (z_q - m_q))
+    KL = sum_v p_v (log p_v - log q_v) = g / s_p - log s_p + log s_q,
+    g = sum exp(z_p - m_p) ((z_p - m_p) - (z_q - m_q))
     d KL / d z_p = p * (log p - log q - KL)          d KL / d z_q = q - p
 
 (z the logits, m the running shifts, s the totals of each head's online softmax: numbers of their own size, no

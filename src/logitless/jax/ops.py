@@ -14,6 +14,7 @@ but contribute nothing: their ids are replaced by 0 and their statistics by 0, w
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
@@ -24,9 +25,10 @@ from logitless._checks import check_advantages_shape, check_choice, check_grpo_o
 from logitless.jax import reference
 from logitless.jax.checks import (check_array, check_finite, check_impl, check_mask, check_same_shape,
                                   check_token_ids, concrete, take_head)
-from logitless.jax.grpo import grpo_loss_from_stats, token_weights
+from logitless.jax.fused import TokenLoss
+from logitless.jax.grpo import GRPOData, GRPOTerms, grpo_metrics_of, token_weights
 from logitless.jax.head import Head
-from logitless.jax.sharding import fused_stats
+from logitless.jax.sharding import fused_loss, fused_stats
 from logitless.jax.softmax import SoftmaxAccumulator, SoftmaxStats
 from logitless.ops.blocks import BlockSizes
 from logitless.ops.grpo_settings import GRPOSettings
@@ -81,6 +83,26 @@ def _token_stats(inputs: LinearInputs, impl: str, need_entropy: bool = False,
     return SoftmaxStats(*(None if value is None else jnp.where(inputs.keep, value, 0.0) for value in stats))
 
 
+def _loss(inputs: LinearInputs, impl: str, token_loss: TokenLoss, loss_data, need_entropy: bool = False,
+          need_mean_log_prob: bool = False) -> tuple[jax.Array, SoftmaxStats]:
+    """(the sum of ``token_loss``'s terms over all tokens (), the (N,) statistics as `_token_stats` gives them,
+    without gradient). ``loss_data``: the loss's per-token arrays (N,)."""
+    if impl == "reference":
+        stats = reference.token_stats(inputs.head, inputs.hidden, inputs.targets)
+        loss = token_loss(stats, loss_data).sum()
+        outputs = jax.lax.stop_gradient((stats.log_probs, stats.entropy, stats.mean_log_prob))
+    else:
+        accumulator = SoftmaxAccumulator(inputs.head.vocab_size, need_entropy, need_mean_log_prob)
+        loss, outputs = fused_loss(accumulator, inputs.block_sizes, token_loss, inputs.head, inputs.hidden,
+                                   inputs.targets, loss_data)
+    log_probs, entropy, mean_log_prob = outputs
+    stats = SoftmaxStats(log_probs, None, entropy if need_entropy else None,
+                         mean_log_prob if need_mean_log_prob else None)
+    if inputs.keep is None:
+        return loss, stats
+    return loss, SoftmaxStats(*(None if value is None else jnp.where(inputs.keep, value, 0.0) for value in stats))
+
+
 def fused_linear_logprobs(hidden, weight=None, targets=None, *, bias=None, temperature: float = 1.0,
                           return_token_entropy: bool = False, mask=None, softcap: float | None = None,
                           logit_scale: float = 1.0, block_sizes: BlockSizes | None = None, impl: str = "auto",
@@ -104,6 +126,19 @@ def fused_linear_logprobs(hidden, weight=None, targets=None, *, bias=None, tempe
     stats = _token_stats(inputs, impl, need_entropy=return_token_entropy)
     log_probs = stats.log_probs.reshape(targets.shape)
     return (log_probs, stats.entropy.reshape(targets.shape)) if return_token_entropy else log_probs
+
+
+@dataclass(frozen=True)
+class CrossEntropyTerms:
+    """The cross-entropy's per-token terms times their weight (a `fused.TokenLoss`; ``weights`` (N,) the loss
+    data: 0 where ignored, 1 / count for a mean)."""
+
+    label_smoothing: float
+
+    def __call__(self, stats: SoftmaxStats, weights: jax.Array) -> jax.Array:
+        terms = -stats.log_probs if self.label_smoothing == 0 else (
+            -(1.0 - self.label_smoothing) * stats.log_probs - self.label_smoothing * stats.mean_log_prob)
+        return jnp.where(weights != 0, terms, 0.0) * weights
 
 
 def _check_smoothing(label_smoothing) -> float:
@@ -135,17 +170,15 @@ def fused_linear_cross_entropy(hidden, weight=None, targets=None, *, bias=None, 
     targets = check_array("targets", targets, integer=True)
     inputs = _linear_inputs(hidden, weight, targets, bias, temperature, softcap, logit_scale, head,
                             targets != ignore_index, block_sizes, impl)
-    stats = _token_stats(inputs, impl, need_mean_log_prob=label_smoothing > 0)
-    terms = -stats.log_probs if label_smoothing == 0 else (
-        -(1.0 - label_smoothing) * stats.log_probs - label_smoothing * stats.mean_log_prob)  # (N,), 0 where ignored
+    terms = CrossEntropyTerms(label_smoothing)
     if reduction == "none":
-        return terms.reshape(targets.shape)
-    total = terms.sum()
-    if reduction == "sum":
-        return total
+        stats = _token_stats(inputs, impl, need_mean_log_prob=label_smoothing > 0)
+        return terms(stats, inputs.keep.astype(stats.log_probs.dtype)).reshape(targets.shape)
     count = inputs.keep.sum()
+    weights = inputs.keep / (jnp.maximum(count, 1) if reduction == "mean" else 1)  # (N,)
+    total, _ = _loss(inputs, impl, terms, weights, need_mean_log_prob=label_smoothing > 0)
     # the mean of no tokens is NaN, with zero gradients, as in PyTorch
-    return total / jnp.maximum(count, 1) + jnp.where(count == 0, jnp.nan, 0.0)
+    return total + jnp.where(count == 0, jnp.nan, 0.0) if reduction == "mean" else total
 
 
 def _check_grpo_arrays(completion_ids, keep, advantages, old_log_probs, ref_log_probs, settings: GRPOSettings,
@@ -194,7 +227,9 @@ def fused_grpo_loss(hidden, weight=None, completion_ids=None, completion_mask=No
     settings = GRPOSettings.of(settings, options)
     advantages = _check_grpo_arrays(completion_ids, keep, advantages, old_log_probs, ref_log_probs, settings,
                                     num_items_in_batch)
-    stats = _token_stats(inputs, impl, need_entropy=True)
+    data = GRPOData(jnp.broadcast_to(advantages, keep.shape), old_log_probs, ref_log_probs,
+                    token_weights(keep, settings, num_items_in_batch), keep.astype(jnp.float32))  # (B, T) each
+    loss, stats = _loss(inputs, impl, GRPOTerms(settings), jax.tree.map(lambda values: values.reshape(-1), data),
+                        need_entropy=True)
     log_probs, entropy = (values.reshape(completion_ids.shape) for values in (stats.log_probs, stats.entropy))
-    weights = token_weights(keep, settings, num_items_in_batch)
-    return grpo_loss_from_stats(log_probs, entropy, keep, advantages, old_log_probs, ref_log_probs, weights, settings)
+    return loss, grpo_metrics_of(log_probs, entropy, data, settings)

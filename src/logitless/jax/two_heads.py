@@ -10,7 +10,6 @@ none where it does not (a teacher closed over, or behind ``jax.lax.stop_gradient
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
