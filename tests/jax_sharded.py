@@ -1,8 +1,8 @@
 """Run by tests/test_jax_sharded.py in a fresh process with four host CPU devices: the fused ops with the vocabulary
 (the weight's rows) sharded over a mesh axis, with and without the tokens sharded over another, against the same
 step on one device; and the batch sharded over an `AxisType.Auto` mesh, which XLA partitions. Prints a JSON line:
-per case, the loss and gradient differences, the gradients' shardings, the collectives of the compiled program
-and its per-device temporaries."""
+per case, the loss and gradient differences (fp32), the gradients' shardings, and the collectives and per-device
+temporaries of the program compiled for bf16 inputs (where every op runs the two-pass schedule, on one device too)."""
 
 import os
 import re
@@ -36,11 +36,15 @@ def jsd(hidden, weight, bias, mask, teacher_hidden, teacher_weight, **_):
     return divergence.sum() / mask.sum()
 
 
-LOSSES = {"cross_entropy": cross_entropy, "grpo": grpo, "jsd": jsd}
 MESHES = {  # name -> (devices, axis sizes, axis names, the token axis or None)
     "vocab over 2": (2, (2,), ("model",), None),
     "vocab over 4": (4, (4,), ("model",), None),
     "tokens over 2, vocab over 2": (4, (2, 2), ("data", "model"), "data"),
+}
+LOSSES = {  # name -> (loss, the meshes it runs on)
+    "cross_entropy": (cross_entropy, tuple(MESHES)),
+    "grpo": (grpo, ("vocab over 4",)),
+    "jsd": (jsd, ("vocab over 2", "tokens over 2, vocab over 2")),
 }
 
 
@@ -78,51 +82,84 @@ def collectives(compiled) -> dict:
     return dict(found, largest_gather=max(gathered, default=0))
 
 
+HEAD_ARRAYS = ("hidden", "weight", "bias", "teacher_hidden", "teacher_weight")  # bf16 in the memory measurement
+VOCAB_SHARDED = ("weight", "bias", "teacher_weight")
+
+
+def laid_out(arrays: dict, mesh=None, token_axis=None, bf16: bool = False) -> dict:
+    """The inputs placed on ``mesh`` (the weights' vocabulary over "model", the rest's first axis over
+    ``token_axis``), or with ``bf16`` their shapes only, the heads' arrays in bf16 (lowered, never allocated)."""
+    def spec(name):
+        return PartitionSpec("model" if name in VOCAB_SHARDED else token_axis)
+
+    if bf16:
+        return {name: jax.ShapeDtypeStruct(value.shape, jnp.bfloat16 if name in HEAD_ARRAYS else value.dtype,
+                                           sharding=None if mesh is None else NamedSharding(mesh, spec(name)))
+                for name, value in arrays.items()}
+    return {name: value if mesh is None else jax.device_put(value, NamedSharding(mesh, spec(name)))
+            for name, value in arrays.items()}
+
+
+def run(program, arrays: dict, compile_only: bool = False):
+    """program(hidden, weight, bias, the rest): its value and gradients, or compiled only."""
+    rest = {name: value for name, value in arrays.items() if name not in ("hidden", "weight", "bias")}
+    if compile_only:
+        return program.lower(arrays["hidden"], arrays["weight"], arrays["bias"], rest).compile()
+    return program(arrays["hidden"], arrays["weight"], arrays["bias"], rest)
+
+
 def main() -> None:
     devices, arrays = jax.devices(), inputs()
     report = {"devices": len(devices), "cases": {}}
-    for loss_name, loss in LOSSES.items():
-        one = {name: jax.device_put(value, devices[0]) for name, value in arrays.items()}
+    for loss_name, (loss, meshes) in LOSSES.items():
         program = step(loss)
-        expected_loss, expected_grads = program(one.pop("hidden"), one.pop("weight"), one.pop("bias"), one)
-        unsharded = program.lower(arrays["hidden"], arrays["weight"], arrays["bias"],
-                                  {k: v for k, v in arrays.items() if k not in ("hidden", "weight", "bias")}).compile()
+        expected_loss, expected_grads = run(program, laid_out(arrays))
+        unsharded = run(program, laid_out(arrays, bf16=True), compile_only=True)  # the two-pass schedule in bf16
         report["cases"][loss_name] = {"unsharded_temp_bytes": int(unsharded.memory_analysis().temp_size_in_bytes),
-                                      "grad_scales": [float(np.abs(np.asarray(g)).max()) for g in expected_grads]}
-        for mesh_name, (count, sizes, names, token_axis) in MESHES.items():
+                                      "grad_scales": [float(np.abs(np.asarray(g)).max()) for g in expected_grads],
+                                      "meshes": {}}
+        for mesh_name in meshes:
+            count, sizes, names, token_axis = MESHES[mesh_name]
             mesh = jax.make_mesh(sizes, names, (AxisType.Explicit,) * len(sizes), devices=devices[:count])
-
-            def put(value, spec):
-                return jax.device_put(value, NamedSharding(mesh, spec))
-
-            tokens = PartitionSpec(token_axis)
-            sharded = {name: put(value, tokens) for name, value in arrays.items()
-                       if name not in ("weight", "bias", "teacher_weight", "advantages")}
-            sharded.update(weight=put(arrays["weight"], PartitionSpec("model")),
-                           bias=put(arrays["bias"], PartitionSpec("model")),
-                           teacher_weight=put(arrays["teacher_weight"], PartitionSpec("model")),
-                           advantages=put(arrays["advantages"], tokens))
             with jax.set_mesh(mesh):
-                hidden, weight, bias = (sharded.pop(name) for name in ("hidden", "weight", "bias"))
-                value, grads = program(hidden, weight, bias, sharded)
-                compiled = program.lower(hidden, weight, bias, sharded).compile()
-            report["cases"][loss_name][mesh_name] = {
+                value, grads = run(program, laid_out(arrays, mesh, token_axis))
+                in_bf16 = run(program, laid_out(arrays, mesh, token_axis, bf16=True), compile_only=True)
+            report["cases"][loss_name]["meshes"][mesh_name] = {
                 "shards": count, "loss_diff": abs(float(value) - float(expected_loss)),
-                "grad_diffs": [float(np.abs(np.asarray(g) - np.asarray(e)).max()) for g, e in zip(grads, expected_grads)],
+                "grad_diffs": [float(np.abs(np.asarray(g) - np.asarray(e)).max())
+                               for g, e in zip(grads, expected_grads)],
                 "grad_specs": [str(tuple(g.sharding.spec)) for g in grads],
-                "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes), **collectives(compiled)}
+                "temp_bytes": int(in_bf16.memory_analysis().temp_size_in_bytes), **collectives(in_bf16)}
     auto = jax.make_mesh((2,), ("batch",), (AxisType.Auto,), devices=devices[:2])  # XLA partitions the op itself
     batch = {name: jax.device_put(value, NamedSharding(auto, PartitionSpec("batch" if value.shape[0] == B else None)))
              for name, value in arrays.items()}
     with jax.set_mesh(auto):
         value, grads = step(grpo)(batch.pop("hidden"), batch.pop("weight"), batch.pop("bias"), batch)
-    one = {name: jax.device_put(value, devices[0]) for name, value in arrays.items()}
-    expected_loss, expected_grads = step(grpo)(one.pop("hidden"), one.pop("weight"), one.pop("bias"), one)
+    expected_loss, expected_grads = run(step(grpo), laid_out(arrays))
     report["auto batch over 2"] = {"loss_diff": abs(float(value) - float(expected_loss)),
                                    "grad_diffs": [float(np.abs(np.asarray(g) - np.asarray(e)).max())
                                                   for g, e in zip(grads, expected_grads)],
                                    "grad_hidden_devices": len(grads[0].sharding.device_set)}
+    report["auto vocab over 4, explicit_axes"] = auto_vocab_sharded(devices, arrays)
     print(json.dumps(report))
+
+
+def auto_vocab_sharded(devices, arrays) -> dict:
+    """An `AxisType.Auto` mesh, whose shardings the op cannot see, given the weight's layout by
+    `jax.sharding.explicit_axes` (docs/jax.md)."""
+    mesh = jax.make_mesh((4,), ("model",), (AxisType.Auto,), devices=devices)
+    loss = jax.sharding.explicit_axes(fused_linear_cross_entropy, axes=("model",),
+                                      in_sharding=(PartitionSpec(), PartitionSpec("model"), PartitionSpec()))
+    weight = jax.device_put(arrays["weight"], NamedSharding(mesh, PartitionSpec("model")))
+    with jax.set_mesh(mesh):
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        value, grads = step(arrays["hidden"], weight, arrays["targets"])
+        compiled = step.lower(arrays["hidden"], weight, arrays["targets"]).compile()
+    expected_loss, expected_grads = jax.jit(jax.value_and_grad(fused_linear_cross_entropy, argnums=(0, 1)))(
+        arrays["hidden"], arrays["weight"], arrays["targets"])
+    return {"loss_diff": abs(float(value) - float(expected_loss)),
+            "grad_diffs": [float(np.abs(np.asarray(g) - np.asarray(e)).max()) for g, e in zip(grads, expected_grads)],
+            **collectives(compiled)}
 
 
 if __name__ == "__main__":
