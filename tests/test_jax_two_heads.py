@@ -157,8 +157,8 @@ def test_divergences_check_grads_float64_in_both_heads(beta):
                 value = fused_linear_kl(hidden_s, hidden_q=hidden_t, head_p=heads["head_s"], head_q=heads["head_t"],
                                         block_sizes=BlockSizes(vocab=4, tokens=2))
             else:
-                value = fused_linear_jsd(hidden_s, hidden_t=hidden_t, beta=beta, block_sizes=BlockSizes(vocab=4, tokens=2),
-                                         **heads)
+                value = fused_linear_jsd(hidden_s, hidden_t=hidden_t, beta=beta,
+                                         block_sizes=BlockSizes(vocab=4, tokens=2), **heads)
             assert value.dtype == jnp.float64
             return (value * jnp.arange(1.0, 6.0)).sum()
 
@@ -166,7 +166,8 @@ def test_divergences_check_grads_float64_in_both_heads(beta):
 
 
 @pytest.mark.parametrize("changes, error, match", [
-    (dict(weight_t=np.zeros((V + 1, H_T), np.float32), bias_t=None), ValueError, "weight_t: vocabulary of 62 rows, weight_s has 61"),
+    (dict(weight_t=np.zeros((V + 1, H_T), np.float32), bias_t=None), ValueError,
+     "weight_t: vocabulary of 62 rows, weight_s has 61"),
     (dict(hidden_t=np.zeros((B, T + 1, H_T), np.float32)), ValueError, "hidden_t: leading dims"),
     (dict(weight_t=np.zeros((V, H_S), np.float32)), ValueError, "weight_t: hidden size 12 does not match hidden_t's"),
     (dict(weight_s=np.zeros((V, H_S), np.float16)), TypeError, "weight_s: dtype float16 differs from hidden_s's"),
