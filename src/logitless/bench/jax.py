@@ -333,9 +333,9 @@ def plot(report: dict, path):
                 timed = report["results"]["run"][loss][impl]
                 rows[f"{loss} {impl}"].update(time_s=timed["time_s"], time_ratio=timed["time_ratio"])
     panels = [("temp_size_in_bytes", "temp_ratio", 1e-6,
-               f"compiled temporaries (MB), {Shape(**report['shapes'][memory_shape]).label()}", 3)]
+               f"compiled temporaries (MB)\n{Shape(**report['shapes'][memory_shape]).label()}", 3)]
     if not report["compile_only"]:
-        panels.append(("time_s", "time_ratio", 1.0, f"time per step (s), {Shape(**report['shapes']['run']).label()}",
+        panels.append(("time_s", "time_ratio", 1.0, f"time per step (s)\n{Shape(**report['shapes']['run']).label()}",
                        2))
     colors = {"plain": "#999999", "seq_chunked": "#dd8452", "logitless": "#4c72b0"}
     return ratio_bar_panels(rows, panels, [colors[name.split()[1]] for name in rows],

@@ -40,6 +40,15 @@ class Needs:
     needs: tuple[tuple[bool, bool, bool], ...]
 
 
+def _value(primal):
+    return primal.value
+
+
+def _needs(head, hidden) -> tuple[bool, bool, bool]:
+    """Whether the forward rule's primals hidden, the head's weight and its bias are differentiated."""
+    return hidden.perturbed, head.weight.perturbed, head.bias is not None and head.bias.perturbed
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def linear_stats(accumulator: Accumulator, plan: Plan, heads: tuple[Head, ...], hiddens: tuple[jax.Array, ...],
                  row_data) -> tuple:
@@ -49,9 +58,8 @@ def linear_stats(accumulator: Accumulator, plan: Plan, heads: tuple[Head, ...], 
 
 
 def _forward_rule(accumulator: Accumulator, plan: Plan, heads, hiddens, row_data):
-    needs = Needs(tuple((hidden.perturbed, head.weight.perturbed, head.bias is not None and head.bias.perturbed)
-                        for head, hidden in zip(heads, hiddens)))
-    heads, hiddens, row_data = jax.tree.map(lambda primal: primal.value, (heads, hiddens, row_data))
+    needs = Needs(tuple(_needs(head, hidden) for head, hidden in zip(heads, hiddens)))
+    heads, hiddens, row_data = jax.tree.map(_value, (heads, hiddens, row_data))
     stats = two_pass_stats(plan, heads, hiddens, accumulator, row_data)
     return accumulator.outputs(stats), (heads, hiddens, row_data, stats, needs)
 
@@ -70,14 +78,6 @@ def _backward(accumulator: Accumulator, plan: Plan, residuals, cotangents):
 linear_stats.defvjp(_forward_rule, _backward, symbolic_zeros=True)
 
 
-def _value(primal):
-    return primal.value
-
-
-def _perturbed(tree) -> bool:
-    return any(primal.perturbed for primal in jax.tree.leaves(tree))
-
-
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def linear_loss(accumulator: SoftmaxAccumulator, plan: Plan, token_loss: TokenLoss, head: Head, hidden, targets,
                 loss_data) -> tuple[jax.Array, tuple]:
@@ -92,7 +92,7 @@ def _chunk_loss(token_loss: TokenLoss, loss_data, with_data_grads: bool):
     """The one-pass schedule's `engine.ChunkLoss`: a token block's loss over its own rows, the gradients of the
     log-prob and mean log-prob (the entropy is a metric) and, asked for, of ``loss_data``'s rows."""
 
-    def chunk_loss(rows: Block, stats: SoftmaxStats, targets):
+    def chunk_loss(rows: Block, stats: SoftmaxStats, _targets):
         data = jax.tree.map(lambda values: jax.lax.dynamic_slice_in_dim(values, rows.start, rows.size), loss_data)
 
         def block_loss(log_probs, mean_log_prob, data):
@@ -107,8 +107,8 @@ def _chunk_loss(token_loss: TokenLoss, loss_data, with_data_grads: bool):
 
 
 def _loss_forward(accumulator, plan, token_loss, head, hidden, targets, loss_data):
-    needs = (hidden.perturbed, head.weight.perturbed, head.bias is not None and head.bias.perturbed)
-    with_data_grads = _perturbed(loss_data)
+    needs = _needs(head, hidden)
+    with_data_grads = any(primal.perturbed for primal in jax.tree.leaves(loss_data))
     head, hidden, targets, loss_data = jax.tree.map(_value, (head, hidden, targets, loss_data))
     loss, stats, data_grads, grads = one_pass(plan, head, hidden, accumulator, targets,
                                               _chunk_loss(token_loss, loss_data, with_data_grads), needs)
@@ -118,6 +118,8 @@ def _loss_forward(accumulator, plan, token_loss, head, hidden, targets, loss_dat
 def _loss_backward(accumulator, plan, token_loss, residuals, cotangents):
     head, grads, data_grads = residuals
     grad_loss = cotangents[0]
+    if isinstance(grad_loss, SymbolicZero):  # only the outputs, which carry no gradient, were used
+        return None, None, None, None
 
     def scaled(grad):
         return None if grad is None else (grad_loss * grad).astype(grad.dtype)

@@ -65,42 +65,45 @@ def _linear_inputs(hidden, weight, targets, bias, temperature, softcap, logit_sc
                         BlockSizes.of(block_sizes))
 
 
-def _token_stats(inputs: LinearInputs, impl: str, need_entropy: bool = False,
-                 need_mean_log_prob: bool = False) -> SoftmaxStats:
-    """(N,) log-probs, and the entropies and mean log-probs asked for (else None); 0 where masked. The log-sum-exp
-    is left out (None)."""
-    if impl == "reference":
-        stats = reference.token_stats(inputs.head, inputs.hidden, inputs.targets)
-        stats = SoftmaxStats(stats.log_probs, None, stats.entropy if need_entropy else None,
-                             stats.mean_log_prob if need_mean_log_prob else None)
-    else:
-        accumulator = SoftmaxAccumulator(inputs.head.vocab_size, need_entropy, need_mean_log_prob)
-        log_probs, entropy, mean_log_prob = fused_stats(accumulator, inputs.block_sizes, (inputs.head,),
-                                                        (inputs.hidden,), inputs.targets)
-        stats = SoftmaxStats(log_probs, None, entropy, mean_log_prob)
+def _kept_stats(inputs: LinearInputs, outputs: tuple, need_entropy: bool, need_mean_log_prob: bool) -> SoftmaxStats:
+    """The (N,) outputs (log_probs, entropy, mean_log_prob) as statistics: those asked for (else None), 0 where
+    masked; the log-sum-exp is left out (None)."""
+    log_probs, entropy, mean_log_prob = outputs
+    stats = SoftmaxStats(log_probs, None, entropy if need_entropy else None,
+                         mean_log_prob if need_mean_log_prob else None)
     if inputs.keep is None:
         return stats
     return SoftmaxStats(*(None if value is None else jnp.where(inputs.keep, value, 0.0) for value in stats))
 
 
+def _reference_outputs(inputs: LinearInputs) -> tuple[SoftmaxStats, tuple]:
+    stats = reference.token_stats(inputs.head, inputs.hidden, inputs.targets)
+    return stats, (stats.log_probs, stats.entropy, stats.mean_log_prob)
+
+
+def _token_stats(inputs: LinearInputs, impl: str, need_entropy: bool = False,
+                 need_mean_log_prob: bool = False) -> SoftmaxStats:
+    """(N,) log-probs, and the entropies and mean log-probs asked for, as `_kept_stats` gives them."""
+    if impl == "reference":
+        outputs = _reference_outputs(inputs)[1]
+    else:
+        accumulator = SoftmaxAccumulator(inputs.head.vocab_size, need_entropy, need_mean_log_prob)
+        outputs = fused_stats(accumulator, inputs.block_sizes, (inputs.head,), (inputs.hidden,), inputs.targets)
+    return _kept_stats(inputs, outputs, need_entropy, need_mean_log_prob)
+
+
 def _loss(inputs: LinearInputs, impl: str, token_loss: TokenLoss, loss_data, need_entropy: bool = False,
           need_mean_log_prob: bool = False) -> tuple[jax.Array, SoftmaxStats]:
-    """(the sum of ``token_loss``'s terms over all tokens (), the (N,) statistics as `_token_stats` gives them,
-    without gradient). ``loss_data``: the loss's per-token arrays (N,)."""
+    """(the sum of ``token_loss``'s terms over all tokens (), the statistics as `_token_stats` gives them, without
+    gradient). ``loss_data``: the loss's per-token arrays (N,)."""
     if impl == "reference":
-        stats = reference.token_stats(inputs.head, inputs.hidden, inputs.targets)
-        loss = token_loss(stats, loss_data).sum()
-        outputs = jax.lax.stop_gradient((stats.log_probs, stats.entropy, stats.mean_log_prob))
+        stats, outputs = _reference_outputs(inputs)
+        loss, outputs = token_loss(stats, loss_data).sum(), jax.lax.stop_gradient(outputs)
     else:
         accumulator = SoftmaxAccumulator(inputs.head.vocab_size, need_entropy, need_mean_log_prob)
         loss, outputs = fused_loss(accumulator, inputs.block_sizes, token_loss, inputs.head, inputs.hidden,
                                    inputs.targets, loss_data)
-    log_probs, entropy, mean_log_prob = outputs
-    stats = SoftmaxStats(log_probs, None, entropy if need_entropy else None,
-                         mean_log_prob if need_mean_log_prob else None)
-    if inputs.keep is None:
-        return loss, stats
-    return loss, SoftmaxStats(*(None if value is None else jnp.where(inputs.keep, value, 0.0) for value in stats))
+    return loss, _kept_stats(inputs, outputs, need_entropy, need_mean_log_prob)
 
 
 def fused_linear_logprobs(hidden, weight=None, targets=None, *, bias=None, temperature: float = 1.0,
