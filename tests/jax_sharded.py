@@ -1,60 +1,164 @@
-"""Run by tests/test_jax_sharded.py in a fresh process with two host CPU devices: `fused_grpo_loss` with the
-batch sharded over both devices, against the same step on one device. Prints a JSON line of the differences."""
+"""Run by tests/test_jax_sharded.py in a fresh process with four host CPU devices: the fused ops with the vocabulary
+(the weight's rows) sharded over a mesh axis, with and without the tokens sharded over another, against the same
+step on one device; and the batch sharded over an `AxisType.Auto` mesh, which XLA partitions. Prints a JSON line:
+per case, the loss and gradient differences (fp32), the gradients' shardings, and the collectives and per-device
+temporaries of the program compiled for bf16 inputs (where every op runs the two-pass schedule, on one device too)."""
 
 import os
+import re
 
 # must precede the first jax import: the host platform's device count is fixed when the backend starts
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 
 import json  # noqa: E402
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
 
-from logitless.jax import BlockSizes, fused_grpo_loss  # noqa: E402
+from logitless.jax import fused_grpo_loss, fused_linear_cross_entropy, fused_linear_jsd  # noqa: E402
 
-B, T, H, V = 4, 6, 8, 37
+B, T, H, V = 4, 8, 16, 16384  # the default blocks of 2048 columns: 8 vocabulary blocks on one device
 
 
-def step(hidden, weight, completion_ids, completion_mask, advantages, old_logprobs, ref_logprobs):
-    def loss(hidden, weight):
-        return fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, old_logprobs=old_logprobs,
-                               ref_logprobs=ref_logprobs, beta=0.04, loss_type="grpo",
-                               block_sizes=BlockSizes(vocab=8, tokens=5))
+def cross_entropy(hidden, weight, bias, targets, **_):
+    return fused_linear_cross_entropy(hidden, weight, targets, bias=bias, label_smoothing=0.1, temperature=0.9)
 
-    return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(hidden, weight)
+
+def grpo(hidden, weight, bias, targets, mask, advantages, old_log_probs, ref_log_probs, **_):
+    return fused_grpo_loss(hidden, weight, targets, mask, advantages, bias=bias, old_log_probs=old_log_probs,
+                           ref_log_probs=ref_log_probs, beta=0.04, softcap=5.0)[0]
+
+
+def jsd(hidden, weight, bias, mask, teacher_hidden, teacher_weight, **_):
+    divergence = fused_linear_jsd(hidden, weight, teacher_hidden, teacher_weight, bias_s=bias, beta=0.3, mask=mask)
+    return divergence.sum() / mask.sum()
+
+
+MESHES = {  # name -> (devices, axis sizes, axis names, the token axis or None)
+    "vocab over 2": (2, (2,), ("model",), None),
+    "vocab over 4": (4, (4,), ("model",), None),
+    "tokens over 2, vocab over 2": (4, (2, 2), ("data", "model"), "data"),
+}
+LOSSES = {  # name -> (loss, the meshes it runs on)
+    "cross_entropy": (cross_entropy, ("vocab over 2", "vocab over 4")),
+    "grpo": (grpo, ("vocab over 4",)),
+    "jsd": (jsd, ("tokens over 2, vocab over 2",)),
+}
+
+
+def inputs() -> dict:
+    rng = np.random.default_rng(0)
+    mask = np.ones((B, T), np.float32)
+    mask[1, 5:] = 0
+    targets = rng.integers(0, V, (B, T)).astype(np.int32)
+    return dict(hidden=rng.standard_normal((B, T, H)).astype(np.float32),
+                weight=(rng.standard_normal((V, H)) * 0.3).astype(np.float32),
+                bias=(rng.standard_normal(V) * 0.1).astype(np.float32),
+                targets=np.where(mask > 0, targets, -100), mask=mask,
+                advantages=rng.standard_normal(B).astype(np.float32),
+                old_log_probs=(rng.standard_normal((B, T)) * 0.2 - 9.8).astype(np.float32),
+                ref_log_probs=(rng.standard_normal((B, T)) * 0.2 - 9.8).astype(np.float32),
+                teacher_hidden=rng.standard_normal((B, T, 2 * H)).astype(np.float32),
+                teacher_weight=(rng.standard_normal((V, 2 * H)) * 0.3).astype(np.float32))
+
+
+def step(loss):
+    """jit(value_and_grad) in hidden, weight and bias; the GRPO loss reads its ids where the mask keeps them."""
+    def value(hidden, weight, bias, arrays):
+        arrays = dict(arrays, targets=jnp.where(arrays["mask"] > 0, arrays["targets"], 0)) if loss is grpo else arrays
+        return loss(hidden, weight, bias, **arrays)
+
+    return jax.jit(jax.value_and_grad(value, argnums=(0, 1, 2)))
+
+
+def collectives(compiled) -> dict:
+    """The collectives of a compiled program: how many of each, and the largest result of an all-gather."""
+    text = compiled.as_text()
+    found = {name: len(re.findall(rf"\b{name}(-start)?\(", text)) for name in ("all-gather", "all-reduce")}
+    gathered = [int(np.prod([int(d) for d in shape.split(",") if d])) for shape in
+                re.findall(r"= \w+\[([\d,]*)\][^=]*\ball-gather(?:-start)?\(", text)]
+    return dict(found, largest_gather=max(gathered, default=0))
+
+
+HEAD_ARRAYS = ("hidden", "weight", "bias", "teacher_hidden", "teacher_weight")  # bf16 in the memory measurement
+VOCAB_SHARDED = ("weight", "bias", "teacher_weight")
+
+
+def laid_out(arrays: dict, mesh=None, token_axis=None, bf16: bool = False) -> dict:
+    """The inputs placed on ``mesh`` (the weights' vocabulary over "model", the rest's first axis over
+    ``token_axis``), or with ``bf16`` their shapes only, the heads' arrays in bf16 (lowered, never allocated)."""
+    def spec(name):
+        return PartitionSpec("model" if name in VOCAB_SHARDED else token_axis)
+
+    if bf16:
+        return {name: jax.ShapeDtypeStruct(value.shape, jnp.bfloat16 if name in HEAD_ARRAYS else value.dtype,
+                                           sharding=None if mesh is None else NamedSharding(mesh, spec(name)))
+                for name, value in arrays.items()}
+    return {name: value if mesh is None else jax.device_put(value, NamedSharding(mesh, spec(name)))
+            for name, value in arrays.items()}
+
+
+def run(program, arrays: dict, compile_only: bool = False):
+    """program(hidden, weight, bias, the rest): its value and gradients, or compiled only."""
+    rest = {name: value for name, value in arrays.items() if name not in ("hidden", "weight", "bias")}
+    if compile_only:
+        return program.lower(arrays["hidden"], arrays["weight"], arrays["bias"], rest).compile()
+    return program(arrays["hidden"], arrays["weight"], arrays["bias"], rest)
+
+
+def differences(value, grads, expected) -> dict:
+    """The loss's and each gradient's largest difference to the one-device ``expected`` (value, gradients)."""
+    expected_value, expected_grads = expected
+    return {"loss_diff": abs(float(value) - float(expected_value)),
+            "grad_diffs": [float(np.abs(np.asarray(g) - np.asarray(e)).max()) for g, e in zip(grads, expected_grads)]}
 
 
 def main() -> None:
-    rng = np.random.default_rng(0)
-    mask = np.ones((B, T), np.float32)
-    mask[1, 4:] = 0
-    inputs = dict(hidden=rng.standard_normal((B, T, H)).astype(np.float32),
-                  weight=(rng.standard_normal((V, H)) * 0.3).astype(np.float32),
-                  completion_ids=rng.integers(0, V, (B, T)).astype(np.int32), completion_mask=mask,
-                  advantages=rng.standard_normal(B).astype(np.float32),
-                  old_logprobs=(rng.standard_normal((B, T)) * 0.2 - 3.6).astype(np.float32),
-                  ref_logprobs=(rng.standard_normal((B, T)) * 0.2 - 3.6).astype(np.float32))
-    devices = jax.devices()
-    single = {name: jax.device_put(value, devices[0]) for name, value in inputs.items()}
-    (loss_1, metrics_1), grads_1 = jax.jit(step)(**single)
-    report = {"devices": len(devices), "loss": float(loss_1),
-              "grad_scales": [float(np.abs(np.asarray(g1)).max()) for g1 in grads_1]}
-    for axis_type in (AxisType.Auto, AxisType.Explicit):  # GSPMD partitions the op / shard_map per shard
-        mesh = jax.make_mesh((2,), ("batch",), (axis_type,), devices=devices)
-        batch_sharded, replicated = NamedSharding(mesh, PartitionSpec("batch")), NamedSharding(mesh, PartitionSpec())
-        sharded = {name: jax.device_put(value, replicated if name == "weight" else batch_sharded)
-                   for name, value in inputs.items()}
-        with jax.set_mesh(mesh):
-            (loss, metrics), grads = jax.jit(step)(**sharded)
-        report[str(axis_type)] = {
-            "hidden_shards": len(sharded["hidden"].addressable_shards),
-            "grad_hidden_devices": len(grads[0].sharding.device_set),
-            "loss_diff": abs(float(loss) - float(loss_1)),
-            "grad_diffs": [float(np.abs(np.asarray(g) - np.asarray(g1)).max()) for g, g1 in zip(grads, grads_1)],
-            "metric_diffs": {k: abs(float(metrics[k]) - float(metrics_1[k])) for k in metrics}}
+    devices, arrays = jax.devices(), inputs()
+    report, expected = {"devices": len(devices), "cases": {}}, {}
+    for loss_name, (loss, meshes) in LOSSES.items():
+        program = step(loss)
+        expected[loss_name] = run(program, laid_out(arrays))
+        unsharded = run(program, laid_out(arrays, bf16=True), compile_only=True)  # the two-pass schedule in bf16
+        report["cases"][loss_name] = {"unsharded_temp_bytes": int(unsharded.memory_analysis().temp_size_in_bytes),
+                                      "grad_scales": [float(np.abs(np.asarray(g)).max())
+                                                      for g in expected[loss_name][1]],
+                                      "meshes": {}}
+        for mesh_name in meshes:
+            count, sizes, names, token_axis = MESHES[mesh_name]
+            mesh = jax.make_mesh(sizes, names, (AxisType.Explicit,) * len(sizes), devices=devices[:count])
+            with jax.set_mesh(mesh):
+                value, grads = run(program, laid_out(arrays, mesh, token_axis))
+                in_bf16 = run(program, laid_out(arrays, mesh, token_axis, bf16=True), compile_only=True)
+            report["cases"][loss_name]["meshes"][mesh_name] = {
+                "shards": count, **differences(value, grads, expected[loss_name]),
+                "grad_specs": [str(tuple(g.sharding.spec)) for g in grads],
+                "temp_bytes": int(in_bf16.memory_analysis().temp_size_in_bytes), **collectives(in_bf16)}
+    auto = jax.make_mesh((2,), ("batch",), (AxisType.Auto,), devices=devices[:2])  # XLA partitions the op itself
+    batch = {name: jax.device_put(value, NamedSharding(auto, PartitionSpec("batch" if value.shape[0] == B else None)))
+             for name, value in arrays.items()}
+    with jax.set_mesh(auto):
+        value, grads = run(step(grpo), batch)
+    report["auto batch over 2"] = {**differences(value, grads, expected["grpo"]),
+                                   "grad_hidden_devices": len(grads[0].sharding.device_set)}
+    report["auto vocab over 4, explicit_axes"] = auto_vocab_sharded(devices, arrays, expected["cross_entropy"])
     print(json.dumps(report))
+
+
+def auto_vocab_sharded(devices, arrays, expected) -> dict:
+    """An `AxisType.Auto` mesh, whose shardings the op cannot see, given the weight's layout by
+    `jax.sharding.explicit_axes` (docs/jax.md)."""
+    mesh = jax.make_mesh((4,), ("model",), (AxisType.Auto,), devices=devices)
+    vocab, whole = PartitionSpec("model"), PartitionSpec()
+    loss = jax.sharding.explicit_axes(cross_entropy, axes=("model",), in_sharding=(whole, vocab, vocab, whole))
+    weight, bias = (jax.device_put(arrays[name], NamedSharding(mesh, vocab)) for name in ("weight", "bias"))
+    inputs = (arrays["hidden"], weight, bias, arrays["targets"])
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*inputs).compile()
+        value, grads = compiled(*inputs)
+    return {**differences(value, grads, expected), **collectives(compiled)}
 
 
 if __name__ == "__main__":

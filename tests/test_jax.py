@@ -1,5 +1,6 @@
-"""logitless.jax against the PyTorch ops (values, gradients, metrics), check_grads in float64, -inf logits,
-bf16, masks, jit, the memory design, and bad input.
+"""logitless.jax's ops of one head (log-probs, cross-entropy, the GRPO loss) against the PyTorch ops (values,
+gradients, metrics) and the plain-JAX oracle; check_grads in float64, -inf logits, bf16, masks, jit, the memory
+design, the API's spellings and bad input.
 
 One small shape throughout (V prime; blocks of 16 columns and 8 rows leave ragged ends on both axes),
 so the few distinct programs compile once.
@@ -13,13 +14,15 @@ import numpy as np
 import pytest
 import torch
 from jax.test_util import check_grads
+from jax_helpers import assert_close, pytorch
 
 import logitless
-from logitless.jax import BlockSizes, fused_grpo_loss, fused_linear_logprobs
+from logitless.jax import BlockSizes, Head, fused_grpo_loss, fused_linear_cross_entropy, fused_linear_logprobs
+from logitless.jax import reference
 from logitless.jax.blocks import jax_block_sizes
-from logitless.jax.head import Head
-from logitless.jax.reference import materialized_token_stats
-from logitless.jax.token_stats import linear_token_stats
+from logitless.jax.engine import Plan
+from logitless.jax.fused import linear_stats
+from logitless.jax.softmax import SoftmaxAccumulator
 
 B, T, H, V = 3, 7, 16, 61
 BLOCKS = BlockSizes(vocab=16, tokens=8)
@@ -44,17 +47,17 @@ def grpo_inputs(seed: int = 0) -> dict:
     old[~mask] = np.nan
     return dict(hidden=hidden, weight=weight, completion_ids=ids, completion_mask=mask,
                 advantages=rng.standard_normal(B).astype(np.float32),
-                per_token_advantages=rng.standard_normal((B, T)).astype(np.float32), old_logprobs=old,
-                ref_logprobs=ref)
+                per_token_advantages=rng.standard_normal((B, T)).astype(np.float32), old_log_probs=old,
+                ref_log_probs=ref)
 
 
 def torch_grpo(inputs, **options):
     hidden, weight = (torch.tensor(inputs[k], requires_grad=True) for k in ("hidden", "weight"))
     arrays = {k: None if inputs.get(k) is None else torch.tensor(inputs[k])
-              for k in ("completion_ids", "completion_mask", "advantages", "old_logprobs", "ref_logprobs")}
-    loss, metrics = logitless.fused_grpo_loss(hidden, weight, arrays["completion_ids"], arrays["completion_mask"],
-                                              arrays["advantages"], old_logprobs=arrays["old_logprobs"],
-                                              ref_logprobs=arrays["ref_logprobs"], **options)
+              for k in ("completion_ids", "completion_mask", "advantages", "old_log_probs", "ref_log_probs")}
+    loss, metrics = pytorch(logitless.fused_grpo_loss, hidden, weight, arrays["completion_ids"],
+                            arrays["completion_mask"], arrays["advantages"], old_log_probs=arrays["old_log_probs"],
+                            ref_log_probs=arrays["ref_log_probs"], **options)
     loss.backward()
     return loss.item(), metrics, hidden.grad.numpy(), weight.grad.numpy()
 
@@ -62,8 +65,8 @@ def torch_grpo(inputs, **options):
 def jax_grpo(inputs, **options):
     def loss(hidden, weight):
         return fused_grpo_loss(hidden, weight, inputs["completion_ids"], inputs["completion_mask"],
-                               inputs["advantages"], old_logprobs=inputs.get("old_logprobs"),
-                               ref_logprobs=inputs.get("ref_logprobs"), block_sizes=BLOCKS, **options)
+                               inputs["advantages"], old_log_probs=inputs.get("old_log_probs"),
+                               ref_log_probs=inputs.get("ref_log_probs"), block_sizes=BLOCKS, **options)
 
     (value, metrics), (grad_hidden, grad_weight) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
         jnp.asarray(inputs["hidden"]), jnp.asarray(inputs["weight"]))
@@ -72,16 +75,15 @@ def jax_grpo(inputs, **options):
 
 GRPO_CASES = {
     "grpo": dict(loss_type="grpo"),
-    "grpo-kl-old-temperature": dict(loss_type="grpo", beta=0.04, temperature=0.7),
-    "bnpo": dict(loss_type="bnpo"),
     "bnpo-kl-old-per-token-advantages": dict(loss_type="bnpo", beta=0.1, per_token=True, temperature=0.9),
-    "dr_grpo": dict(loss_type="dr_grpo", max_completion_length=9),
     "dr_grpo-kl-old-delta-bias-correction": dict(loss_type="dr_grpo", beta=0.04, delta=1.02,
-                                                 use_bias_correction_kl=True, temperature=1.3),
-    "dapo": dict(loss_type="dapo", epsilon_high=0.28),
+                                                 use_bias_correction_kl=True, temperature=1.3,
+                                                 max_completion_length=9),
     "dapo-kl-old-items-accumulation": dict(loss_type="dapo", beta=0.04, num_items_in_batch=20,
-                                           gradient_accumulation_steps=2, epsilon_low=0.1, temperature=1.1),
+                                           gradient_accumulation_steps=2, epsilon_low=0.1, epsilon_high=0.28,
+                                           temperature=1.1),
     "grpo-kl-old-scale-softcap": dict(loss_type="grpo", beta=0.04, logit_scale=2.5, softcap=3.0, temperature=0.9),
+    "bnpo-kl-old-reference": dict(loss_type="bnpo", beta=0.04, impl="reference", logit_scale=1.5),
 }
 
 
@@ -92,8 +94,9 @@ def test_grpo_loss_matches_pytorch(case):
     if options.pop("per_token", False):
         inputs["advantages"] = inputs["per_token_advantages"]
     if "beta" not in options:  # on-policy without KL: no old or reference log-probs
-        inputs["old_logprobs"] = inputs["ref_logprobs"] = None
-    expected, got = torch_grpo(inputs, **options), jax_grpo(inputs, **options)
+        inputs["old_log_probs"] = inputs["ref_log_probs"] = None
+    jax_impl = options.pop("impl", "auto")
+    expected, got = torch_grpo(inputs, **options), jax_grpo(inputs, impl=jax_impl, **options)
     assert got[0] == pytest.approx(expected[0], abs=1e-5)
     assert set(got[1]) == set(expected[1])
     for name, value in expected[1].items():
@@ -102,18 +105,6 @@ def test_grpo_loss_matches_pytorch(case):
     np.testing.assert_allclose(got[3], expected[3], atol=1e-5)  # d weight
     assert np.abs(expected[3]).max() > 1e-3  # the comparison saw real gradients
     assert not math.isnan(got[1]["clip_ratio/low_min"])  # the empty sequence is left out, not NaN
-
-
-LOGPROB_CASES = {
-    "batched-bias-mask-temperature": dict(temperature=0.7, bias=True, mask=True),
-    "batched-softcap-bias": dict(softcap=2.0, bias=True),
-    "flat-default-blocks": dict(flat=True),
-    "batched-scale": dict(logit_scale=0.4),
-    "batched-scale-bias-mask-temperature": dict(logit_scale=1.7, temperature=0.7, bias=True, mask=True),
-    "batched-scale-softcap-bias-temperature": dict(logit_scale=2.5, softcap=2.0, bias=True, temperature=1.3),
-    "materialized-scale-softcap-bias-temperature": dict(logit_scale=2.5, softcap=2.0, bias=True, temperature=1.3,
-                                                        jax_impl="materialized"),
-}
 
 
 def test_grpo_settings_equal_the_keywords_and_a_disagreeing_keyword_is_named():
@@ -127,6 +118,16 @@ def test_grpo_settings_equal_the_keywords_and_a_disagreeing_keyword_is_named():
         jax_grpo(inputs, settings=settings, delta=1.5)
 
 
+LOGPROB_CASES = {
+    "batched-bias-mask-temperature": dict(temperature=0.7, bias=True, mask=True),
+    "flat-default-blocks-softcap": dict(flat=True, softcap=2.0),
+    "batched-scale-bias-mask-temperature-head": dict(logit_scale=1.7, temperature=0.7, bias=True, mask=True,
+                                                     whole_head=True),
+    "reference-scale-softcap-bias-temperature": dict(logit_scale=2.5, softcap=2.0, bias=True, temperature=1.3,
+                                                     jax_impl="reference"),
+}
+
+
 @pytest.mark.parametrize("case", LOGPROB_CASES)
 def test_logprobs_and_entropy_match_pytorch(case):
     options = dict(LOGPROB_CASES[case])
@@ -137,7 +138,7 @@ def test_logprobs_and_entropy_match_pytorch(case):
     if mask is None:
         targets = np.where(targets < 0, 0, targets)
     bias = rng.standard_normal(V).astype(np.float32) if options.pop("bias", False) else None
-    impl = options.pop("jax_impl", "fused")
+    impl, whole_head = options.pop("jax_impl", "auto"), options.pop("whole_head", False)
     if options.pop("flat", False):
         hidden, targets = hidden.reshape(-1, H), targets.reshape(-1)
         blocks = None
@@ -147,25 +148,80 @@ def test_logprobs_and_entropy_match_pytorch(case):
 
     th, tw = torch.tensor(hidden, requires_grad=True), torch.tensor(weight, requires_grad=True)
     tb = None if bias is None else torch.tensor(bias, requires_grad=True)
-    log_probs, entropy = logitless.fused_linear_logprobs(th, tw, torch.tensor(targets), bias=tb, return_entropy=True,
-                                                         mask=None if mask is None else torch.tensor(mask), **options)
+    log_probs, entropy = pytorch(logitless.fused_linear_logprobs, th, tw, torch.tensor(targets), bias=tb,
+                                 return_token_entropy=True, mask=None if mask is None else torch.tensor(mask),
+                                 **options)
     (log_probs * torch.tensor(weights[0]) + entropy * torch.tensor(weights[1])).sum().backward()
 
     def loss(hidden, weight, bias):
-        lp, ent = fused_linear_logprobs(hidden, weight, targets, bias=bias, return_entropy=True, mask=mask,
-                                        block_sizes=blocks, impl=impl, **options)
+        head = dict(head=Head(weight, bias, **options)) if whole_head else dict(weight=weight, bias=bias, **options)
+        lp, ent = fused_linear_logprobs(hidden, targets=targets, return_token_entropy=True, mask=mask,
+                                        block_sizes=blocks, impl=impl, **head)
         return (lp * weights[0] + ent * weights[1]).sum(), (lp, ent)
 
     argnums = (0, 1) if bias is None else (0, 1, 2)
-    (_, (lp, ent)), grads = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(
+    (_, (lp, ent)), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(
         jnp.asarray(hidden), jnp.asarray(weight), None if bias is None else jnp.asarray(bias))
     assert lp.shape == ent.shape == targets.shape and lp.dtype == jnp.float32
-    np.testing.assert_allclose(lp, log_probs.detach().numpy(), atol=1e-5)
-    np.testing.assert_allclose(ent, entropy.detach().numpy(), atol=1e-5)
+    assert_close(lp, log_probs)
+    assert_close(ent, entropy)
     for grad, tensor in zip(grads, (th, tw, tb)):
-        np.testing.assert_allclose(grad, tensor.grad.numpy(), atol=1e-5)
+        assert_close(grad, tensor.grad)
     if mask is not None:
         assert (np.asarray(lp)[~mask] == 0).all() and (np.asarray(ent)[~mask] == 0).all()
+
+
+CROSS_ENTROPY_CASES = {
+    "mean-ignore-index-bias-temperature": dict(bias=True, temperature=0.8),
+    "sum-smoothing-softcap-scale": dict(reduction="sum", label_smoothing=0.1, softcap=3.0, logit_scale=1.5),
+    "none-smoothing-other-ignore-index": dict(reduction="none", label_smoothing=0.2, ignore_index=7),
+    "mean-smoothing-reference": dict(label_smoothing=0.05, bias=True, jax_impl="reference"),
+}
+
+
+@pytest.mark.parametrize("case", CROSS_ENTROPY_CASES)
+def test_cross_entropy_matches_pytorch(case):
+    """Against logitless's PyTorch op and torch.nn.functional.cross_entropy of the materialized logits."""
+    options = dict(CROSS_ENTROPY_CASES[case])
+    inputs = grpo_inputs(seed=9)
+    rng = np.random.default_rng(10)
+    hidden, weight = inputs["hidden"], inputs["weight"]
+    ignore_index = options.get("ignore_index", -100)
+    targets = np.where(inputs["completion_mask"], inputs["completion_ids"], ignore_index)
+    targets[1, 2] = 7  # an ordinary id, or the ignored one
+    bias = rng.standard_normal(V).astype(np.float32) if options.pop("bias", False) else None
+    impl = options.pop("jax_impl", "auto")
+    cotangent = rng.standard_normal(targets.shape).astype(np.float32)  # for reduction="none"
+
+    th, tw = torch.tensor(hidden, requires_grad=True), torch.tensor(weight, requires_grad=True)
+    tb = None if bias is None else torch.tensor(bias, requires_grad=True)
+    expected = logitless.fused_linear_cross_entropy(th, tw, torch.tensor(targets), bias=tb, **options)
+    head_options = {k: options.pop(k) for k in ("temperature", "softcap", "logit_scale") if k in options}
+    logits = logitless.ops.reference.linear_logits(torch.tensor(hidden), torch.tensor(weight),
+                                                   None if bias is None else torch.tensor(bias), **head_options)
+    plain = torch.nn.functional.cross_entropy(logits.reshape(-1, V), torch.tensor(targets).reshape(-1), **options)
+    (expected * (torch.tensor(cotangent) if expected.dim() else 1)).sum().backward()
+
+    def loss(hidden, weight, bias):
+        value = fused_linear_cross_entropy(hidden, weight, targets, bias=bias, block_sizes=BLOCKS, impl=impl,
+                                           **options, **head_options)
+        return (value * (cotangent if value.ndim else 1)).sum(), value
+
+    argnums = (0, 1) if bias is None else (0, 1, 2)
+    (_, value), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(
+        jnp.asarray(hidden), jnp.asarray(weight), None if bias is None else jnp.asarray(bias))
+    assert_close(value, expected)
+    assert_close(value.reshape(-1), plain.detach().reshape(-1))
+    for grad, tensor in zip(grads, (th, tw, tb)):
+        assert_close(grad, tensor.grad)
+    assert np.abs(np.asarray(grads[1])).max() > 1e-3
+
+
+def test_cross_entropy_of_no_tokens_is_nan_with_zero_gradients():
+    hidden, weight = jnp.ones((4, H)), jnp.ones((V, H))
+    step = jax.jit(jax.value_and_grad(fused_linear_cross_entropy, argnums=(0, 1)))
+    value, grads = step(hidden, weight, jnp.full(4, -100))
+    assert np.isnan(value) and all((np.asarray(g) == 0).all() for g in grads)
 
 
 def test_minus_inf_logits_are_exact():
@@ -181,42 +237,38 @@ def test_minus_inf_logits_are_exact():
                        inputs["completion_ids"])
 
     def loss(hidden, weight, bias, impl):
-        lp, ent = fused_linear_logprobs(hidden, weight, targets, bias=jnp.asarray(bias), return_entropy=True,
+        lp, ent = fused_linear_logprobs(hidden, weight, targets, bias=jnp.asarray(bias), return_token_entropy=True,
                                         temperature=0.7, block_sizes=BLOCKS, impl=impl)
         return lp.sum() + 2 * ent.sum(), (lp, ent)
 
-    (_, (lp, ent)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(hidden, weight, bias, "fused")
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True), static_argnums=3)
+    (_, (lp, ent)), grads = step(hidden, weight, bias, "auto")
     finite = np.setdiff1d(np.arange(V), padded)
     logits = np.asarray(hidden, np.float64) @ np.asarray(weight, np.float64)[finite].T / 0.7
     log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     np.testing.assert_allclose(ent, -(np.exp(log_p) * log_p).sum(-1), atol=1e-5)
     assert all(np.isfinite(np.asarray(g)).all() for g in grads)
     assert (np.asarray(grads[1])[padded] == 0).all() and (np.asarray(grads[2])[padded] == 0).all()
-    _, expected = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(hidden, weight, bias, "materialized")
+    _, expected = step(hidden, weight, bias, "reference")
     for got, want in zip(grads, expected):
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-CHECK_GRADS_HEADS = {
-    "softcap-temperature": dict(temperature=0.8, softcap=3.0),
-    "scale-temperature": dict(temperature=0.8, scale=1.6),
-    "scale-softcap": dict(softcap=1.5, scale=2.5),
-}
-
-
-@pytest.mark.parametrize("case", CHECK_GRADS_HEADS)
-def test_token_stats_check_grads_float64(case):
+def test_token_stats_check_grads_float64():
+    """The three statistics of the softmax accumulator (log-prob, entropy, mean log-prob), differentiated in hidden,
+    weight and bias."""
     rng = np.random.default_rng(3)
     with jax.enable_x64(True):
         hidden, weight = jnp.asarray(rng.standard_normal((5, 3))), jnp.asarray(rng.standard_normal((11, 3)))
         bias, targets = jnp.asarray(rng.standard_normal(11)), jnp.asarray([0, 10, 3, 4, 10])
-        weights = jnp.asarray(rng.standard_normal((2, 5)))
-        head = Head(**CHECK_GRADS_HEADS[case], blocks=BlockSizes(vocab=4, tokens=2))
+        weights = jnp.asarray(rng.standard_normal((3, 5)))
+        plan = Plan(BlockSizes(vocab=4, tokens=2), 11)
 
         def stats_loss(hidden, weight, bias):
-            log_probs, entropy = linear_token_stats(hidden, weight, bias, targets, head)
-            assert log_probs.dtype == jnp.float64
-            return (log_probs * weights[0]).sum() + (entropy * weights[1]).sum()
+            head = Head(weight, bias, temperature=0.8, softcap=1.5, logit_scale=2.5)
+            stats = linear_stats(SoftmaxAccumulator(11, True, True), plan, (head,), (hidden,), targets)
+            assert stats[0].dtype == jnp.float64
+            return sum((stat * row_weights).sum() for stat, row_weights in zip(stats, weights))
 
         check_grads(jax.jit(stats_loss), (hidden, weight, bias), order=1, modes=["rev"])
 
@@ -233,7 +285,7 @@ def test_grpo_loss_check_grads_float64():
 
         def grpo(hidden, weight):
             return fused_grpo_loss(hidden, weight, inputs["completion_ids"], inputs["completion_mask"],
-                                   inputs["advantages"], old_logprobs=old, ref_logprobs=inputs["ref_logprobs"],
+                                   inputs["advantages"], old_log_probs=old, ref_log_probs=inputs["ref_log_probs"],
                                    beta=0.04, block_sizes=BLOCKS, **head_options)[0]
 
         check_grads(jax.jit(grpo), (hidden, weight), order=1, modes=["rev"])
@@ -245,16 +297,16 @@ def test_bf16_inputs_keep_fp32_statistics():
     targets = np.where(inputs["completion_ids"] < 0, 0, inputs["completion_ids"])
 
     def loss(hidden, weight, impl):
-        lp, ent = fused_linear_logprobs(hidden, weight, targets, return_entropy=True, block_sizes=BLOCKS, impl=impl)
+        lp, ent = fused_linear_logprobs(hidden, weight, targets, return_token_entropy=True, block_sizes=BLOCKS,
+                                        impl=impl)
         return lp.sum() + ent.sum(), (lp, ent)
 
-    (_, (lp, ent)), (grad_hidden, grad_weight) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
-        hidden, weight, "fused")
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
+    (_, (lp, ent)), (grad_hidden, grad_weight) = step(hidden, weight, "auto")
     assert lp.dtype == ent.dtype == jnp.float32
     assert grad_hidden.dtype == grad_weight.dtype == jnp.bfloat16
     # the same bf16 numbers in fp32, materialized: only the bf16 matmul inputs differ
-    (_, (lp32, ent32)), grads32 = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
-        hidden.astype(jnp.float32), weight.astype(jnp.float32), "materialized")
+    (_, (lp32, ent32)), grads32 = step(hidden.astype(jnp.float32), weight.astype(jnp.float32), "reference")
     np.testing.assert_allclose(lp, lp32, atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(ent, ent32, atol=2e-5, rtol=1e-5)
     for grad, grad32 in zip((grad_hidden, grad_weight), grads32):  # one bf16 rounding of the result
@@ -280,15 +332,30 @@ def test_under_jit_bad_ids_give_nan_and_an_empty_batch_gives_zero_gradients():
     assert np.isnan(metrics["clip_ratio/low_min"]) and float(metrics["entropy"]) == 0.0
 
 
+def test_a_head_is_a_pytree_whose_gradient_is_a_head():
+    inputs = grpo_inputs(seed=11)
+    targets = np.where(inputs["completion_ids"] < 0, 0, inputs["completion_ids"])
+    head = Head(jnp.asarray(inputs["weight"]), jnp.zeros(V), temperature=0.9, softcap=4.0)
+
+    def loss(head, impl):
+        return fused_linear_cross_entropy(inputs["hidden"], targets=targets, head=head, block_sizes=BLOCKS, impl=impl)
+
+    head_grad = jax.jit(jax.grad(loss), static_argnums=1)
+    grad, expected = head_grad(head, "auto"), head_grad(head, "reference")
+    assert isinstance(grad, Head) and (grad.temperature, grad.softcap) == (0.9, 4.0)
+    assert_close(grad.weight, expected.weight)
+    assert_close(grad.bias, expected.bias)
+
+
 def test_memory_design_compiled_temporaries():
     """No weight-sized fp32 buffer (a dW accumulator, an fp32 copy of a bf16 weight) in the compiled step."""
     from logitless.bench.jax import Shape, compile_step, memory_of
 
     shape = Shape(batch=1, seq=256, hidden=64, vocab=32003, dtype="bfloat16", vocab_block=512)
-    fused, materialized = (memory_of(compile_step(impl, shape))["temp_size_in_bytes"]
-                           for impl in ("fused", "materialized"))
-    assert fused < shape.vocab * shape.hidden * 4 / 2
-    assert fused < 0.1 * materialized
+    logitless, plain = (memory_of(compile_step("grpo", impl, shape))["temp_size_in_bytes"]
+                        for impl in ("logitless", "plain"))
+    assert logitless < shape.vocab * shape.hidden * 4 / 2
+    assert logitless < 0.1 * plain
 
 
 def _bad(**changes):
@@ -305,6 +372,7 @@ def _bad(**changes):
     (dict(hidden=np.zeros((B * T, H), np.float32)), ValueError, "hidden: expected 3 dimensions"),
     (dict(weight=np.zeros((V, H + 1), np.float32)), ValueError, "weight: hidden size 17"),
     (dict(weight=np.zeros((V, H), np.float16)), TypeError, "weight: dtype float16 differs"),
+    (dict(weight=None), TypeError, r"weight: expected a \(V, H\) array \(or head=Head"),
     (dict(hidden=np.zeros((B, T, H), np.int32)), TypeError, "hidden: expected a floating-point array"),
     (dict(completion_ids=np.zeros((B, T), np.float32)), TypeError, "completion_ids: expected an integer array"),
     (dict(completion_ids=np.full((B, T), V)), ValueError, r"completion_ids: token ids must lie in \[0, 61\)"),
@@ -313,16 +381,24 @@ def _bad(**changes):
     (dict(completion_mask=None), TypeError, "completion_mask: expected a \\(B, T\\) array"),
     (dict(advantages=np.zeros((B + 1,), np.float32)), ValueError, "advantages: expected"),
     (dict(advantages=np.array([0.0, np.nan, 1.0], np.float32)), ValueError, "advantages: contains NaN"),
-    (dict(old_logprobs=np.zeros((B, T + 1), np.float32)), ValueError, "old_logprobs: shape"),
-    (dict(ref_logprobs=None, beta=0.1), ValueError, "ref_logprobs: required when beta"),
+    (dict(old_log_probs=np.zeros((B, T + 1), np.float32)), ValueError, "old_log_probs: shape"),
+    (dict(ref_log_probs=None, beta=0.1), ValueError, "ref_log_?probs: required when beta"),
     (dict(beta=-1.0), ValueError, "beta: expected a finite number >= 0"),
     (dict(beta=float("nan")), ValueError, "beta: expected a finite number >= 0"),
-    (dict(old_logprobs=np.full((B, T), np.nan, np.float32)), ValueError, "old_logprobs: NaN"),
+    (dict(old_log_probs=np.full((B, T), np.nan, np.float32)), ValueError, "old_log_probs: NaN"),
+    (dict(old_logprobs=np.zeros((B, T), np.float32)), TypeError, "old_logprobs: not an option"),
     (dict(temperature=0.0), ValueError, "temperature: expected a finite number > 0"),
     (dict(logit_scale=-2.0), ValueError, "logit_scale: expected a finite number > 0"),
     (dict(bias=np.zeros(V + 1, np.float32)), ValueError, "bias: length 62"),
+    (dict(bias=np.full(V, np.nan, np.float32)), ValueError, r"bias: contains NaN or \+inf"),
     (dict(block_sizes=BlockSizes), TypeError, "block_sizes: expected a BlockSizes"),
-    (dict(impl="triton"), ValueError, "impl: expected one of"),
+    (dict(impl="fused"), ValueError, "impl: 'fused' is spelled 'auto' \\(or 'chunked'\\); 'materialized' is "
+                                     "'reference'"),
+    (dict(impl="materialized"), ValueError, "'materialized' is 'reference'"),
+    (dict(impl="triton"), ValueError, "impl: 'triton' kernels are PyTorch's"),
+    (dict(impl="fast"), ValueError, "impl: expected one of 'auto', 'reference', 'chunked', got 'fast'"),
+    (dict(head=Head(jnp.zeros((V, H))), temperature=0.5), TypeError,
+     "head: given with weight, temperature; give the head whole"),
     (dict(hidden=torch.zeros(B, T, H)), TypeError, "hidden: expected a jax.Array, got Tensor"),
     (dict(num_items_in_batch=0), ValueError, "num_items_in_batch: expected a finite number > 0"),
 ])
@@ -331,6 +407,19 @@ def test_bad_input_names_the_argument(changes, error, match):
     with pytest.raises(error, match=match):
         fused_grpo_loss(args.pop("hidden"), args.pop("weight"), args.pop("completion_ids"), args.pop("completion_mask"),
                         args.pop("advantages"), **args)
+
+
+@pytest.mark.parametrize("options, error, match", [
+    (dict(reduction="avg"), ValueError, "reduction: expected one of"),
+    (dict(label_smoothing=1.5), ValueError, r"label_smoothing: expected a number in \[0, 1\]"),
+    (dict(ignore_index=-1.0), TypeError, "ignore_index: expected an int"),
+    (dict(targets=None), TypeError, "targets: expected an integer array"),
+    (dict(return_token_entropy=True), TypeError, "unexpected keyword"),
+])
+def test_cross_entropy_bad_options(options, error, match):
+    arguments = {"targets": jnp.zeros(4, jnp.int32), **options}
+    with pytest.raises(error, match=match):
+        fused_linear_cross_entropy(jnp.zeros((4, H)), jnp.zeros((V, H)), **arguments)
 
 
 @pytest.mark.parametrize("options", [
@@ -353,6 +442,9 @@ def test_block_sizes_are_the_pytorch_class_with_jax_defaults():
     assert BlockSizes is logitless.ops.BlockSizes
     assert jax_block_sizes(BlockSizes(), num_tokens=8192, vocab_size=151936) == BlockSizes(tokens=8192, vocab=2048)
     assert jax_block_sizes(BlockSizes(tokens=5), num_tokens=3, vocab_size=61) == BlockSizes(tokens=3, vocab=61)
+    # sharded: each device holds its part of a block
+    assert jax_block_sizes(BlockSizes(), 8192, 151936, token_shards=2, vocab_shards=4) == BlockSizes(4096, 512)
+    assert jax_block_sizes(BlockSizes(tokens=5, vocab=7), 8, 16, token_shards=2, vocab_shards=4) == BlockSizes(3, 2)
 
 
 def test_bad_block_sizes_and_logprob_mask():
@@ -366,11 +458,13 @@ def test_bad_block_sizes_and_logprob_mask():
     assert fused_linear_logprobs(hidden, weight, jnp.array([0, 1, 2, -100]), mask=jnp.array([1, 1, 1, 0]))[3] == 0
 
 
-def test_stats_equal_the_materialized_baseline_for_any_block_sizes():
+def test_stats_equal_the_plain_jax_oracle_for_any_block_sizes():
     rng = np.random.default_rng(7)
     hidden, weight = jnp.asarray(rng.standard_normal((10, H)), jnp.float32), jnp.asarray(rng.standard_normal((V, H)))
     targets = jnp.asarray(rng.integers(0, V, 10))
-    expected = materialized_token_stats(hidden, weight, None, targets, Head())
+    expected = reference.token_stats(Head(weight), hidden, targets)
     for blocks in (BlockSizes(vocab=1, tokens=3), BlockSizes(vocab=61), BlockSizes(vocab=1000, tokens=1000)):
-        for got, want in zip(linear_token_stats(hidden, weight, None, targets, Head(blocks=blocks)), expected):
-            np.testing.assert_allclose(got, want, atol=1e-5)
+        plan = Plan(jax_block_sizes(blocks, 10, V), V)
+        got = linear_stats(SoftmaxAccumulator(V, True, True), plan, (Head(weight),), (hidden,), targets)
+        for got_stat, want in zip(got, (expected.log_probs, expected.entropy, expected.mean_log_prob)):
+            np.testing.assert_allclose(got_stat, want, atol=1e-5)

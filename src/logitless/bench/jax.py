@@ -1,18 +1,27 @@
-"""`logitless bench jax`: the GRPO loss through the LM head in JAX, plain-JAX baseline vs fused.
+"""`logitless bench jax`: the LM-head losses in JAX (cross-entropy, the KL of two heads, the GRPO loss), three ways.
 
-For each implementation, ``jax.jit(jax.value_and_grad(loss, argnums=(hidden, weight)))`` is lowered
-with `jax.ShapeDtypeStruct`s (nothing is allocated) and compiled; `compiled.memory_analysis()` gives
-the program's temporary, argument, output and alias bytes. Unless ``--compile-only``, the inputs are
-then made, both programs run (warm-up, then the timed repeats taken in turn, baseline and fused, so
-the machine's load hits both alike; medians reported) and the loss and gradients are compared.
+* ``plain``: plain JAX, the ops' ``impl="reference"`` (the whole (N, V) logits, log_softmax, gather).
+* ``seq_chunked``: what JAX trainers use today against that (MaxText's batch-sequence tiling, Levanter's and many
+  scripts' ``lax.map`` over the sequence): the tokens cut into ``--seq-chunks`` slices, each slice's logits over
+  the whole vocabulary computed inside ``jax.checkpoint`` under ``lax.map``, so one slice's logits exist at a
+  time and backward recomputes them; the weight's gradient is summed over the slices in its own dtype.
+* ``logitless``: the fused ops, ``impl="auto"`` (vocabulary blocks, no (N, V) array).
 
-On a GPU or TPU each implementation also runs once in a fresh process to read the device's
-``peak_bytes_in_use``: a high-water mark of the whole process, which is why it is reported beside
-the compiled program's temporaries and not instead of them (docs/jax.md explains why).
+For each, ``jax.jit(jax.value_and_grad(loss, argnums=(hidden, weight)))`` is compiled and
+`compiled.memory_analysis()` gives the program's temporary, argument, output and alias bytes, at two shapes in
+one run: the memory shape (``--compile-shape``, by default B=1 T=8192 H=4096 V=151936 bf16), lowered from
+`jax.ShapeDtypeStruct`s and compiled only (nothing allocated), and the run shape (-B -T -H -V --dtype, by default
+B=1 T=512 H=512 V=151936 fp32), whose steps also run: warm-up, then the timed repeats taken in turn (every
+implementation of a loss once per round, so the machine's load hits them alike; medians reported), and the loss
+and gradients compared with plain JAX's.
 
-The loss: `logitless.jax.fused_grpo_loss` with loss_type "grpo", beta 0.04, old and reference
-log-probs, one completion a quarter masked; ``impl="materialized"`` is the baseline (full logits,
-log_softmax, gather), ``impl="fused"`` the vocabulary-blocked custom_vjp.
+The losses: ``ce``, `fused_linear_cross_entropy` (mean, a quarter of one sequence ignored); ``kl``, the masked mean
+of `fused_linear_kl` to a second head of the same shape (a teacher, not differentiated); ``grpo``,
+`fused_grpo_loss` (loss_type "grpo", beta 0.04, old and reference log-probs, one completion a quarter masked).
+
+On a GPU or TPU each implementation also runs once in a fresh process to read the device's ``peak_bytes_in_use``:
+a high-water mark of the whole process, which is why it is reported beside the compiled program's temporaries
+and not instead of them (docs/jax.md explains why).
 """
 
 from __future__ import annotations
@@ -24,16 +33,17 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
-from logitless.bench.options import (add_report_options, add_shape_options, require_positive, require_writable,
-                                     write_report)
+from logitless.bench.options import (add_report_options, add_shape_options, choices_metavar, require_positive,
+                                     require_writable, write_report)
 from logitless.ops.grpo_settings import GRPOSettings
 
-IMPLEMENTATIONS = ("materialized", "fused")
+LOSSES = ("ce", "kl", "grpo")
+IMPLEMENTATIONS = ("plain", "seq_chunked", "logitless")
 DTYPES = ("float32", "bfloat16")
-SETTINGS = GRPOSettings(loss_type="grpo", beta=0.04)  # the GRPO loss both implementations compute
+SETTINGS = GRPOSettings(loss_type="grpo", beta=0.04)  # the GRPO loss every implementation computes
 MEMORY_FIELDS = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes")
+SEQ_CHUNKS = 8
 
 
 @dataclass
@@ -43,25 +53,39 @@ class Shape:
     hidden: int = 512
     vocab: int = 151936
     dtype: str = "float32"
-    vocab_block: int | None = None  # BlockSizes.vocab of the fused loss; None: its default
+    vocab_block: int | None = None  # BlockSizes.vocab of the fused ops; None: their default
+    seq_chunks: int = SEQ_CHUNKS  # slices of the tokens for seq_chunked
+
+    def label(self) -> str:
+        return f"B={self.batch} T={self.seq} H={self.hidden} V={self.vocab} {self.dtype}"
 
 
-def _specs(shape: Shape) -> dict:
-    """The step's inputs as ShapeDtypeStructs: what lowering needs, with nothing allocated."""
+COMPILE_SHAPE = Shape(1, 8192, 4096, 151936, "bfloat16")
+
+
+def _specs(loss: str, shape: Shape) -> dict:
+    """The step's inputs as ShapeDtypeStructs, in the order the loss takes them: what lowering needs."""
     import jax
     import jax.numpy as jnp
 
-    per_token = (shape.batch, shape.seq)
-    return dict(hidden=jax.ShapeDtypeStruct((*per_token, shape.hidden), jnp.dtype(shape.dtype)),
-                weight=jax.ShapeDtypeStruct((shape.vocab, shape.hidden), jnp.dtype(shape.dtype)),
-                completion_ids=jax.ShapeDtypeStruct(per_token, jnp.int32),
-                completion_mask=jax.ShapeDtypeStruct(per_token, jnp.float32),
-                advantages=jax.ShapeDtypeStruct((shape.batch,), jnp.float32),
-                old_logprobs=jax.ShapeDtypeStruct(per_token, jnp.float32),
-                ref_logprobs=jax.ShapeDtypeStruct(per_token, jnp.float32))
+    per_token, dtype = (shape.batch, shape.seq), jnp.dtype(shape.dtype)
+    specs = dict(hidden=jax.ShapeDtypeStruct((*per_token, shape.hidden), dtype),
+                 weight=jax.ShapeDtypeStruct((shape.vocab, shape.hidden), dtype))
+    if loss == "kl":
+        specs.update(teacher_hidden=specs["hidden"], teacher_weight=specs["weight"],
+                     mask=jax.ShapeDtypeStruct(per_token, jnp.float32))
+    elif loss == "ce":
+        specs.update(targets=jax.ShapeDtypeStruct(per_token, jnp.int32))
+    else:
+        specs.update(completion_ids=jax.ShapeDtypeStruct(per_token, jnp.int32),
+                     completion_mask=jax.ShapeDtypeStruct(per_token, jnp.float32),
+                     advantages=jax.ShapeDtypeStruct((shape.batch,), jnp.float32),
+                     old_log_probs=jax.ShapeDtypeStruct(per_token, jnp.float32),
+                     ref_log_probs=jax.ShapeDtypeStruct(per_token, jnp.float32))
+    return specs
 
 
-def make_inputs(shape: Shape) -> dict:
+def make_inputs(loss: str, shape: Shape) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
@@ -69,30 +93,102 @@ def make_inputs(shape: Shape) -> dict:
     per_token = (shape.batch, shape.seq)
     mask = np.ones(per_token, np.float32)
     mask[0, shape.seq * 3 // 4:] = 0  # one shorter completion
-    base = -np.log(shape.vocab) - 0.5 * rng.random(per_token, np.float32)  # ~ log(1/V): near the policy's
-    return dict(hidden=jnp.asarray(rng.standard_normal((*per_token, shape.hidden), np.float32) * 0.5, shape.dtype),
-                weight=jnp.asarray(rng.standard_normal((shape.vocab, shape.hidden), np.float32) * 0.02, shape.dtype),
-                completion_ids=jnp.asarray(rng.integers(0, shape.vocab, per_token), jnp.int32),
-                completion_mask=jnp.asarray(mask), advantages=jnp.asarray(rng.standard_normal(shape.batch, np.float32)),
-                old_logprobs=jnp.asarray(base + 0.05 * rng.standard_normal(per_token, np.float32)),
-                ref_logprobs=jnp.asarray(base + 0.05 * rng.standard_normal(per_token, np.float32)))
+    ids = rng.integers(0, shape.vocab, per_token)
+    inputs = dict(hidden=jnp.asarray(rng.standard_normal((*per_token, shape.hidden), np.float32) * 0.5, shape.dtype),
+                  weight=jnp.asarray(rng.standard_normal((shape.vocab, shape.hidden), np.float32) * 0.02, shape.dtype))
+    if loss == "kl":
+        inputs.update(teacher_hidden=jnp.asarray(rng.standard_normal((*per_token, shape.hidden), np.float32) * 0.5,
+                                                 shape.dtype),
+                      teacher_weight=jnp.asarray(rng.standard_normal((shape.vocab, shape.hidden), np.float32) * 0.02,
+                                                 shape.dtype), mask=jnp.asarray(mask))
+    elif loss == "ce":
+        inputs.update(targets=jnp.asarray(np.where(mask > 0, ids, -100), jnp.int32))
+    else:
+        base = -np.log(shape.vocab) - 0.5 * rng.random(per_token, np.float32)  # ~ log(1/V): near the policy's
+        inputs.update(completion_ids=jnp.asarray(ids, jnp.int32), completion_mask=jnp.asarray(mask),
+                      advantages=jnp.asarray(rng.standard_normal(shape.batch, np.float32)),
+                      old_log_probs=jnp.asarray(base + 0.05 * rng.standard_normal(per_token, np.float32)),
+                      ref_log_probs=jnp.asarray(base + 0.05 * rng.standard_normal(per_token, np.float32)))
+    return inputs
 
 
-def compile_step(impl: str, shape: Shape):
+def _seq_chunked(stats_of_slice, num_chunks: int, *per_token):
+    """``stats_of_slice`` (a function of per-token arrays (n, ...) returning per-token statistics (n,)) over all
+    tokens, one slice of N / num_chunks tokens at a time inside `jax.checkpoint`: each slice's logits exist only
+    while it is computed, and backward recomputes them. per_token: arrays (N, ...)."""
+    import jax
+    from jax import lax
+
+    slices = [array.reshape(num_chunks, -1, *array.shape[1:]) for array in per_token]
+    stats = lax.map(lambda arrays: jax.checkpoint(stats_of_slice)(*arrays), slices)
+    return jax.tree.map(lambda values: values.reshape(-1), stats)
+
+
+def _loss_function(loss: str, impl: str, shape: Shape):
+    """loss(hidden, weight, *the other inputs of `_specs`) -> the scalar loss, by ``impl``."""
+    import jax
+    import jax.numpy as jnp
+
+    from logitless.jax import (BlockSizes, Head, fused_grpo_loss, fused_linear_cross_entropy, fused_linear_kl,
+                               reference)
+    from logitless.jax.grpo import GRPOData, GRPOTerms, token_weights
+
+    ops_impl = "auto" if impl == "logitless" else "reference"
+    blocks = BlockSizes(vocab=shape.vocab_block) if impl == "logitless" and shape.vocab_block else None
+
+    def flat(array):
+        return array.reshape(-1, *array.shape[2:])
+
+    if loss == "ce":
+        def ce(hidden, weight, targets):
+            if impl != "seq_chunked":
+                return fused_linear_cross_entropy(hidden, weight, targets, block_sizes=blocks, impl=ops_impl)
+            keep = flat(targets) != -100
+
+            def terms(hidden, targets):  # (n,)
+                return -reference.token_stats(Head(weight), hidden, jnp.maximum(targets, 0)).log_probs
+
+            return jnp.where(keep, _seq_chunked(terms, shape.seq_chunks, flat(hidden), flat(targets)), 0).sum() \
+                / keep.sum()
+        return ce
+
+    if loss == "kl":
+        def kl(hidden, weight, teacher_hidden, teacher_weight, mask):
+            if impl != "seq_chunked":
+                per_token = fused_linear_kl(hidden, weight, teacher_hidden, teacher_weight, mask=mask,
+                                            block_sizes=blocks, impl=ops_impl)
+            else:
+                def slice_kl(hidden, teacher_hidden):  # (n,)
+                    return reference.kl_stats(Head(weight), hidden, Head(teacher_weight), teacher_hidden).kl
+
+                per_token = jnp.where(flat(mask) > 0, _seq_chunked(slice_kl, shape.seq_chunks, flat(hidden),
+                                                                    flat(teacher_hidden)), 0)
+            return per_token.sum() / mask.sum()
+        return kl
+
+    def grpo(hidden, weight, completion_ids, completion_mask, advantages, old_log_probs, ref_log_probs):
+        if impl != "seq_chunked":
+            return fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages,
+                                   old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, settings=SETTINGS,
+                                   block_sizes=blocks, impl=ops_impl)[0]
+
+        def slice_stats(hidden, ids):  # (n,)
+            return reference.token_stats(Head(weight), hidden, ids)
+
+        keep = completion_mask > 0
+        stats = _seq_chunked(slice_stats, shape.seq_chunks, flat(hidden), flat(completion_ids))
+        data = GRPOData(jnp.broadcast_to(advantages[:, None], keep.shape), old_log_probs, ref_log_probs,
+                        token_weights(keep, SETTINGS), keep.astype(jnp.float32))
+        return GRPOTerms(SETTINGS)(stats, jax.tree.map(flat, data)).sum()
+    return grpo
+
+
+def compile_step(loss: str, impl: str, shape: Shape):
     """The compiled ``value_and_grad`` of the loss with respect to hidden and weight; lowered from specs."""
     import jax
 
-    from logitless.jax import BlockSizes, fused_grpo_loss
-
-    blocks = BlockSizes() if shape.vocab_block is None else BlockSizes(vocab=shape.vocab_block)
-
-    def loss(hidden, weight, completion_ids, completion_mask, advantages, old_logprobs, ref_logprobs):
-        value, _ = fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages,
-                                   old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, settings=SETTINGS, impl=impl,
-                                   block_sizes=blocks if impl == "fused" else None)
-        return value
-
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*_specs(shape).values()).compile()
+    step = jax.jit(jax.value_and_grad(_loss_function(loss, impl, shape), argnums=(0, 1)))
+    return step.lower(*_specs(loss, shape).values()).compile()
 
 
 def memory_of(compiled) -> dict:
@@ -125,54 +221,75 @@ def device_peak_bytes() -> int | None:
     return None if not stats else stats.get("peak_bytes_in_use")
 
 
-def run_peak_worker(impl: str, shape: Shape) -> dict:
+def run_peak_worker(loss: str, impl: str, shape: Shape) -> dict:
     """In this (fresh) process: one step of ``impl``; the device's peak before and after it."""
-    inputs = make_inputs(shape)
-    compiled = compile_step(impl, shape)
+    inputs = make_inputs(loss, shape)
+    compiled = compile_step(loss, impl, shape)
     before = device_peak_bytes()
     _timed(compiled, inputs)
     return {"peak_bytes_in_use_before_step": before, "peak_bytes_in_use": device_peak_bytes()}
 
 
-def _peak_in_fresh_process(impl: str, shape: Shape) -> dict:
-    done = subprocess.run([sys.executable, "-m", "logitless.bench.jax", "--peak-worker", impl,
+def _peak_in_fresh_process(loss: str, impl: str, shape: Shape) -> dict:
+    done = subprocess.run([sys.executable, "-m", "logitless.bench.jax", "--peak-worker", loss, impl,
                            "--shape", json.dumps(asdict(shape))], capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"bench jax peak worker {impl} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"bench jax peak worker {loss} {impl} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run(shape: Shape, repeats: int = 3, compile_only: bool = False, progress: bool = True) -> dict:
-    import jax
-    from tqdm.auto import tqdm
-
+def _compiled_memory(loss: str, shape: Shape, progress) -> tuple[dict, dict]:
+    """(the compiled steps, their memory and compile time by implementation, with the ratios to plain JAX's)."""
     results, compiled = {}, {}
-    for impl in tqdm(IMPLEMENTATIONS, desc="bench jax: compile", disable=not progress):
+    for impl in IMPLEMENTATIONS:
+        progress.set_postfix_str(f"{loss} {impl} {shape.label()}")
         started = time.perf_counter()
-        compiled[impl] = compile_step(impl, shape)
+        compiled[impl] = compile_step(loss, impl, shape)
         results[impl] = {"compile_s": time.perf_counter() - started, **memory_of(compiled[impl])}
-    baseline = results["materialized"]["temp_size_in_bytes"]
+        progress.update()
+    baseline = results["plain"]["temp_size_in_bytes"]
     for result in results.values():
         result["temp_ratio"] = result["temp_size_in_bytes"] / baseline if baseline else None
-    device = jax.devices()[0]
-    report = {"shape": asdict(shape), "compile_only": compile_only, "repeats": 0 if compile_only else repeats,
-              "backend": jax.default_backend(), "device": device.device_kind, "jax": jax.__version__,
-              "results": results}
-    if compile_only:
-        return report
-    inputs = make_inputs(shape)
+    return compiled, results
+
+
+def _timed_runs(loss: str, shape: Shape, compiled: dict, results: dict, repeats: int) -> None:
+    inputs = make_inputs(loss, shape)
     outputs = {impl: _timed(step, inputs)[1] for impl, step in compiled.items()}  # warm-up
     times = {impl: [] for impl in compiled}
-    for _ in tqdm(range(repeats), desc="bench jax: timed steps", disable=not progress):
-        for impl, step in compiled.items():  # in turn, so both see the same load
+    for _ in range(repeats):
+        for impl, step in compiled.items():  # in turn, so all see the same load
             times[impl].append(_timed(step, inputs)[0])
     for impl, result in results.items():
         result.update(time_s=statistics.median(times[impl]), times_s=times[impl],
-                      **_differences(outputs[impl], outputs["materialized"]))
-        result["time_ratio"] = result["time_s"] / statistics.median(times["materialized"])
+                      **_differences(outputs[impl], outputs["plain"]))
+        result["time_ratio"] = result["time_s"] / statistics.median(times["plain"])
     if device_peak_bytes() is not None:
         for impl, result in results.items():
-            result.update(_peak_in_fresh_process(impl, shape))
+            result.update(_peak_in_fresh_process(loss, impl, shape))
+
+
+def run(losses=LOSSES, run_shape: Shape = Shape(), compile_shape: Shape | None = COMPILE_SHAPE, repeats: int = 3,
+        compile_only: bool = False, progress: bool = True) -> dict:
+    """Every loss at the compile shape (memory only) and at the run shape (memory, and unless ``compile_only`` the
+    timed steps)."""
+    import jax
+    from tqdm.auto import tqdm
+
+    shapes = {"run": run_shape} if compile_shape is None else {"compile": compile_shape, "run": run_shape}
+    report = {"losses": list(losses), "shapes": {name: asdict(shape) for name, shape in shapes.items()},
+              "compile_only": compile_only, "repeats": 0 if compile_only else repeats,
+              "backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "results": {name: {} for name in shapes}}
+    with tqdm(total=len(losses) * len(shapes) * len(IMPLEMENTATIONS), desc="bench jax: compile",
+              disable=not progress) as bar:
+        for loss in losses:
+            for name, shape in shapes.items():
+                compiled, results = _compiled_memory(loss, shape, bar)
+                if name == "run" and not compile_only:
+                    bar.set_postfix_str(f"{loss}: timed steps")
+                    _timed_runs(loss, shape, compiled, results, repeats)
+                report["results"][name][loss] = results
     return report
 
 
@@ -181,54 +298,86 @@ def _megabytes(value: int) -> str:
 
 
 def format_table(report: dict) -> str:
-    s = report["shape"]
-    lines = [f"GRPO loss value_and_grad(hidden, weight) in JAX, B={s['batch']} T={s['seq']} H={s['hidden']} "
-             f"V={s['vocab']} {s['dtype']} on {report['backend']} ({report['device']})",
-             f"{'impl':<14}{'temp MB':>10}{'x base':>8}{'arg MB':>9}{'out MB':>9}{'alias MB':>9}"
-             + ("" if report["compile_only"] else f"{'time s':>9}{'x base':>8}{'loss diff':>11}{'max|dgrad|':>12}")
-             + (f"{'peak MB':>10}" if "peak_bytes_in_use" in report["results"]["fused"] else "")]
-    for name, r in report["results"].items():
-        line = (f"{name:<14}{_megabytes(r['temp_size_in_bytes']):>10}{r['temp_ratio']:>8.3f}"
-                f"{_megabytes(r['argument_size_in_bytes']):>9}{_megabytes(r['output_size_in_bytes']):>9}"
-                f"{_megabytes(r['alias_size_in_bytes']):>9}")
-        if not report["compile_only"]:
-            line += f"{r['time_s']:>9.3f}{r['time_ratio']:>8.2f}{r['loss_diff']:>11.1e}{r['max_abs_grad_diff']:>12.1e}"
-        if "peak_bytes_in_use" in r:
-            line += f"{_megabytes(r['peak_bytes_in_use']):>10}"
-        lines.append(line)
+    lines = [f"value_and_grad(hidden, weight) of each loss in JAX, on {report['backend']} ({report['device']}), "
+             f"jax {report['jax']}"]
+    for name, by_loss in report["results"].items():
+        shape = Shape(**report["shapes"][name])
+        timed = name == "run" and not report["compile_only"]
+        lines.append(f"{'compile only' if not timed else 'run'}: {shape.label()}, seq_chunked in {shape.seq_chunks} "
+                     "slices")
+        lines.append(f"{'loss':<6}{'impl':<13}{'temp MB':>10}{'x plain':>9}{'arg MB':>9}{'out MB':>9}"
+                     + (f"{'time s':>9}{'x plain':>9}{'loss diff':>11}{'max|dgrad|':>12}" if timed else ""))
+        for loss, results in by_loss.items():
+            for impl, r in results.items():
+                line = (f"{loss:<6}{impl:<13}{_megabytes(r['temp_size_in_bytes']):>10}{r['temp_ratio']:>9.3f}"
+                        f"{_megabytes(r['argument_size_in_bytes']):>9}{_megabytes(r['output_size_in_bytes']):>9}")
+                if timed:
+                    line += (f"{r['time_s']:>9.3f}{r['time_ratio']:>9.2f}{r['loss_diff']:>11.1e}"
+                             f"{r['max_abs_grad_diff']:>12.1e}")
+                if "peak_bytes_in_use" in r:
+                    line += f"  peak {_megabytes(r['peak_bytes_in_use'])} MB"
+                lines.append(line)
     return "\n".join(lines)
 
 
-def plot(report: dict, path: str | Path) -> Path:
+def plot(report: dict, path):
+    """Bars of each loss's compiled temporaries at the compile shape (or the run shape), and its step time."""
     from logitless.plots import ratio_bar_panels
 
-    names = list(report["results"])
-    panels = [("temp_size_in_bytes", "temp_ratio", 1e-6, "compiled temporaries (MB)", 3)]
+    memory_shape = "compile" if "compile" in report["results"] else "run"
+    rows = {}
+    for loss in report["losses"]:
+        for impl in IMPLEMENTATIONS:
+            rows[f"{loss} {impl}"] = dict(report["results"][memory_shape][loss][impl])
+            if not report["compile_only"]:
+                timed = report["results"]["run"][loss][impl]
+                rows[f"{loss} {impl}"].update(time_s=timed["time_s"], time_ratio=timed["time_ratio"])
+    panels = [("temp_size_in_bytes", "temp_ratio", 1e-6,
+               f"compiled temporaries (MB)\n{Shape(**report['shapes'][memory_shape]).label()}", 3)]
     if not report["compile_only"]:
-        panels.append(("time_s", "time_ratio", 1.0, "time per step (s, median)", 2))
-    s = report["shape"]
-    title = (f"JAX GRPO loss value_and_grad\nB={s['batch']} T={s['seq']} H={s['hidden']} V={s['vocab']} "
-             f"{s['dtype']} ({report['backend']})")
-    return ratio_bar_panels(report["results"], panels, ["#999999" if n == "materialized" else "#4c72b0" for n in names],
-                            title, path)
+        panels.append(("time_s", "time_ratio", 1.0, f"time per step (s)\n{Shape(**report['shapes']['run']).label()}",
+                       2))
+    colors = {"plain": "#999999", "seq_chunked": "#dd8452", "logitless": "#4c72b0"}
+    return ratio_bar_panels(rows, panels, [colors[name.split()[1]] for name in rows],
+                            f"JAX LM-head losses, value_and_grad ({report['backend']})", path, rotate_names=True)
+
+
+def _shape_option(text: str) -> Shape | None:
+    """--compile-shape's value: B,T,H,V,DTYPE, or none."""
+    if text == "none":
+        return None
+    parts = text.split(",")
+    if len(parts) != 5 or not all(part.isdigit() and int(part) > 0 for part in parts[:4]) or parts[4] not in DTYPES:
+        raise SystemExit(f"--compile-shape: expected B,T,H,V,DTYPE (positive ints, DTYPE one of {', '.join(DTYPES)}) "
+                         f"or none, got {text!r}")
+    return Shape(*map(int, parts[:4]), parts[4])
 
 
 def add_parser(targets) -> None:
     """Register ``logitless bench jax`` on the ``bench`` subcommand's subparsers."""
     defaults = Shape()
     parser = targets.add_parser(
-        "jax", help="JAX GRPO loss: plain-JAX baseline vs fused, compiled memory and time",
-        description="The GRPO loss (loss_type grpo, beta 0.04, old and reference log-probs) through the LM head "
-                    "in JAX, value and gradients of hidden and weight under jax.jit: the plain-JAX baseline "
-                    "(full logits) against the fused loss. Reports each compiled program's memory "
-                    "(compiled.memory_analysis()) and, unless --compile-only, the step time (median of "
-                    "--repeats) and the loss and gradient differences. Needs JAX (pip install 'logitless[jax]').")
+        "jax", help="JAX LM-head losses (ce, kl, grpo): plain JAX, sequence-chunked and logitless; memory and time",
+        description="Cross-entropy, the KL of two heads and the GRPO loss through the LM head in JAX, value and "
+                    "gradients of hidden and weight under jax.jit, three ways: plain JAX (the whole logits), the "
+                    "sequence-chunked baseline (full-vocabulary logits for one slice of the tokens at a time, "
+                    "recomputed in backward) and logitless's fused ops. Reports each compiled program's memory "
+                    "(compiled.memory_analysis()) at the compile shape (compiled only, nothing allocated) and at "
+                    "the run shape, where the steps also run: step time (median of --repeats) and the loss and "
+                    "gradient differences to plain JAX. Needs JAX (pip install 'logitless[jax]').")
+    parser.add_argument("--loss", nargs="+", default=list(LOSSES), metavar=choices_metavar(LOSSES),
+                        help=f"the losses to measure (default: {' '.join(LOSSES)})")
     add_shape_options(parser, defaults, DTYPES)
+    parser.add_argument("--compile-shape", dest="compile_shape", default="1,8192,4096,151936,bfloat16",
+                        metavar="B,T,H,V,DTYPE",
+                        help="a second shape, compiled only (no inputs are made), or none (default: %(default)s)")
     parser.add_argument("--vocab-block", dest="vocab_block", type=int, default=None,
-                        help="vocabulary columns per block of the fused loss (default: BlockSizes' default, 2048)")
+                        help="vocabulary columns per block of the fused ops (default: BlockSizes' default, 2048)")
+    parser.add_argument("--seq-chunks", dest="seq_chunks", type=int, default=SEQ_CHUNKS,
+                        help="slices of the tokens for the sequence-chunked baseline, dividing B*T (default: "
+                             "%(default)s)")
     parser.add_argument("--compile-only", dest="compile_only", action="store_true",
-                        help="lower and compile only, allocating no inputs, so that B=1 T=8192 H=4096 V=151936 "
-                             "compiles on any machine (default: off)")
+                        help="at the run shape too, lower and compile only (default: off)")
     add_report_options(parser)
     parser.set_defaults(handler=run_cli)
 
@@ -236,23 +385,35 @@ def add_parser(targets) -> None:
 def run_cli(args: argparse.Namespace) -> int:
     if args.dtype not in DTYPES:
         raise SystemExit(f"--dtype: expected one of {', '.join(DTYPES)}, got {args.dtype!r}")
-    require_positive(args, ("batch", "seq", "hidden", "vocab", "repeats", "vocab_block"))
+    unknown = [loss for loss in args.loss if loss not in LOSSES]
+    if unknown:
+        raise SystemExit(f"--loss: expected some of {', '.join(LOSSES)}, got {unknown[0]!r}")
+    require_positive(args, ("batch", "seq", "hidden", "vocab", "repeats", "vocab_block", "seq_chunks"))
+    compile_shape = _shape_option(args.compile_shape)
+    run_shape = Shape(args.batch, args.seq, args.hidden, args.vocab, args.dtype, args.vocab_block, args.seq_chunks)
+    for shape in (run_shape, compile_shape):
+        if shape is not None and (shape.batch * shape.seq) % args.seq_chunks:
+            raise SystemExit(f"--seq-chunks: {args.seq_chunks} does not divide the {shape.batch * shape.seq} tokens "
+                             f"of {shape.label()}")
+    if compile_shape is not None:
+        compile_shape.vocab_block, compile_shape.seq_chunks = args.vocab_block, args.seq_chunks
     require_writable(args)
     try:
         import jax  # noqa: F401
     except ImportError:
         raise SystemExit("bench jax: JAX is not installed (pip install 'logitless[jax]')") from None
-    shape = Shape(args.batch, args.seq, args.hidden, args.vocab, args.dtype, args.vocab_block)
-    report = run(shape, repeats=args.repeats, compile_only=args.compile_only)
+    report = run(tuple(dict.fromkeys(args.loss)), run_shape, compile_shape, repeats=args.repeats,
+                 compile_only=args.compile_only)
     return write_report(report, args, format_table, plot)
 
 
 def _main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--peak-worker", dest="impl", choices=IMPLEMENTATIONS, required=True)
+    parser.add_argument("--peak-worker", dest="worker", nargs=2, metavar=("LOSS", "IMPL"), required=True)
     parser.add_argument("--shape", required=True)
     args = parser.parse_args()
-    print(json.dumps(run_peak_worker(args.impl, Shape(**json.loads(args.shape)))))
+    loss, impl = args.worker
+    print(json.dumps(run_peak_worker(loss, impl, Shape(**json.loads(args.shape)))))
     return 0
 
 

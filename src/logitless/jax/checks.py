@@ -13,6 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from logitless.jax.head import HEAD_PARTS, Head
+
+IMPLS = ("auto", "reference", "chunked")  # the block engine ("auto": the fused path), the plain-JAX oracle, the engine
+
 
 def concrete(value) -> np.ndarray | None:
     """The values of ``value`` when they are known now (not a tracer under jit), else None."""
@@ -69,3 +73,53 @@ def check_finite(name: str, value) -> None:
     if values is not None and not np.isfinite(values).all():
         first = np.argwhere(~np.isfinite(values))[0].tolist()
         raise ValueError(f"{name}: contains NaN or inf (first at index {first})")
+
+
+def check_impl(impl) -> str:
+    """``impl`` among `IMPLS`; the spellings of the other vocabularies are named."""
+    if impl in ("fused", "materialized"):
+        raise ValueError("impl: 'fused' is spelled 'auto' (or 'chunked'); 'materialized' is 'reference'")
+    if impl == "triton":
+        raise ValueError("impl: 'triton' kernels are PyTorch's (logitless.ops); in JAX: 'auto', 'chunked' or "
+                         "'reference'")
+    if impl not in IMPLS:
+        raise ValueError(f"impl: expected one of {', '.join(map(repr, IMPLS))}, got {impl!r}")
+    return impl
+
+
+def take_head(head, weight, bias, temperature, softcap, logit_scale, hidden, suffix: str = "") -> Head:
+    """An op's head: ``head`` given whole, or built from its parts (``weight`` ...), checked against ``hidden``
+    (..., H). The arguments are named with ``suffix`` (``weight_q``, ``head_q``); a head given whole together
+    with a part that is not its default is refused, naming both."""
+    name = f"head{suffix}"
+    if head is not None:
+        parts = dict(zip(HEAD_PARTS, (weight is not None, bias is not None, temperature != 1.0, softcap is not None,
+                                      logit_scale != 1.0)))
+        given = [f"{part}{suffix}" if part in ("weight", "bias") else part for part, at_all in parts.items() if at_all]
+        if given:
+            raise TypeError(f"{name}: given with {', '.join(given)}; give the head whole (those are its fields) or "
+                            "in parts")
+        if not isinstance(head, Head):
+            raise TypeError(f"{name}: expected a logitless.jax.Head, got {type(head).__name__}")
+    elif weight is None:
+        raise TypeError(f"weight{suffix}: expected a (V, H) array (or {name}=Head(...)), got None")
+    else:
+        head = Head(weight, bias, temperature, softcap, logit_scale)
+    weight = check_array(f"weight{suffix}", head.weight, ndim=2, floating=True)
+    hidden_name = f"hidden{suffix}"
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight{suffix}: hidden size {weight.shape[1]} does not match {hidden_name}'s last dim "
+                         f"{hidden.shape[-1]}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight{suffix}: dtype {weight.dtype} differs from {hidden_name}'s {hidden.dtype}")
+    bias = head.bias
+    if bias is not None:
+        bias = check_array(f"bias{suffix}", bias, ndim=1, floating=True)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"bias{suffix}: length {bias.shape[0]} does not match the vocabulary size "
+                             f"{weight.shape[0]}")
+        values = concrete(bias)
+        if values is not None and (np.isnan(values).any() or np.isposinf(values).any()):
+            raise ValueError(f"bias{suffix}: contains NaN or +inf (only -inf, for vocabulary rows that can never be "
+                             "sampled, is allowed)")
+    return Head(weight, bias, head.temperature, head.softcap, head.logit_scale)

@@ -1,12 +1,16 @@
-"""TRL's GRPO objective, loss-type normalizations and metrics on (B, T) arrays, in plain JAX.
+"""TRL's GRPO objective, loss-type normalizations and metrics on per-token arrays, (B, T) or flat, in plain JAX.
 
-The same formulas as `logitless.ops.grpo` (see its docstring), applied to the whole batch at once:
-the fused op hands over per-token log-probs and entropies, so nothing here sees a vocabulary.
+The same formulas as `logitless.ops.grpo` (see its docstring): the fused op hands over per-token log-probs and
+entropies (or, in its one-pass schedule, takes `GRPOTerms` of a token block's), so nothing here sees a
+vocabulary.
 Masked tokens are computed on harmless values (0) and weighted 0, so they add nothing to the loss,
 its gradient or the metrics, whatever the caller's old/ref log-probs hold there.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,13 +78,37 @@ def grpo_metrics(kl, low, high, entropy, keep) -> dict[str, jax.Array]:
     return metrics
 
 
-def grpo_loss_from_stats(log_probs, entropy, keep, advantages, old_log_probs, ref_log_probs, weights,
-                         settings: GRPOSettings) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Loss and metrics from per-token log-probs and entropies (B, T); ``advantages`` (B, 1) or (B, T)."""
+class GRPOData(NamedTuple):
+    """The GRPO loss's per-token arrays besides the log-probs, of one shape ((B, T), or flat (N,))."""
 
-    def kept(values):  # 0 where masked: finite terms with weight 0, so no NaN reaches the gradient
-        return None if values is None else jnp.where(keep, values, 0.0)
+    advantages: jax.Array
+    old_log_probs: jax.Array | None
+    ref_log_probs: jax.Array | None
+    weights: jax.Array  # the loss-type normalization of `token_weights`, 0 where masked
+    keep: jax.Array  # 1.0 where a completion token counts, 0.0 where masked
 
-    loss, kl, low, high = token_objective(kept(log_probs), kept(jnp.broadcast_to(advantages, keep.shape)),
-                                          kept(old_log_probs), kept(ref_log_probs), settings)
-    return (loss * weights).sum(), grpo_metrics(kl, low, high, entropy, keep)
+    def objective(self, log_probs, settings: GRPOSettings):
+        """`token_objective` with every masked token's values 0: finite terms with weight 0, so no NaN from junk
+        there reaches the loss or its gradient."""
+
+        def kept(values):
+            return None if values is None else jnp.where(self.keep > 0, values, 0.0)
+
+        return token_objective(kept(log_probs), kept(self.advantages), kept(self.old_log_probs),
+                               kept(self.ref_log_probs), settings)
+
+
+@dataclass(frozen=True)
+class GRPOTerms:
+    """The GRPO loss's per-token terms ``loss * weight`` from the softmax statistics (a `fused.TokenLoss`)."""
+
+    settings: GRPOSettings
+
+    def __call__(self, stats, data: GRPOData) -> jax.Array:
+        return data.objective(stats.log_probs, self.settings)[0] * data.weights
+
+
+def grpo_metrics_of(log_probs, entropy, data: GRPOData, settings: GRPOSettings) -> dict[str, jax.Array]:
+    """TRL's metrics from per-token log-probs and entropies (B, T), without gradient."""
+    _, kl, low, high = data.objective(lax.stop_gradient(log_probs), settings)
+    return grpo_metrics(kl, low, high, entropy, data.keep > 0)

@@ -1,97 +1,190 @@
-"""The public JAX ops: `fused_linear_logprobs` and `fused_grpo_loss`, same semantics as the PyTorch ones.
+"""The public JAX ops of one LM head: `fused_linear_logprobs`, `fused_linear_cross_entropy` and `fused_grpo_loss`,
+with the arguments and semantics of the PyTorch ones.
 
-Both take ``impl="fused"`` (default: `token_stats.linear_token_stats`, vocabulary blocks, no (N, V)
-array) or ``impl="materialized"`` (the plain-JAX baseline of `reference.py`). Both are jit-able:
-``temperature``, ``softcap``, ``logit_scale``, ``settings`` (and the GRPO options given as keywords),
-``block_sizes`` and ``impl`` are Python values (static); arrays, ``num_items_in_batch`` included, may be
-traced.
+Each takes ``impl="auto"`` (default) or ``"chunked"``: the block engine through `fused.linear_stats`, vocabulary
+blocks, no (N, V) array, sharded as the inputs are (`sharding.fused_stats`); or ``impl="reference"``: the plain-JAX
+oracle of `reference.py`. The head is ``weight`` with ``bias``, ``temperature``, ``softcap`` and ``logit_scale``,
+or ``head=Head(...)``. All are jit-able: ``temperature``, ``softcap``, ``logit_scale``, ``settings`` (and the GRPO
+options given as keywords), ``block_sizes``, ``impl`` and the CE's options are Python values (static); arrays,
+``num_items_in_batch`` included, may be traced.
+
+Masked tokens cost compute (shapes are static under jit, so they cannot be dropped as the PyTorch ops drop them)
+but contribute nothing: their ids are replaced by 0 and their statistics by 0, with no gradient.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logitless._checks import check_advantages_shape, check_choice, check_grpo_options, check_head_shapes
-from logitless.jax.checks import check_array, check_finite, check_mask, check_same_shape, check_token_ids, concrete
-from logitless.jax.grpo import grpo_loss_from_stats, token_weights
+from logitless._checks import check_advantages_shape, check_choice, check_grpo_options
+from logitless.jax import reference
+from logitless.jax.checks import (check_array, check_finite, check_impl, check_mask, check_same_shape,
+                                  check_token_ids, concrete, take_head)
+from logitless.jax.fused import TokenLoss
+from logitless.jax.grpo import GRPOData, GRPOTerms, grpo_metrics_of, token_weights
 from logitless.jax.head import Head
-from logitless.jax.reference import materialized_token_stats
-from logitless.jax.sharding import per_token_shard
-from logitless.jax.token_stats import linear_token_stats
+from logitless.jax.sharding import fused_loss, fused_stats
+from logitless.jax.softmax import SoftmaxAccumulator, SoftmaxStats
 from logitless.ops.blocks import BlockSizes
 from logitless.ops.grpo_settings import GRPOSettings
-
-TOKEN_STATS = {"fused": linear_token_stats, "materialized": materialized_token_stats}
 
 
 class LinearInputs(NamedTuple):
     """Validated LM-head inputs, flattened over tokens."""
 
+    head: Head
     hidden: jax.Array  # (N, H)
-    weight: jax.Array  # (V, H)
-    bias: jax.Array | None  # (V,)
     targets: jax.Array  # (N,); 0 where masked, so every id indexes the vocabulary
     keep: jax.Array | None  # (N,) bool, or None when nothing is masked
-    head: Head
+    block_sizes: BlockSizes
 
 
-def _linear_inputs(hidden, weight, targets, bias, temperature, softcap, logit_scale, mask, block_sizes,
-                   targets_name: str = "targets", mask_name: str = "mask") -> LinearInputs:
+def _linear_inputs(hidden, weight, targets, bias, temperature, softcap, logit_scale, head, mask, block_sizes,
+                   impl, targets_name: str = "targets", mask_name: str = "mask") -> LinearInputs:
+    check_impl(impl)
     hidden = check_array("hidden", hidden, ndim=(2, 3), floating=True)
-    weight = check_array("weight", weight, ndim=2, floating=True)
+    head = take_head(head, weight, bias, temperature, softcap, logit_scale, hidden)
+    if targets is None:
+        raise TypeError(f"{targets_name}: expected an integer array of token ids, got None")
     targets = check_array(targets_name, targets, ndim=hidden.ndim - 1, integer=True)
-    check_head_shapes(hidden, weight, targets, targets_name)
-    if bias is not None:
-        bias = check_array("bias", bias, ndim=1, floating=True)
-        if bias.shape[0] != weight.shape[0]:
-            raise ValueError(f"bias: length {bias.shape[0]} does not match the vocabulary size {weight.shape[0]}")
-    head = Head(temperature, softcap, logit_scale, BlockSizes.of(block_sizes))
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"{targets_name}: shape {tuple(targets.shape)} does not match hidden's leading dims "
+                         f"{tuple(hidden.shape[:-1])}")
     keep = None if mask is None else check_mask(mask_name, mask, targets_name, targets)
-    check_token_ids(targets_name, targets, weight.shape[0], keep)
+    check_token_ids(targets_name, targets, head.vocab_size, keep)
     flat_targets = targets.reshape(-1)
     flat_keep = None if keep is None else keep.reshape(-1)
     if flat_keep is not None:
         flat_targets = jnp.where(flat_keep, flat_targets, 0)
-    return LinearInputs(hidden.reshape(-1, hidden.shape[-1]), weight, bias, flat_targets, flat_keep, head)
+    return LinearInputs(head, hidden.reshape(-1, hidden.shape[-1]), flat_targets, flat_keep,
+                        BlockSizes.of(block_sizes))
 
 
-def _token_stats(inputs: LinearInputs, impl: str):
-    """(N,) log-probs and entropies; 0 where masked."""
-    check_choice("impl", impl, tuple(TOKEN_STATS))
-    log_probs, entropy = per_token_shard(TOKEN_STATS[impl], inputs.hidden, inputs.weight, inputs.bias, inputs.targets,
-                                         inputs.head)
+def _kept_stats(inputs: LinearInputs, outputs: tuple, need_entropy: bool, need_mean_log_prob: bool) -> SoftmaxStats:
+    """The (N,) outputs (log_probs, entropy, mean_log_prob) as statistics: those asked for (else None), 0 where
+    masked; the log-sum-exp is left out (None)."""
+    log_probs, entropy, mean_log_prob = outputs
+    stats = SoftmaxStats(log_probs, None, entropy if need_entropy else None,
+                         mean_log_prob if need_mean_log_prob else None)
     if inputs.keep is None:
-        return log_probs, entropy
-    return jnp.where(inputs.keep, log_probs, 0.0), jnp.where(inputs.keep, entropy, 0.0)
+        return stats
+    return SoftmaxStats(*(None if value is None else jnp.where(inputs.keep, value, 0.0) for value in stats))
 
 
-def fused_linear_logprobs(hidden, weight, targets, *, bias=None, temperature: float = 1.0,
-                          return_entropy: bool = False, mask=None, softcap: float | None = None,
-                          logit_scale: float = 1.0, block_sizes: BlockSizes | None = None, impl: str = "fused"):
+def _reference_outputs(inputs: LinearInputs) -> tuple[SoftmaxStats, tuple]:
+    stats = reference.token_stats(inputs.head, inputs.hidden, inputs.targets)
+    return stats, (stats.log_probs, stats.entropy, stats.mean_log_prob)
+
+
+def _token_stats(inputs: LinearInputs, impl: str, need_entropy: bool = False,
+                 need_mean_log_prob: bool = False) -> SoftmaxStats:
+    """(N,) log-probs, and the entropies and mean log-probs asked for, as `_kept_stats` gives them."""
+    if impl == "reference":
+        outputs = _reference_outputs(inputs)[1]
+    else:
+        accumulator = SoftmaxAccumulator(inputs.head.vocab_size, need_entropy, need_mean_log_prob)
+        outputs = fused_stats(accumulator, inputs.block_sizes, (inputs.head,), (inputs.hidden,), inputs.targets)
+    return _kept_stats(inputs, outputs, need_entropy, need_mean_log_prob)
+
+
+def _loss(inputs: LinearInputs, impl: str, token_loss: TokenLoss, loss_data, need_entropy: bool = False,
+          need_mean_log_prob: bool = False) -> tuple[jax.Array, SoftmaxStats]:
+    """(the sum of ``token_loss``'s terms over all tokens (), the statistics as `_token_stats` gives them, without
+    gradient). ``loss_data``: the loss's per-token arrays (N,)."""
+    if impl == "reference":
+        stats, outputs = _reference_outputs(inputs)
+        loss, outputs = token_loss(stats, loss_data).sum(), jax.lax.stop_gradient(outputs)
+    else:
+        accumulator = SoftmaxAccumulator(inputs.head.vocab_size, need_entropy, need_mean_log_prob)
+        loss, outputs = fused_loss(accumulator, inputs.block_sizes, token_loss, inputs.head, inputs.hidden,
+                                   inputs.targets, loss_data)
+    return loss, _kept_stats(inputs, outputs, need_entropy, need_mean_log_prob)
+
+
+def fused_linear_logprobs(hidden, weight=None, targets=None, *, bias=None, temperature: float = 1.0,
+                          return_token_entropy: bool = False, mask=None, softcap: float | None = None,
+                          logit_scale: float = 1.0, block_sizes: BlockSizes | None = None, impl: str = "auto",
+                          head: Head | None = None):
     """log softmax(logits)[targets] with ``logits = cap(logit_scale * (hidden @ weight.T + bias)) / temperature``,
     without the (N, V) logits.
 
-    hidden (N, H) or (B, T, H); weight (V, H); targets (N,) or (B, T) integer ids; bias (V,).
-    Returns the log-probs (fp32; fp64 for fp64 inputs) with the shape of ``targets``, and with
-    ``return_entropy`` also the entropy: ``(log_probs, entropy)``. Both are differentiable in
-    hidden, weight and bias. Where ``mask`` is 0 the outputs are 0 and pass no gradient (the ids
-    there may be anything, e.g. -100). ``softcap`` c gives ``c * tanh(x / c)`` before the temperature (None:
-    no cap); ``logit_scale`` multiplies ``hidden @ weight.T + bias`` before the cap (Cohere's ``logit_scale``).
-    ``block_sizes`` sets the vocabulary columns and token rows per block (`BlockSizes`).
+    hidden (N, H) or (B, T, H); weight (V, H); targets (N,) or (B, T) integer ids; bias (V,); or ``head`` (a
+    `Head` with those fields) instead of weight, bias, temperature, softcap and logit_scale. Returns the log-probs
+    (fp32; fp64 for fp64 inputs) with the shape of ``targets``, and with ``return_token_entropy`` also the
+    entropy: ``(log_probs, entropy)``. Both are differentiable in hidden, weight and bias. Where ``mask`` is 0
+    the outputs are 0 and pass no gradient (the ids there may be anything, e.g. -100). ``softcap`` c gives
+    ``c * tanh(x / c)`` before the temperature (None: no cap); ``logit_scale`` multiplies ``hidden @ weight.T +
+    bias`` before the cap. ``block_sizes`` sets the token rows and vocabulary columns per block (`BlockSizes`).
 
     Ids out of [0, V) raise ValueError when the ids are concrete; under jit they cannot be checked
     and their log-prob is NaN (so a bad id shows in the loss instead of reading another token).
     """
-    inputs = _linear_inputs(hidden, weight, targets, bias, temperature, softcap, logit_scale, mask, block_sizes)
-    log_probs, entropy = (values.reshape(targets.shape) for values in _token_stats(inputs, impl))
-    return (log_probs, entropy) if return_entropy else log_probs
+    inputs = _linear_inputs(hidden, weight, targets, bias, temperature, softcap, logit_scale, head, mask, block_sizes,
+                            impl)
+    stats = _token_stats(inputs, impl, need_entropy=return_token_entropy)
+    log_probs = stats.log_probs.reshape(targets.shape)
+    return (log_probs, stats.entropy.reshape(targets.shape)) if return_token_entropy else log_probs
 
 
-def _check_grpo_arrays(completion_ids, keep, advantages, old_logprobs, ref_logprobs, settings: GRPOSettings,
+@dataclass(frozen=True)
+class CrossEntropyTerms:
+    """The cross-entropy's per-token terms times their weight (a `fused.TokenLoss`; ``weights`` (N,) the loss
+    data: 0 where ignored, 1 / count for a mean)."""
+
+    label_smoothing: float
+
+    def __call__(self, stats: SoftmaxStats, weights: jax.Array) -> jax.Array:
+        terms = -stats.log_probs if self.label_smoothing == 0 else (
+            -(1.0 - self.label_smoothing) * stats.log_probs - self.label_smoothing * stats.mean_log_prob)
+        return jnp.where(weights != 0, terms, 0.0) * weights
+
+
+def _check_smoothing(label_smoothing) -> float:
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
+            or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing: expected a number in [0, 1], got {label_smoothing!r}")
+    return float(label_smoothing)
+
+
+def fused_linear_cross_entropy(hidden, weight=None, targets=None, *, bias=None, ignore_index: int = -100,
+                               reduction: str = "mean", label_smoothing: float = 0.0, temperature: float = 1.0,
+                               softcap: float | None = None, logit_scale: float = 1.0,
+                               block_sizes: BlockSizes | None = None, impl: str = "auto", head: Head | None = None):
+    """Cross-entropy of the head's logits against ``targets``, as ``torch.nn.functional.cross_entropy`` computes it,
+    in fp32 (fp64 for fp64 inputs), without the (N, V) logits.
+
+    ``reduction`` is none | mean | sum: "none" gives the per-token loss with the shape of ``targets`` (0 where
+    ignored); "mean" averages over the tokens whose id is not ``ignore_index`` (NaN when there are none, with
+    zero gradients, as PyTorch). ``label_smoothing`` eps mixes in the uniform distribution:
+    ``-(1 - eps) log p(target) - eps mean_v log p_v``. Head options, ``block_sizes`` and ``impl`` as in
+    `fused_linear_logprobs`.
+    """
+    check_choice("reduction", reduction, ("none", "mean", "sum"))
+    label_smoothing = _check_smoothing(label_smoothing)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index: expected an int, got {ignore_index!r}")
+    if targets is None:
+        raise TypeError("targets: expected an integer array of token ids, got None")
+    targets = check_array("targets", targets, integer=True)
+    inputs = _linear_inputs(hidden, weight, targets, bias, temperature, softcap, logit_scale, head,
+                            targets != ignore_index, block_sizes, impl)
+    terms = CrossEntropyTerms(label_smoothing)
+    if reduction == "none":
+        stats = _token_stats(inputs, impl, need_mean_log_prob=label_smoothing > 0)
+        return terms(stats, inputs.keep.astype(stats.log_probs.dtype)).reshape(targets.shape)
+    count = inputs.keep.sum()
+    weights = inputs.keep / (jnp.maximum(count, 1) if reduction == "mean" else 1)  # (N,)
+    total, _ = _loss(inputs, impl, terms, weights, need_mean_log_prob=label_smoothing > 0)
+    # the mean of no tokens is NaN, with zero gradients, as in PyTorch
+    return total + jnp.where(count == 0, jnp.nan, 0.0) if reduction == "mean" else total
+
+
+def _check_grpo_arrays(completion_ids, keep, advantages, old_log_probs, ref_log_probs, settings: GRPOSettings,
                        num_items_in_batch) -> jax.Array:
     """The GRPO arguments that `_linear_inputs` does not see; returns the advantages as (B, 1) or (B, T) fp32."""
     advantages = check_array("advantages", advantages, ndim=(1, 2), floating=True)
@@ -99,43 +192,47 @@ def _check_grpo_arrays(completion_ids, keep, advantages, old_logprobs, ref_logpr
     check_advantages_shape(advantages.shape, num_sequences, length)
     check_finite("advantages", advantages)
     kept = concrete(keep)
-    for name, value in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
+    for name, value in (("old_log_probs", old_log_probs), ("ref_log_probs", ref_log_probs)):
         if value is not None:
             check_same_shape(name, check_array(name, value, floating=True), "completion_ids", completion_ids)
             values = concrete(value)
             if values is not None and kept is not None and not (values[kept] < np.inf).all():
                 raise ValueError(f"{name}: NaN or +inf at a token of completion_mask (log-probabilities are <= 0)")
-    check_grpo_options(settings, ref_logprobs is not None,
+    check_grpo_options(settings, ref_log_probs is not None,
                        None if num_items_in_batch is None else concrete(num_items_in_batch))
     return advantages.reshape(num_sequences, -1).astype(jnp.float32)
 
 
-def fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, *, bias=None, old_logprobs=None,
-                    ref_logprobs=None, settings: GRPOSettings | None = None, num_items_in_batch=None,
-                    temperature: float = 1.0, softcap: float | None = None, logit_scale: float = 1.0,
-                    block_sizes: BlockSizes | None = None, impl: str = "fused",
-                    **options) -> tuple[jax.Array, dict[str, jax.Array]]:
+def fused_grpo_loss(hidden, weight=None, completion_ids=None, completion_mask=None, advantages=None, *, bias=None,
+                    old_log_probs=None, ref_log_probs=None, settings: GRPOSettings | None = None,
+                    num_items_in_batch=None, temperature: float = 1.0, softcap: float | None = None,
+                    logit_scale: float = 1.0, block_sizes: BlockSizes | None = None, impl: str = "auto",
+                    head: Head | None = None, **options) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The GRPO loss of TRL's GRPOTrainer from hidden states (B, T, H) and the LM head, without logits.
 
     Arguments as `logitless.fused_grpo_loss` (PyTorch): ``completion_ids``/``completion_mask``/
-    ``old_logprobs``/``ref_logprobs`` (B, T); ``advantages`` (B,), (B, 1) or (B, T); ``settings``, a
+    ``old_log_probs``/``ref_log_probs`` (B, T); ``advantages`` (B,), (B, 1) or (B, T); ``settings``, a
     `GRPOSettings` (or its fields as keywords: ``loss_type="dapo"``, ``beta=0.04``, ...); ``beta > 0``
-    adds the k3 KL to ``ref_logprobs``; ``old_logprobs`` None means on-policy (ratio 1, gradient of the
-    log-prob). Head options (``bias``, ``temperature``, ``softcap``, ``logit_scale``), ``block_sizes`` and
-    ``impl`` as in `fused_linear_logprobs`.
+    adds the k3 KL to ``ref_log_probs``; ``old_log_probs`` None means on-policy (ratio 1, gradient of the
+    log-prob). Head options (``bias``, ``temperature``, ``softcap``, ``logit_scale``, or ``head``),
+    ``block_sizes`` and ``impl`` as in `fused_linear_logprobs`.
     Returns (loss, metrics): a scalar and a dict of scalar arrays with TRL's names, kl (when
-    ref_logprobs is given), clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean,
+    ref_log_probs is given), clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean,
     entropy, clip_ratio/low_min, clip_ratio/high_max. Differentiate with ``jax.grad(..., has_aux=True)``.
     """
     hidden = check_array("hidden", hidden, ndim=3, floating=True)
     if completion_mask is None:  # the loss's normalizers count its tokens: it is not optional, as in PyTorch
         raise TypeError("completion_mask: expected a (B, T) array, 1 where a completion token counts, got None")
-    inputs = _linear_inputs(hidden, weight, completion_ids, bias, temperature, softcap, logit_scale, completion_mask,
-                            block_sizes, targets_name="completion_ids", mask_name="completion_mask")
+    inputs = _linear_inputs(hidden, weight, completion_ids, bias, temperature, softcap, logit_scale, head,
+                            completion_mask, block_sizes, impl, targets_name="completion_ids",
+                            mask_name="completion_mask")
     keep = inputs.keep.reshape(completion_ids.shape)
     settings = GRPOSettings.of(settings, options)
-    advantages = _check_grpo_arrays(completion_ids, keep, advantages, old_logprobs, ref_logprobs, settings,
+    advantages = _check_grpo_arrays(completion_ids, keep, advantages, old_log_probs, ref_log_probs, settings,
                                     num_items_in_batch)
-    log_probs, entropy = (values.reshape(completion_ids.shape) for values in _token_stats(inputs, impl))
-    weights = token_weights(keep, settings, num_items_in_batch)
-    return grpo_loss_from_stats(log_probs, entropy, keep, advantages, old_logprobs, ref_logprobs, weights, settings)
+    data = GRPOData(jnp.broadcast_to(advantages, keep.shape), old_log_probs, ref_log_probs,
+                    token_weights(keep, settings, num_items_in_batch), keep.astype(jnp.float32))  # (B, T) each
+    loss, stats = _loss(inputs, impl, GRPOTerms(settings), jax.tree.map(lambda values: values.reshape(-1), data),
+                        need_entropy=True)
+    log_probs, entropy = (values.reshape(completion_ids.shape) for values in (stats.log_probs, stats.entropy))
+    return loss, grpo_metrics_of(log_probs, entropy, data, settings)

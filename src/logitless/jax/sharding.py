@@ -1,43 +1,111 @@
-"""Data parallelism under explicit sharding: the token statistics computed shard by shard.
+"""Where the fused ops run: on a mesh, with the tokens sharded over data axes and the vocabulary (the weight's rows)
+over tensor axes, each device folding its own shard of both, with nothing gathered (`fused_stats`); and for a
+loss, which schedule (`fused_loss`: one pass on one CPU device with an fp32 weight, two passes elsewhere).
 
-With a mesh whose axes are `jax.sharding.AxisType.Auto` (GSPMD), XLA partitions the fused op by
-itself. With `AxisType.Explicit` axes the token axis's sharding is part of the array's type, and the
-op's per-block slices of that axis are not defined on it; so when hidden's token axis is explicitly
-sharded, each device computes the statistics of its own tokens (`jax.shard_map`) against the whole
-weight. Nothing crosses devices in forward; in backward the weight's (and bias's) gradient is summed
-over the token axis's devices (the transpose of `lax.pcast(..., to="varying")`).
+Under a mesh whose axes are `jax.sharding.AxisType.Explicit`, an array's sharding is part of its type, so the op
+reads it: hidden's token axis sharded over some mesh axes (data parallelism), the weight's vocabulary axis over
+others (``PartitionSpec("model", None)``: a vocabulary split over a tensor axis). `fused_stats` then runs the
+engine per device under `jax.shard_map`: each device sweeps its own tokens against its own vocabulary shard in
+blocks, and the row statistics are combined across the vocabulary axes (`Sweep.across`: max, sums of
+exponentials, the target's logit), so no device holds the whole weight or a row of logits over the whole
+vocabulary. In backward each device computes its own shard of dW (summed over the token axes) and its part of
+dh (summed over the vocabulary axes); the gradients keep the inputs' shardings. A block of ``BlockSizes`` is
+shared by the devices (`blocks.jax_block_sizes`): each holds its part of one.
+
+With `AxisType.Auto` axes the shardings are not in the types, and XLA partitions the op as it sees fit: a
+token-sharded batch is split without collectives, but a vocabulary-sharded weight is gathered whole onto every
+device (docs/jax.md says how to keep it sharded).
 """
 
 from __future__ import annotations
+
+import math
+from functools import partial
+from typing import NamedTuple
 
 import jax
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from logitless.jax.blocks import jax_block_sizes, one_pass_block_sizes
+from logitless.jax.engine import Accumulator, Plan
+from logitless.jax.fused import TokenLoss, linear_loss, linear_stats
+from logitless.jax.head import Head, stat_dtype
+from logitless.jax.softmax import SoftmaxAccumulator, SoftmaxStats
+from logitless.ops.blocks import BlockSizes
 
-def token_axes_of(hidden) -> str | tuple[str, ...] | None:
-    """The mesh axes that hidden's token axis (its first) is explicitly sharded over, or None."""
-    sharding = getattr(jax.typeof(hidden), "sharding", None)
-    spec = getattr(sharding, "spec", None)
-    return spec[0] if spec else None
+
+def _sharded_axes(array, dim: int) -> tuple[str, ...]:
+    """The mesh axes dimension ``dim`` of ``array`` is explicitly sharded over (none if not, or outside a mesh)."""
+    spec = getattr(getattr(jax.typeof(array), "sharding", None), "spec", None)
+    entry = spec[dim] if spec is not None and len(spec) > dim else None
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def per_token_shard(token_stats, hidden, weight, bias, targets, head):
-    """``token_stats(hidden, weight, bias, targets, head)`` run per shard of hidden's token axis when
-    that axis is explicitly sharded; called as is otherwise."""
-    axes = token_axes_of(hidden)
-    if axes is None:
-        return token_stats(hidden, weight, bias, targets, head)
-    tokens, whole = PartitionSpec(axes), PartitionSpec()
+def _shard_count(mesh, axes: tuple[str, ...]) -> int:
+    return math.prod(mesh.shape[axis] for axis in axes)
 
-    def local(hidden, weight, bias, targets):
-        weight, bias = lax.pcast((weight, bias), axes, to="varying")  # its transpose sums the gradient
-        return token_stats(hidden, weight, bias, targets, head)
 
-    # shard_map takes its inputs as they are laid out: the weight is gathered whole first (a no-op
-    # when it is replicated already), the targets follow hidden's tokens
-    hidden, weight, bias, targets = (None if value is None else jax.reshard(value, spec) for value, spec in
-                                     ((hidden, tokens), (weight, whole), (bias, whole), (targets, tokens)))
-    in_specs = (tokens, whole, None if bias is None else whole, tokens)
-    return jax.shard_map(local, mesh=jax.typeof(hidden).sharding.mesh, in_specs=in_specs,
-                         out_specs=(tokens, tokens))(hidden, weight, bias, targets)
+class Layout(NamedTuple):
+    """How an op's inputs lie on a mesh: the axes the tokens and the vocabulary are explicitly sharded over."""
+
+    mesh: object  # the AbstractMesh, or None unsharded
+    token_axes: tuple[str, ...]
+    vocab_axes: tuple[str, ...]
+
+
+def layout_of(heads: tuple[Head, ...], hiddens: tuple[jax.Array, ...]) -> Layout:
+    """The first hidden states' token sharding and the (first sharded) head's vocabulary sharding, every input's
+    layout on the mesh."""
+    vocab_axes = next((axes for head in heads if (axes := _sharded_axes(head.weight, 0))), ())
+    token_axes = tuple(axis for axis in _sharded_axes(hiddens[0], 0) if axis not in vocab_axes)
+    if not vocab_axes and not token_axes:
+        return Layout(None, (), ())
+    return Layout(jax.typeof(hiddens[0] if token_axes else heads[0].weight).sharding.mesh, token_axes, vocab_axes)
+
+
+def fused_stats(accumulator: Accumulator, block_sizes: BlockSizes, heads: tuple[Head, ...],
+                hiddens: tuple[jax.Array, ...], row_data) -> tuple:
+    """`fused.linear_stats` of hiddens (N, H_i) under their heads, per device where the tokens or the vocabulary are
+    explicitly sharded (the first head's layout is every head's), in one call otherwise."""
+    num_tokens, vocab_size = hiddens[0].shape[0], heads[0].vocab_size
+    layout = layout_of(heads, hiddens)
+    if layout.mesh is None:
+        plan = Plan(jax_block_sizes(block_sizes, num_tokens, vocab_size), vocab_size)
+        return linear_stats(accumulator, plan, heads, hiddens, row_data)
+    token_shards, vocab_shards = (_shard_count(layout.mesh, axes) for axes in (layout.token_axes, layout.vocab_axes))
+    if vocab_size % vocab_shards or num_tokens % token_shards:
+        raise ValueError(f"weight: {vocab_size} vocabulary rows over {vocab_shards} shards and {num_tokens} tokens "
+                         f"over {token_shards}: each must divide evenly")
+    plan = Plan(jax_block_sizes(block_sizes, num_tokens, vocab_size, token_shards, vocab_shards), vocab_size,
+                layout.token_axes, layout.vocab_axes)
+    tokens, vocab = PartitionSpec(layout.token_axes or None), PartitionSpec(layout.vocab_axes or None)
+    head_specs = tuple(Head(vocab, None if head.bias is None else vocab, head.temperature, head.softcap,
+                            head.logit_scale) for head in heads)
+    specs = (head_specs, tuple(tokens for _ in hiddens), jax.tree.map(lambda _: tokens, row_data))
+    # each input laid out as its spec says: a no-op for the arrays laid out so already
+    inputs = jax.tree.map(lambda spec, value: jax.reshard(value, spec), specs, (heads, hiddens, row_data))
+    local = partial(linear_stats, accumulator, plan)
+    return jax.shard_map(local, mesh=layout.mesh, in_specs=specs, out_specs=tokens)(*inputs)
+
+
+def fused_loss(accumulator: SoftmaxAccumulator, block_sizes: BlockSizes, token_loss: TokenLoss, head: Head,
+               hidden: jax.Array, targets: jax.Array, loss_data) -> tuple[jax.Array, tuple]:
+    """(the sum over all tokens of ``token_loss``'s terms (), ``accumulator.outputs`` (N,) each, without gradient).
+
+    On one CPU device with an fp32 (or fp64) weight, the one-pass schedule (`fused.linear_loss`): three matmuls,
+    measured faster there than the two passes' four. Elsewhere (a bf16 weight, whose dW the one pass would sum
+    over token blocks in an fp32 copy the size of the weight; a mesh; a GPU or TPU) the two passes'
+    statistics, and the loss on them."""
+    num_tokens, vocab_size = hidden.shape[0], head.vocab_size
+    if (layout_of((head,), (hidden,)).mesh is None and jax.default_backend() == "cpu"
+            and head.weight.dtype == stat_dtype(head.weight.dtype)):
+        plan = Plan(one_pass_block_sizes(block_sizes, num_tokens, vocab_size), vocab_size)
+        loss, outputs = linear_loss(accumulator, plan, token_loss, head, hidden, targets, loss_data)
+        return loss, lax.stop_gradient(outputs)
+    outputs = fused_stats(accumulator, block_sizes, (head,), (hidden,), targets)
+    log_probs, entropy, mean_log_prob = outputs
+    loss = token_loss(SoftmaxStats(log_probs, None, entropy, mean_log_prob), loss_data).sum()
+    return loss, lax.stop_gradient(outputs)
