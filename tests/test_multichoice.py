@@ -88,7 +88,7 @@ def test_probability_equals_a_direct_softmax_of_the_answer_row(tokenizer):
 def test_probability_from_a_completion_logits_view_reads_one_row(tokenizer):
     ids = encode(tokenizer, "The largest is 7, option D.\nANSWER: D")
     hidden, weight, bias = torch.randn(len(ids), 16), torch.randn(500, 16), torch.randn(500)
-    view = CompletionLogits(hidden, LinearHead(weight, bias, temperature=0.7))
+    view = CompletionLogits(hidden, LinearHead(weight, bias=bias, temperature=0.7))
     rows = (hidden @ weight.T + bias) / 0.7  # (C, V), the reference only
 
     class Recording:

@@ -29,7 +29,7 @@ def _tensors(seed=0, vocab=301):
 
 def _logprobs(t, **options):
     log_probs, entropy = fused_linear_logprobs(t["hidden"], t["weight"], t["ids"], bias=t["bias"], mask=t["mask"],
-                                               return_entropy=True, temperature=0.8, softcap=3.0, **options)
+                                               return_token_entropy=True, temperature=0.8, softcap=3.0, **options)
     return (log_probs + 0.5 * entropy).sum()
 
 
@@ -42,7 +42,7 @@ def _cross_entropy(t, **options):
 def _grpo(t, **options):
     old = torch.full(t["ids"].shape, -5.0)
     loss, _ = fused_grpo_loss(t["hidden"], t["weight"], t["ids"], t["mask"], torch.tensor([1.0, -0.5]),
-                              bias=t["bias"], old_logprobs=old, ref_logprobs=old + 0.1, beta=0.04, **options)
+                              bias=t["bias"], old_log_probs=old, ref_log_probs=old + 0.1, beta=0.04, **options)
     return loss
 
 
@@ -192,22 +192,19 @@ def test_block_sizes_are_frozen_and_default_to_none():
         sizes.tokens = 4
 
 
-def test_old_block_keywords_map_onto_block_sizes(monkeypatch):
+def test_block_sizes_reach_the_engine_and_the_token_and_vocabulary_keywords_are_refused(monkeypatch):
     from logitless.ops import blocks
 
     plans = []
     real_plan = blocks.plan_blocks
     monkeypatch.setattr("logitless.ops.fused.plan_blocks", lambda *a, **k: plans.append(real_plan(*a, **k))
                         or plans[-1])
-    old = _value_and_grads(_cross_entropy, chunk_size=5, vocab_block_size=64)
-    new = _value_and_grads(_cross_entropy, block_sizes=BLOCKS)
-    assert [plan.sizes for plan in plans] == [BLOCKS, BLOCKS]
-    for got, want in zip(new, old):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-    with pytest.raises(ValueError, match="chunk_size: expected a positive int, got 0"):
-        _cross_entropy(_tensors(), chunk_size=0)
-    with pytest.raises(ValueError, match="block_sizes: given together with chunk_size"):
-        _cross_entropy(_tensors(), block_sizes=BLOCKS, chunk_size=5)
+    _value_and_grads(_cross_entropy, block_sizes=BLOCKS)
+    assert [plan.sizes for plan in plans] == [BLOCKS]
+    for keyword, spelling in (("chunk_size", "tokens"), ("vocab_block_size", "vocab")):
+        with pytest.raises(TypeError, match=rf"fused_linear_cross_entropy: keyword `{keyword}` is spelled "
+                                            rf"`block_sizes=BlockSizes\({spelling}=\.\.\.\)`"):
+            _cross_entropy(_tensors(), **{keyword: 5})
     with pytest.raises(TypeError, match="block_sizes: expected a BlockSizes, got tuple"):
         _cross_entropy(_tensors(), block_sizes=(5, 64))
 

@@ -36,7 +36,7 @@ def make_inputs(shape: Shape) -> dict:
                   weight=randn(shape.vocab, shape.hidden, scale=0.02).requires_grad_(),
                   completion_ids=ids, completion_mask=mask,
                   advantages=torch.randn(shape.batch, generator=generator).to(device),
-                  old_logprobs=base + 0.05 * per_token[0], ref_logprobs=base + 0.05 * per_token[1],
+                  old_log_probs=base + 0.05 * per_token[0], ref_log_probs=base + 0.05 * per_token[1],
                   block_sizes=BlockSizes(tokens=shape.block_tokens))
     if shape.loss == "kl":  # the fixed head: a reference model or a teacher
         inputs.update(hidden_q=randn(shape.batch, shape.seq, shape.hidden, scale=0.5),
@@ -48,7 +48,7 @@ def _grpo_from_log_probs(log_probs, inputs):
     """TRL's GRPO loss (grpo normalization) on (B, T) log-probs: the same code for every implementation."""
     from logitless.ops.grpo import token_objective, token_weights
 
-    parts = token_objective(log_probs, inputs["advantages"][:, None], inputs["old_logprobs"], inputs["ref_logprobs"],
+    parts = token_objective(log_probs, inputs["advantages"][:, None], inputs["old_log_probs"], inputs["ref_log_probs"],
                             SETTINGS)
     weights = token_weights(inputs["completion_mask"].bool(), SETTINGS)
     return (parts[0] * weights).sum()
@@ -123,8 +123,8 @@ def step_liger(inputs):
     module = LigerFusedLinearGRPOLoss(beta=SETTINGS.beta, compiled=inputs["hidden"].is_cuda, use_ref_model=True,
                                       loss_type=SETTINGS.loss_type, temperature=TEMPERATURE)
     loss, _ = module(inputs["hidden"], inputs["weight"], inputs["completion_ids"], inputs["completion_mask"],
-                     inputs["advantages"], ref_per_token_logps=inputs["ref_logprobs"],
-                     old_per_token_logps=inputs["old_logprobs"])
+                     inputs["advantages"], ref_per_token_logps=inputs["ref_log_probs"],
+                     old_per_token_logps=inputs["old_log_probs"])
     return loss
 
 
@@ -148,8 +148,8 @@ def step_logitless(inputs):
     from logitless.ops.fused import fused_grpo_loss
 
     loss, _ = fused_grpo_loss(inputs["hidden"], inputs["weight"], inputs["completion_ids"], inputs["completion_mask"],
-                              inputs["advantages"], old_logprobs=inputs["old_logprobs"],
-                              ref_logprobs=inputs["ref_logprobs"], settings=SETTINGS, temperature=TEMPERATURE,
+                              inputs["advantages"], old_log_probs=inputs["old_log_probs"],
+                              ref_log_probs=inputs["ref_log_probs"], settings=SETTINGS, temperature=TEMPERATURE,
                               block_sizes=inputs["block_sizes"])
     return loss
 

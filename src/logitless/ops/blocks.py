@@ -47,18 +47,12 @@ class BlockSizes:
         _positive_int_or_none("block_sizes.vocab", self.vocab)
 
     @classmethod
-    def of(cls, block_sizes: BlockSizes | None = None, chunk_size: int | None = None,
-           vocab_block_size: int | None = None) -> BlockSizes:
-        """A public op's block keywords as one BlockSizes: ``block_sizes``, or the equivalent ``chunk_size``
-        (tokens) and ``vocab_block_size`` (vocabulary), not both ways at once."""
-        _positive_int_or_none("chunk_size", chunk_size)
-        _positive_int_or_none("vocab_block_size", vocab_block_size)
+    def of(cls, block_sizes: BlockSizes | None) -> BlockSizes:
+        """An op's ``block_sizes`` argument: a BlockSizes, or None for every default."""
         if block_sizes is None:
-            return cls(chunk_size, vocab_block_size)
+            return cls()
         if not isinstance(block_sizes, BlockSizes):
             raise TypeError(f"block_sizes: expected a BlockSizes, got {type(block_sizes).__name__}")
-        if chunk_size is not None or vocab_block_size is not None:
-            raise ValueError("block_sizes: given together with chunk_size or vocab_block_size; pass one of the two")
         return block_sizes
 
     def or_defaults(self, defaults: BlockSizes) -> BlockSizes:
