@@ -8,9 +8,12 @@ from logitless.models import tiny_qwen2
 from logitless.multichoice.data import format_question, synthetic_multichoice
 from logitless.ops.head import LinearHead
 from logitless.ops.lazy import CompletionLogits
-from logitless.multichoice.reward import (MultichoiceJudge, answer_probability_by_recomputing, choice_token_ids,
-                                           extract_answer_probability_from_logits, find_answer_position,
-                                           multichoice_judge_reward, strip_final_answer)
+from logitless.multichoice.answer import extract_answer_probability_from_logits, find_answer_position
+from logitless.multichoice.judge import MultichoiceJudge
+from logitless.multichoice.letters import choice_token_ids
+from logitless.multichoice.recompute import answer_probability_by_recomputing
+from logitless.multichoice.reward import multichoice_judge_reward
+from logitless.multichoice.strip import strip_final_answer
 
 QWEN_LETTER_IDS = {"A": [32, 362], "B": [33, 425], "C": [34, 356], "D": [35, 422]}  # bare, spaced
 

@@ -29,7 +29,7 @@ from logitless.hf import final_hidden_states, lm_head_of
 from logitless.logprobs import get_response_log_probs
 from logitless.models import load_model_and_tokenizer
 from logitless.multichoice.data import synthetic_multichoice
-from logitless.multichoice.reward import find_answer_position
+from logitless.multichoice.answer import find_answer_position
 from logitless.multichoice.warm_start import multichoice_sft_pairs, warm_start_policy
 from logitless.plots import plot_curve
 from logitless.recipes.grpo import train_grpo_multichoice

@@ -58,7 +58,7 @@ def _trainer(variant: str, config: GradeBenchConfig):
 def run_worker(variant: str, _directory: str, config: GradeBenchConfig) -> dict:
     import torch
 
-    from logitless.bench.memory import PeakMemory, synchronize
+    from logitless.memory import PeakMemory, synchronize
 
     trainer = _trainer(variant, config)
     prompts = [PROMPTS[(i + step) % len(PROMPTS)] for step in range(config.steps + 1)

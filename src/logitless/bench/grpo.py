@@ -4,7 +4,7 @@ Same model (an embedded one: the tiny Qwen2 by default, or random weights at Qwe
 with the real 151,936-token Qwen vocabulary; or a local model directory), same prompts, same config,
 each trainer in a fresh process: wall time of ``trainer.train()``, the part of it spent in the loss
 and its backward (the rest is generation and rewards, the same work for both), and the peak memory
-beyond what the process held once the trainer was built (`bench.memory.PeakMemory`: resident memory
+beyond what the process held once the trainer was built (`logitless.memory.PeakMemory`: resident memory
 on a CPU, allocated CUDA memory on a GPU). Setups: ``default`` (GRPOConfig's defaults: loss_type
 dapo, no KL), ``lora`` (LoRA r=8 on the attention projections) and
 ``cispo`` (a non-default loss type with a KL term, so a reference pass too).
@@ -47,7 +47,7 @@ CONFIG = GRPOBenchConfig  # what `logitless bench grpo` builds from its options
 
 def _timed(function, seconds: list[float], device):
     """``function`` that adds its wall time to ``seconds[0]``, the work it queued on ``device`` included."""
-    from logitless.bench.memory import synchronize
+    from logitless.memory import synchronize
 
     def timed(*args, **kwargs):
         synchronize(device)
@@ -65,7 +65,7 @@ def run_worker(worker: str, model_dir: str, config: GRPOBenchConfig) -> dict:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from logitless.bench.memory import PeakMemory, synchronize
+    from logitless.memory import PeakMemory, synchronize
     from logitless.models import load_tokenizer
     from logitless.trl import GRPOTrainerWithLogits
 

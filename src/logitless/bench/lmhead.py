@@ -27,7 +27,7 @@ distillation use it. Implementations:
 * logitless             fused_linear_kl
 
 Each runs in a fresh subprocess (`bench.lmhead_steps`, where the implementations are): one warm-up step, a steady-state step whose peak memory beyond the
-inputs is measured (`bench.memory.PeakMemory`), the same with the gradient outputs counted, then
+inputs is measured (`logitless.memory.PeakMemory`), the same with the gradient outputs counted, then
 timed repeats (the median is reported). Gradients go to a temporary safetensors file and are
 compared with the materialized path's in the parent.
 """

@@ -206,7 +206,7 @@ def available(implementation: str) -> bool:
 
 def run_worker(implementation: str, shape: Shape, repeats: int, grads_path: str | None) -> dict:
     """One implementation in this (fresh) process: warm-up, measured step, timed repeats."""
-    from logitless.bench.memory import PeakMemory, synchronize
+    from logitless.memory import PeakMemory, synchronize
 
     inputs = make_inputs(shape)
     device = inputs["hidden"].device

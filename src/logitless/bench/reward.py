@@ -43,10 +43,11 @@ def run_worker(variant: str, policy_dir: str, config: RewardBenchConfig) -> dict
     import torch
     from trl import GRPOConfig
 
-    from logitless.bench.memory import PeakMemory
+    from logitless.memory import PeakMemory
     from logitless.models import load_model_and_tokenizer
     from logitless.multichoice.data import synthetic_multichoice, to_trl_dataset
-    from logitless.multichoice.reward import MultichoiceJudge, multichoice_judge_reward
+    from logitless.multichoice.judge import MultichoiceJudge
+    from logitless.multichoice.reward import multichoice_judge_reward
     from logitless.trl import GRPOTrainerWithLogits
 
     policy, tokenizer = load_model_and_tokenizer(policy_dir)

@@ -103,7 +103,8 @@ def train_grpo_multichoice(config: MultichoiceGRPOConfig | GRPOPlan, *, progress
     from trl import GRPOConfig
 
     from logitless.multichoice.data import to_trl_dataset
-    from logitless.multichoice.reward import MultichoiceJudge, multichoice_judge_reward
+    from logitless.multichoice.judge import MultichoiceJudge
+    from logitless.multichoice.reward import multichoice_judge_reward
     from logitless.trl import GRPOTrainerWithLogits
 
     plan = config if isinstance(config, GRPOPlan) else prepare_grpo(config)
