@@ -126,8 +126,8 @@ def test_cross_entropy_matches_torch(reduction, label_smoothing):
 
 
 def test_cross_entropy_of_nothing_is_nan_with_zero_gradients_like_torch():
-    # all labels ignored: PyTorch's loss is NaN and its gradients 0; ours used to be NaN gradients for the
-    # whole weight, so one optimizer step made it all NaN
+    # all labels ignored: PyTorch's loss is NaN and its gradients 0; NaN gradients for the whole weight would
+    # make it all NaN in one optimizer step
     hidden, weight, bias, targets = _inputs(4, 3, 5)
     targets[:] = -100
     loss = fused_linear_cross_entropy(hidden, weight, targets, bias=bias)
@@ -139,7 +139,7 @@ def test_cross_entropy_of_nothing_is_nan_with_zero_gradients_like_torch():
 
 def test_neg_inf_bias_is_exact_in_entropy_and_its_gradient():
     # a vocabulary padded with -inf bias rows: p = 0 there and 0 * log 0 = 0; the entropy, its gradient and
-    # the GRPO entropy metric used to be NaN
+    # the GRPO entropy metric stay finite (0 * -inf would be NaN)
     hidden, weight, bias, targets = _inputs(12, 6, 53)
     bias = bias.detach().clone()
     bias[40:] = float("-inf")
@@ -176,7 +176,7 @@ def test_several_row_chunks_and_vocabulary_blocks_match_one():
 
 
 def test_non_contiguous_hidden_is_accepted():
-    # hidden[:, :-1] is how hidden states usually arrive; it used to be refused
+    # hidden[:, :-1] is how hidden states usually arrive: a non-contiguous view is accepted
     hidden, weight, _, targets = _inputs(24, 6, 37, bias=False, batch=2)
     view = hidden[:, :-1]
     assert not view.is_contiguous()

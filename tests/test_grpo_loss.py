@@ -217,7 +217,7 @@ def test_per_token_advantages():
     (dict(temperature=-1.0), ValueError, "temperature"),
     (dict(completion_ids=torch.full((3, 11), 997)), ValueError, "completion_ids: token ids"),
     (dict(hidden=torch.randn(33, 16)), ValueError, "hidden: expected 3 dimensions"),
-    # NaN used to pass silently into the loss
+    # NaN in the inputs is refused, not passed into the loss
     (dict(old_log_probs=torch.full((3, 11), float("nan"))), ValueError, "old_log_probs: NaN"),
     (dict(ref_log_probs=torch.full((3, 11), float("nan")), beta=0.04), ValueError, "ref_log_probs: NaN"),
     (dict(beta=float("nan")), ValueError, "beta: expected a finite number"),

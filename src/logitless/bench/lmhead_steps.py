@@ -240,8 +240,22 @@ def run_worker(implementation: str, shape: Shape, repeats: int, grads_path: str 
 
         save_file({"hidden": inputs["hidden"].grad.float().cpu().contiguous(),
                    "weight": inputs["weight"].grad.float().cpu().contiguous()}, grads_path)
-    return {"time_s": statistics.median(times), "times_s": times, "peak_mb": peak.megabytes,
-            "peak_with_grads_mb": peak_with_grads.megabytes, "loss": loss.item()}
+    result = {"time_s": statistics.median(times), "times_s": times, "peak_mb": peak.megabytes,
+              "peak_with_grads_mb": peak_with_grads.megabytes, "loss": loss.item()}
+    return {**result, **_blocks_held(shape, inputs)} if implementation == "logitless" else result
+
+
+def _blocks_held(shape: Shape, inputs: dict) -> dict:
+    """logitless's tokens per row chunk, and the fp32 logits it holds at once (MB): a row chunk's whole row in one
+    pass, one block of each head in two."""
+    from logitless.ops.blocks import plan_blocks
+    from logitless.ops.head import LinearHead
+
+    weight = inputs["weight"]
+    plan = plan_blocks(shape.tokens, LinearHead(weight), weight.device, inputs["block_sizes"],
+                       loss_known=shape.loss == "grpo")
+    columns = shape.vocab if plan.single_pass else plan.sizes.vocab * (2 if shape.loss == "kl" else 1)
+    return {"chunk_tokens": plan.sizes.tokens, "logits_mb": plan.sizes.tokens * columns * 4 / 2**20}
 
 
 def _main() -> int:

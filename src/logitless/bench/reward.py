@@ -5,7 +5,7 @@ The same GRPO steps (GRPOTrainerWithLogits, a warm-started tiny Qwen2 policy tha
 
 * logits    the reward declares ``completion_logits`` and reads P(correct | model) from the rows the
             trainer hands it (hidden states kept from generation);
-* fallback  the reward does not declare it, so P(correct | model) is recomputed the older way: one
+* fallback  the reward does not declare it, so P(correct | model) is recomputed by the fallback: one
             more teacher-forced policy forward per completion, with (T, V) logits.
 
 Reported per implementation: seconds spent inside the reward function, policy forward passes made
@@ -29,6 +29,9 @@ VARIANTS = ("fallback", "logits")
 
 @dataclass
 class RewardBenchConfig:
+    """GRPO steps of ``completions`` completions of ``completion_length`` tokens, ``num_generations`` per prompt,
+    from a policy warm-started for ``warm_start_steps`` SFT steps."""
+
     completions: int = 16
     completion_length: int = 32
     num_generations: int = 4

@@ -20,14 +20,20 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from logitless.bench.options import (add_device_option, add_model_option, choices_metavar, require_device,
-                                     require_model, require_positive, require_writable, write_report)
+from logitless.bench.options import (add_device_option, add_model_option, benchmark_parser, choices_metavar,
+                                     require_device, require_model, require_positive, require_writable, write_report)
 from logitless.bench.ratios import add_ratios, format_ratio
 from logitless.bench.worker import run_worker_process
 from logitless.models import EMBEDDED_DEFAULT
 
 TRAINERS = ("sft", "dpo", "kto", "rloo", "grpo", "distill")
 IMPLEMENTATIONS = ("trl", "logitless")
+
+SUMMARY = "every TRL trainer (SFT, DPO, KTO, RLOO, GRPO, distillation): TRL's own head vs logitless's"
+DESCRIPTION = ("A few training steps of each TRL 1.16 trainer that scores tokens, stock TRL (its own fused LM "
+               "head) and logitless's drop-in of the same name, on the same model, data, config and steps, "
+               "each in a fresh process: the median step time after the first, the peak memory of the run, "
+               "and the logged losses.")
 
 
 @dataclass
@@ -73,26 +79,19 @@ def run(config: TRLBenchConfig, progress: bool = True) -> dict:
 
 def format_table(report: dict) -> str:
     c = report["config"]
-    lines = [f"TRL trainers, {c['steps']} steps each (the first not timed), {c['model']} (vocabulary "
+    title = (f"TRL trainers, {c['steps']} steps each (the first not timed), {c['model']} (vocabulary "
              f"{report['vocab_size']}), {c['device']}; sft/dpo/kto: {c['batch']} x {c['seq']} tokens; "
-             f"rloo/grpo/distill: {c['completions']} completions x {c['completion_length']} tokens",
-             f"{'trainer':<9}{'head':<11}{'step s':>8}{'x TRL':>7}{'peak MB':>9}{'x TRL':>7}  losses"]
-    for name, results in report["results"].items():
-        for implementation, r in results.items():
-            lines.append(f"{name:<9}{implementation:<11}{r['step_s']:>8.2f}{format_ratio(r['time_ratio'], 7)}"
-                         f"{r['peak_mb']:>9.0f}{format_ratio(r['peak_ratio'], 7)}"
-                         f"  {', '.join(f'{x:.4f}' for x in r['losses'])}")
-    return "\n".join(lines)
+             f"rloo/grpo/distill: {c['completions']} completions x {c['completion_length']} tokens")
+    header = f"{'trainer':<9}{'head':<11}{'step s':>8}{'x TRL':>7}{'peak MB':>9}{'x TRL':>7}  losses"
+    rows = (f"{name:<9}{implementation:<11}{r['step_s']:>8.2f}{format_ratio(r['time_ratio'], 7)}"
+            f"{r['peak_mb']:>9.0f}{format_ratio(r['peak_ratio'], 7)}  {', '.join(f'{x:.4f}' for x in r['losses'])}"
+            for name, results in report["results"].items() for implementation, r in results.items())
+    return "\n".join([title, header, *rows])
 
 
 def add_parser(targets) -> None:
     defaults = TRLBenchConfig()
-    parser = targets.add_parser(
-        "trl", help="every TRL trainer (SFT, DPO, KTO, RLOO, GRPO, distillation): TRL's own head vs logitless's",
-        description="A few training steps of each TRL 1.16 trainer that scores tokens, stock TRL (its own fused LM "
-                    "head) and logitless's drop-in of the same name, on the same model, data, config and steps, "
-                    "each in a fresh process: the median step time after the first, the peak memory of the run, "
-                    "and the logged losses.")
+    parser = benchmark_parser(targets, "trl", SUMMARY, DESCRIPTION)
     parser.add_argument("--trainers", nargs="+", default=list(TRAINERS), metavar=choices_metavar(TRAINERS),
                         help="which trainers to run (default: all)")
     parser.add_argument("--steps", type=int, default=defaults.steps,

@@ -34,6 +34,7 @@ from logitless.ops.grpo import check_grpo_inputs, grpo_metrics, grpo_token_loss
 from logitless.ops.grpo_settings import GRPO_OPTIONS, GRPOSettings
 from logitless.ops.head import LinearHead, op_head, stat_dtype
 from logitless.ops.softmax import softmax_accumulators
+from logitless.ops.workers import block_workers
 
 # token_loss(rows, log_probs, entropy, mean_log_prob) -> the loss summed over the chunk's tokens
 # (``rows``: the chunk's slice of all tokens; statistics not asked for are None)
@@ -119,7 +120,8 @@ def _one_pass_loss(hidden, targets, head: LinearHead, plan: BlockPlan, token_los
     accumulators = softmax_accumulators(head, targets, chunks, dtype, need_entropy=need_entropy,
                                         need_mean_log_prob=need_mean_log_prob,
                                         keep="logits" if head.softcap is not None else "weights")
-    return one_pass(head, hidden, plan, accumulators, _chunk_loss(head, token_loss, needs, dtype), needs)
+    workers = block_workers(hidden.device, -(-head.vocab_size // plan.sizes.vocab))
+    return one_pass(head, hidden, plan, accumulators, _chunk_loss(head, token_loss, needs, dtype), needs, workers)
 
 
 def _chunk_loss(head: LinearHead, token_loss: TokenLoss, needs: tuple[bool, bool, bool], dtype) -> ChunkLoss:

@@ -5,8 +5,11 @@ in `logitless.recipes.config`."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -14,6 +17,7 @@ from logitless.checkpoint import checkpoint_step, last_complete_checkpoint
 from logitless.models import EMBEDDED_MODELS, load_model_and_tokenizer
 from logitless.nonfinite import NonFiniteError
 from logitless.recipes.options import option_error, option_fields
+from logitless.rundir import RunDirectory, file_identity
 
 NONFINITE_ADVICE = "Lower --learning-rate, or pass --on-nonfinite skip to skip such steps."
 
@@ -64,6 +68,43 @@ def resume_checkpoint(command: str, run_dir: Path, config) -> Path | None:
         raise ValueError(f"steps: the run in {run_dir} is already at step {checkpoint_step(checkpoint)}, past "
                          f"{config.steps}; pass a larger --steps to train on, or --no-resume to start over")
     return checkpoint
+
+
+@dataclass
+class RunPlan:
+    """What a recipe's ``prepare_*`` checked and claimed, before any model is loaded: its config, the run
+    directory, the checkpoint to resume from (None: from the start) and the options a resume was allowed to
+    change (name -> [before, now])."""
+
+    config: object
+    run: RunDirectory
+    checkpoint: Path | None
+    changes: dict[str, list]
+
+
+def check_model_sources(config) -> None:
+    """Every model the config names (its ``MODEL_OPTIONS`` that are set) can be loaded from where it says."""
+    for field in type(config).MODEL_OPTIONS:
+        if getattr(config, field) is not None:
+            check_model_source(field, getattr(config, field))
+
+
+def claim_run(command: str, config, outputs: tuple[str, ...], result_options, fixed_options,
+              before_start: Callable[[Path | None], None] | None = None) -> RunPlan:
+    """Claim ``config.output_dir`` for ``command``, find the checkpoint to resume from and record the config's
+    options (the data file by its identity), refusing a resume whose result options changed unless
+    ``allow_changed`` names them; ``before_start`` gets the checkpoint first (a check that depends on it). The
+    directory is released if anything fails."""
+    run = RunDirectory.claim(config.output_dir, command, outputs=outputs, overwrite=config.overwrite)
+    with run.released_on_error():
+        checkpoint = resume_checkpoint(command, run.path, config)
+        if before_start is not None:
+            before_start(checkpoint)
+        options = {**dataclasses.asdict(config), "data": file_identity(config.data)}
+        changes = run.start(options, resume=checkpoint is not None, result_options=result_options,
+                            fixed_options=fixed_options, allow_changed=config.allow_changed,
+                            step=None if checkpoint is None else checkpoint_step(checkpoint))
+    return RunPlan(config, run, checkpoint, changes)
 
 
 def announce_start(command: str, checkpoint: Path | None, steps: int) -> None:

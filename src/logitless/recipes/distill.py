@@ -22,13 +22,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from logitless.checkpoint import CHECKPOINT_STAGING, STEP_CHECKPOINT, checkpoint_step
+from logitless.checkpoint import CHECKPOINT_STAGING, STEP_CHECKPOINT
 from logitless.plots import plot_curve
-from logitless.recipes.common import (NONFINITE_ADVICE, check_model_source, load_model, plural,
-                                      refuse_other_commands_data, resume_checkpoint, run_recipe, skipped_note)
+from logitless.recipes.common import (NONFINITE_ADVICE, RunPlan, check_model_sources, claim_run, load_model, plural,
+                                      refuse_other_commands_data, run_recipe, skipped_note)
 from logitless.recipes.distill_options import (BUILT_IN_PROMPTS, FIXED_OPTIONS, RESULT_OPTIONS, DistillConfig)
 from logitless.recipes.trl_runs import train_resumably
-from logitless.rundir import RunDirectory, file_identity, remove_tree, write_json_atomically, write_text_atomically
+from logitless.rundir import remove_tree, write_json_atomically, write_text_atomically
 
 TEACHER = "teacher"  # the built-in teacher's directory in OUTPUT_DIR
 OUTPUTS = (STEP_CHECKPOINT, CHECKPOINT_STAGING, TEACHER, f".{TEACHER}.partial", "history.json", "divergence.png",
@@ -36,14 +36,10 @@ OUTPUTS = (STEP_CHECKPOINT, CHECKPOINT_STAGING, TEACHER, f".{TEACHER}.partial", 
 
 
 @dataclass
-class DistillPlan:
-    """What `prepare_distill` checked and claimed, before any model is loaded."""
+class DistillPlan(RunPlan):
+    """What `prepare_distill` checked and claimed, before any model is loaded: the prompts too."""
 
-    config: DistillConfig
-    prompts: list[str]
-    run: RunDirectory
-    checkpoint: Path | None  # to resume from
-    changes: dict[str, list]  # options a resume was allowed to change: name -> [before, now]
+    prompts: list[str] = dataclasses.field(default_factory=list)
 
 
 def load_prompts(config: DistillConfig) -> list[str]:
@@ -70,17 +66,8 @@ def prepare_distill(config: DistillConfig) -> DistillPlan:
     naming the option at fault; writes only ``logitless-run.json`` (and removes this run's earlier outputs when it
     starts over)."""
     prompts = load_prompts(config)
-    check_model_source("model", config.model)
-    if config.teacher is not None:
-        check_model_source("teacher", config.teacher)
-    run = RunDirectory.claim(config.output_dir, "distill", outputs=OUTPUTS, overwrite=config.overwrite)
-    with run.released_on_error():
-        checkpoint = resume_checkpoint("distill", run.path, config)
-        options = {**dataclasses.asdict(config), "data": file_identity(config.data)}
-        changes = run.start(options, resume=checkpoint is not None, result_options=RESULT_OPTIONS,
-                            fixed_options=FIXED_OPTIONS, allow_changed=config.allow_changed,
-                            step=None if checkpoint is None else checkpoint_step(checkpoint))
-    return DistillPlan(config, prompts, run, checkpoint, changes)
+    check_model_sources(config)
+    return DistillPlan(**vars(claim_run("distill", config, OUTPUTS, RESULT_OPTIONS, FIXED_OPTIONS)), prompts=prompts)
 
 
 def teacher_directory(config: DistillConfig, run_dir: Path, progress: bool) -> str:

@@ -23,14 +23,14 @@ from pathlib import Path
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
-from logitless.checkpoint import CHECKPOINT_STAGING, STEP_CHECKPOINT, checkpoint_step
+from logitless.checkpoint import CHECKPOINT_STAGING, STEP_CHECKPOINT
 from logitless.plots import plot_curves
-from logitless.recipes.common import (NONFINITE_ADVICE, check_model_source, hub_reachable, load_model, plural,
-                                      refuse_other_commands_data, resume_checkpoint, run_recipe, skipped_note)
+from logitless.recipes.common import (NONFINITE_ADVICE, RunPlan, check_model_sources, claim_run, hub_reachable,
+                                      load_model, plural, refuse_other_commands_data, run_recipe, skipped_note)
 from logitless.recipes.grpo_options import (FIXED_OPTIONS, RESULT_OPTIONS, SYNTHETIC_QUESTIONS,
                                             MultichoiceGRPOConfig)
 from logitless.recipes.trl_runs import train_resumably
-from logitless.rundir import RunDirectory, file_identity, write_json_atomically, write_text_atomically
+from logitless.rundir import write_json_atomically, write_text_atomically
 from logitless.trl.nonfinite import NonFiniteGuard
 
 EQUAL_REWARD_STEPS = 2  # a warning when every completion of the first this many steps got the same reward
@@ -43,14 +43,10 @@ OUTPUTS = (STEP_CHECKPOINT, CHECKPOINT_STAGING, "history.json", "reward.png", "R
 
 
 @dataclass
-class GRPOPlan:
-    """What `prepare_grpo` checked and claimed, before any model is loaded."""
+class GRPOPlan(RunPlan):
+    """What `prepare_grpo` checked and claimed, before any model is loaded: the questions too."""
 
-    config: MultichoiceGRPOConfig
-    records: list[dict]
-    run: RunDirectory
-    checkpoint: Path | None  # to resume from
-    changes: dict[str, list]  # options a resume was allowed to change: name -> [before, now]
+    records: list[dict] = dataclasses.field(default_factory=list)
 
 
 def load_questions(config: MultichoiceGRPOConfig) -> list[dict]:
@@ -84,17 +80,8 @@ def prepare_grpo(config: MultichoiceGRPOConfig) -> GRPOPlan:
     ValueError naming the option at fault; writes only ``logitless-run.json`` (and removes this run's
     earlier outputs when it starts over)."""
     records = load_questions(config)
-    check_model_source("model", config.model)
-    if config.judge is not None:
-        check_model_source("judge", config.judge)
-    run = RunDirectory.claim(config.output_dir, "grpo", outputs=OUTPUTS, overwrite=config.overwrite)
-    with run.released_on_error():
-        checkpoint = resume_checkpoint("grpo", run.path, config)
-        options = {**dataclasses.asdict(config), "data": file_identity(config.data)}
-        changes = run.start(options, resume=checkpoint is not None, result_options=RESULT_OPTIONS,
-                            fixed_options=FIXED_OPTIONS, allow_changed=config.allow_changed,
-                            step=None if checkpoint is None else checkpoint_step(checkpoint))
-    return GRPOPlan(config, records, run, checkpoint, changes)
+    check_model_sources(config)
+    return GRPOPlan(**vars(claim_run("grpo", config, OUTPUTS, RESULT_OPTIONS, FIXED_OPTIONS)), records=records)
 
 
 def train_grpo_multichoice(config: MultichoiceGRPOConfig | GRPOPlan, *, progress: bool = True) -> dict:
