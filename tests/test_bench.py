@@ -31,16 +31,36 @@ def test_bench_lmhead_kl(tmp_path, capsys):
                  "--masked-fraction", "0.25", "--block-tokens", "5", "--json", str(out_json)]) == 0
     report = json.loads(out_json.read_text())
     assert report["flops"] == 8 * 24 * 8 * 1009  # two heads' logits, grad hidden, grad weight
-    assert set(report["results"]) == {"materialized", "materialized_minimal", "gemm", "logitless"}
-    for name in ("materialized_minimal", "logitless"):  # the same KL and gradients as F.kl_div's path
+    assert set(report["results"]) == {"materialized", "materialized_minimal", "gemm", "logitless@5"}
+    assert report["results"]["logitless@5"]["chunk_tokens"] == 5
+    for name in ("materialized_minimal", "logitless@5"):  # the same KL and gradients as F.kl_div's path
         result = report["results"][name]
         assert result["loss_diff"] < 1e-5 and result["max_abs_grad_diff"] < 1e-5, name
     assert report["results"]["materialized"]["loss"] > 0.01  # two different heads: a KL that can be wrong
     assert capsys.readouterr().out.startswith("KL(p || q) fwd+bwd through the LM head")
 
 
+def test_bench_lmhead_block_curve_with_a_busy_process_beside_it(tmp_path, capsys):
+    """--block-tokens with several values: logitless once per value, each row with the chunk it ran and the logits
+    it held; --busy: every implementation measured with busy processes beside it."""
+    out_json = tmp_path / "curve.json"
+    assert main(["bench", "lmhead", "-B", "2", "-T", "16", "-H", "8", "-V", "1009", "--repeats", "1",
+                 "--impl", "gemm", "logitless", "--block-tokens", "4", "32", "--busy", "1",
+                 "--json", str(out_json)]) == 0
+    report = json.loads(out_json.read_text())
+    assert report["busy"] == 1
+    assert set(report["results"]) == {"materialized", "materialized_minimal", "gemm", "logitless@4", "logitless@32"}
+    curve = {name: report["results"][name] for name in ("logitless@4", "logitless@32")}
+    assert [row["chunk_tokens"] for row in curve.values()] == [4, 32]
+    assert [row["logits_mb"] for row in curve.values()] == [4 * 1009 * 4 / 2**20, 32 * 1009 * 4 / 2**20]
+    assert all(row["loss_diff"] < 1e-5 and row["max_abs_grad_diff"] < 1e-5 for row in curve.values())
+    out = capsys.readouterr().out
+    assert "1 busy processes beside it" in out and "logitless@32: 32 tokens per row chunk" in out
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--loss", "ce"], "--loss: expected one of"),
+    (["--busy", "-1"], "--busy: must be >= 0"),
     (["--block-tokens", "0"], "--block-tokens"),
     (["--dtype", "float16"], "--dtype"),
     (["--impl", "mine"], "--impl"),

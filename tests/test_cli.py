@@ -38,7 +38,7 @@ def test_fixed_choices_are_shown_in_the_usage_line(capsys):
     usage = capsys.readouterr().out
     assert "--method {gumbel,ste,gumbel_legacy,ste_legacy,grpo,all}" in usage
     assert "--reward {capitalized,words,token,classifier,judge}" in usage
-    assert "--loss-type {dapo,grpo,bnpo,dr_grpo,cispo,sapo,vespo}" in usage
+    assert "--loss-type {grpo,bnpo,dr_grpo,dapo,cispo,sapo,vespo}" in usage
     assert usage.count("--on-nonfinite {stop,skip}") >= 3
 
 

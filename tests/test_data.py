@@ -20,7 +20,7 @@ def test_issue_example_with_real_qwen_vocabulary(tokenizer):
 
 
 def test_padding_rule_holds_when_last_token_is_not_zero(tokenizer):
-    # seed 004's literal rule (pad input_ids with 0s then EOS) only works when the last token is id 0
+    # the literal rule "pad input_ids with 0s then EOS" only works when the last token is id 0
     prompts, outputs = ["Hi", "This is a much longer prompt"], [" there.", " ok"]
     out = tokenize_prompt_and_output(prompts, outputs, tokenizer)
     for row, (p, o) in enumerate(zip(prompts, outputs)):

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from logitless import compute_entropy, fused_linear_cross_entropy, fused_linear_logprobs
+from logitless.ops import BlockSizes
 from logitless.ops.reference import cross_entropy, linear_logits, linear_logprobs
 
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5)}
@@ -40,9 +41,9 @@ def test_logprobs_and_entropy_values_and_grads(dtype, temperature):
     oracle_inputs = [t.detach().float().requires_grad_() for t in inputs]
 
     log_probs, entropy = fused_linear_logprobs(hidden, weight, targets, bias=bias, temperature=temperature,
-                                               return_entropy=True, chunk_size=16, mask=mask)
+                                               return_token_entropy=True, block_sizes=BlockSizes(tokens=16), mask=mask)
     ref_log_probs, ref_entropy = linear_logprobs(*oracle_inputs[:2], targets, bias=oracle_inputs[2],
-                                                 temperature=temperature, return_entropy=True)
+                                                 temperature=temperature, return_token_entropy=True)
     ref_log_probs, ref_entropy = ref_log_probs * mask, ref_entropy * mask
     assert log_probs.dtype == entropy.dtype == torch.float32
     got = [log_probs, entropy, *_grads((log_probs * up_logp + entropy * up_entropy).sum(), inputs)]
@@ -73,13 +74,13 @@ def test_gradcheck_float64(softcap):
     mask = torch.tensor([1, 1, 0, 1, 1, 1, 1], dtype=torch.bool)
 
     def both(h, w, b):
-        return fused_linear_logprobs(h, w, targets, bias=b, temperature=0.8, return_entropy=True, chunk_size=3,
-                                     vocab_block_size=4, mask=mask, softcap=softcap, logit_scale=1.3)
+        return fused_linear_logprobs(h, w, targets, bias=b, temperature=0.8, return_token_entropy=True,
+                                     block_sizes=BlockSizes(3, 4), mask=mask, softcap=softcap, logit_scale=1.3)
 
     assert torch.autograd.gradcheck(both, (hidden, weight, bias))
 
     def cross(h, w, b):
-        return fused_linear_cross_entropy(h, w, targets, bias=b, label_smoothing=0.1, chunk_size=3, vocab_block_size=4,
+        return fused_linear_cross_entropy(h, w, targets, bias=b, label_smoothing=0.1, block_sizes=BlockSizes(3, 4),
                                           softcap=softcap)
 
     assert torch.autograd.gradcheck(cross, (hidden, weight, bias))
@@ -91,9 +92,9 @@ def test_softcapped_logits_values_and_grads(dtype):
     hidden, weight, bias, targets = _inputs(45, 16, 509, dtype, batch=3)
     inputs, oracle_inputs = (hidden, weight, bias), [t.detach().float().requires_grad_() for t in (hidden, weight, bias)]
     log_probs, entropy = fused_linear_logprobs(hidden, weight, targets, bias=bias, temperature=0.8,
-                                               return_entropy=True, chunk_size=8, softcap=2.0)
+                                               return_token_entropy=True, block_sizes=BlockSizes(tokens=8), softcap=2.0)
     ref_log_probs, ref_entropy = linear_logprobs(*oracle_inputs[:2], targets, bias=oracle_inputs[2], temperature=0.8,
-                                                 return_entropy=True, softcap=2.0)
+                                                 return_token_entropy=True, softcap=2.0)
     uncapped = linear_logprobs(*oracle_inputs[:2], targets, bias=oracle_inputs[2], temperature=0.8)[0]
     assert (uncapped - ref_log_probs).abs().max() > 0.5  # the cap changes the answer
     cross = fused_linear_cross_entropy(hidden, weight, targets, bias=bias, label_smoothing=0.1, softcap=2.0)
@@ -114,7 +115,7 @@ def test_cross_entropy_matches_torch(reduction, label_smoothing):
     hidden, weight, bias, targets = _inputs(45, 16, 257)
     targets[::4] = -100
     loss = fused_linear_cross_entropy(hidden, weight, targets, bias=bias, reduction=reduction,
-                                      label_smoothing=label_smoothing, chunk_size=8)
+                                      label_smoothing=label_smoothing, block_sizes=BlockSizes(tokens=8))
     expected = cross_entropy(linear_logits(hidden, weight, bias), targets, reduction=reduction,
                              label_smoothing=label_smoothing)
     _close(loss, expected, torch.float32)
@@ -125,8 +126,8 @@ def test_cross_entropy_matches_torch(reduction, label_smoothing):
 
 
 def test_cross_entropy_of_nothing_is_nan_with_zero_gradients_like_torch():
-    # all labels ignored: PyTorch's loss is NaN and its gradients 0; ours used to be NaN gradients for the
-    # whole weight, so one optimizer step made it all NaN
+    # all labels ignored: PyTorch's loss is NaN and its gradients 0; NaN gradients for the whole weight would
+    # make it all NaN in one optimizer step
     hidden, weight, bias, targets = _inputs(4, 3, 5)
     targets[:] = -100
     loss = fused_linear_cross_entropy(hidden, weight, targets, bias=bias)
@@ -138,16 +139,16 @@ def test_cross_entropy_of_nothing_is_nan_with_zero_gradients_like_torch():
 
 def test_neg_inf_bias_is_exact_in_entropy_and_its_gradient():
     # a vocabulary padded with -inf bias rows: p = 0 there and 0 * log 0 = 0; the entropy, its gradient and
-    # the GRPO entropy metric used to be NaN
+    # the GRPO entropy metric stay finite (0 * -inf would be NaN)
     hidden, weight, bias, targets = _inputs(12, 6, 53)
     bias = bias.detach().clone()
     bias[40:] = float("-inf")
     bias.requires_grad_()
     targets = targets % 40
-    log_probs, entropy = fused_linear_logprobs(hidden, weight, targets, bias=bias, return_entropy=True,
-                                               chunk_size=5, vocab_block_size=16)
+    log_probs, entropy = fused_linear_logprobs(hidden, weight, targets, bias=bias, return_token_entropy=True,
+                                               block_sizes=BlockSizes(5, 16))
     # the oracle: the same distribution over the 40 real rows only
-    ref_log_probs, ref_entropy = linear_logprobs(hidden, weight[:40], targets, bias=bias[:40], return_entropy=True)
+    ref_log_probs, ref_entropy = linear_logprobs(hidden, weight[:40], targets, bias=bias[:40], return_token_entropy=True)
     _close(log_probs, ref_log_probs, torch.float32)
     _close(entropy, ref_entropy, torch.float32)
     got = _grads((log_probs + entropy).sum(), (hidden, weight))
@@ -166,8 +167,8 @@ def test_several_row_chunks_and_vocabulary_blocks_match_one():
     # the weight's gradient is summed over row chunks only when there are several; blocks split the vocabulary
     hidden, weight, bias, targets = _inputs(40, 8, 997)
     outputs = []
-    for blocks in (dict(), dict(chunk_size=7, vocab_block_size=64), dict(chunk_size=40, vocab_block_size=1)):
-        log_probs, entropy = fused_linear_logprobs(hidden, weight, targets, bias=bias, return_entropy=True, **blocks)
+    for blocks in (dict(), dict(block_sizes=BlockSizes(7, 64)), dict(block_sizes=BlockSizes(40, 1))):
+        log_probs, entropy = fused_linear_logprobs(hidden, weight, targets, bias=bias, return_token_entropy=True, **blocks)
         outputs.append([log_probs, entropy, *_grads((log_probs * 0.3 - entropy).sum(), (hidden, weight, bias))])
     for other in outputs[1:]:
         for got, want in zip(other, outputs[0]):
@@ -175,7 +176,7 @@ def test_several_row_chunks_and_vocabulary_blocks_match_one():
 
 
 def test_non_contiguous_hidden_is_accepted():
-    # hidden[:, :-1] is how hidden states usually arrive; it used to be refused
+    # hidden[:, :-1] is how hidden states usually arrive: a non-contiguous view is accepted
     hidden, weight, _, targets = _inputs(24, 6, 37, bias=False, batch=2)
     view = hidden[:, :-1]
     assert not view.is_contiguous()
@@ -199,7 +200,7 @@ def test_non_contiguous_upstream_gradient():
     hidden, weight, bias, targets = _inputs(20, 6, 37)
     upstream = torch.randn(20, 2)[:, 0]  # a strided view
     assert not upstream.is_contiguous()
-    log_probs = fused_linear_logprobs(hidden, weight, targets, bias=bias, chunk_size=7)
+    log_probs = fused_linear_logprobs(hidden, weight, targets, bias=bias, block_sizes=BlockSizes(tokens=7))
     ref, _ = linear_logprobs(hidden, weight, targets, bias=bias)
     for g, w in zip(_grads((log_probs * upstream).sum(), (hidden, weight, bias)),
                     _grads((ref * upstream).sum(), (hidden, weight, bias))):
@@ -219,12 +220,13 @@ def test_bad_input_errors_name_the_argument():
         (dict(targets=torch.zeros(3, dtype=torch.long)), ValueError, "targets: shape"),
         (dict(bias=torch.zeros(4)), ValueError, "bias: length"),
         (dict(weight=torch.randn(5, 3, dtype=torch.float64)), TypeError, "weight: dtype"),
-        (dict(chunk_size=0), ValueError, "chunk_size"),
+        (dict(chunk_size=0), TypeError, r"fused_linear_logprobs: keyword `chunk_size` is spelled `block_sizes=BlockSizes\(tokens="),
         (dict(softcap=-30.0), ValueError, "softcap: expected a finite number > 0"),
         (dict(softcap=float("inf")), ValueError, "softcap: expected a finite number > 0"),
         (dict(temperature=float("inf")), ValueError, "temperature: expected a finite number > 0"),
         (dict(logit_scale=float("nan")), ValueError, "logit_scale"),
-        (dict(vocab_block_size=0), ValueError, "vocab_block_size"),
+        (dict(vocab_block_size=0), TypeError, "keyword `vocab_block_size` is spelled `block_sizes=BlockSizes"),
+        (dict(block_sizes=dict(tokens=3)), TypeError, "block_sizes: expected a BlockSizes, got dict"),
         (dict(bias=torch.tensor([0.0, float("nan"), 0.0, 0.0, 0.0])), ValueError, "bias: contains NaN"),
     ]
     for overrides, error, match in cases:
@@ -233,6 +235,8 @@ def test_bad_input_errors_name_the_argument():
             fused_linear_logprobs(args.pop("hidden"), args.pop("weight"), args.pop("targets"), **args)
     with pytest.raises(ValueError, match="reduction"):
         fused_linear_cross_entropy(hidden, weight, targets, reduction="avg")
+    with pytest.raises(ValueError, match="block_sizes.vocab: expected a positive int, got 0"):
+        BlockSizes(vocab=0)
 
 
 def test_non_finite_hidden_gives_nan_as_pytorch_does():
@@ -266,7 +270,7 @@ def test_bf16_gradients_at_least_as_accurate_as_the_materialized_bf16_path(seed)
         return torch.log_softmax((h @ w.T).float(), -1).gather(1, targets[:, None]).squeeze(1)
 
     def fused(h, w):
-        return fused_linear_logprobs(h, w, targets, chunk_size=40, vocab_block_size=512)
+        return fused_linear_logprobs(h, w, targets, block_sizes=BlockSizes(40, 512))
 
     exact = grads(materialized, torch.float64)
     for name, got, plain, want in zip(("hidden", "weight"), grads(fused, torch.bfloat16),
@@ -275,7 +279,7 @@ def test_bf16_gradients_at_least_as_accurate_as_the_materialized_bf16_path(seed)
         assert fused_error <= materialized_error, (name, fused_error.item(), materialized_error.item())
 
 
-@pytest.mark.parametrize("blocks", [dict(), dict(chunk_size=7, vocab_block_size=100)])
+@pytest.mark.parametrize("blocks", [dict(), dict(block_sizes=BlockSizes(7, 100))])
 def test_one_pass_and_two_pass_schedules_agree(blocks, monkeypatch):
     # cross-entropy and GRPO take one pass on CPU for fp32 weights, two elsewhere: both must give the same
     from logitless import fused_grpo_loss
@@ -288,7 +292,7 @@ def test_one_pass_and_two_pass_schedules_agree(blocks, monkeypatch):
     def run():
         ce = fused_linear_cross_entropy(hidden, weight, targets, bias=bias, label_smoothing=0.1, softcap=4.0, **blocks)
         grpo, metrics = fused_grpo_loss(hidden, weight, targets, mask, torch.randn(3, generator=torch.Generator()
-                                        .manual_seed(1)), bias=bias, old_logprobs=old, ref_logprobs=old + 0.1,
+                                        .manual_seed(1)), bias=bias, old_log_probs=old, ref_log_probs=old + 0.1,
                                         beta=0.04, temperature=0.8, **blocks)
         return [ce, grpo, *_grads(ce + grpo, (hidden, weight, bias))], metrics
 

@@ -12,7 +12,7 @@ from logitless.grade import (GradeConfig, GRPOBaseline, GumbelTrainer, GumbelTra
 from logitless.grade.soft_tokens import PromptBatch, as_records
 from logitless.models import tiny_qwen2, tiny_qwen2_config
 from logitless.nonfinite import NonFiniteError
-from logitless.multichoice.reward import MultichoiceJudge
+from logitless.multichoice.judge import MultichoiceJudge
 
 from grade_helpers import BYTE_VOCAB, ByteTokenizer, SMALL, byte_model
 
@@ -104,6 +104,23 @@ def test_token_log_prob_reward_from_soft_embeddings():
 
     _check_sparse_equals_dense_and_hard_equals_ids(reward, from_ids)
     assert not any(p.requires_grad for p in model.parameters())  # the reward model is frozen
+
+
+def test_the_token_log_prob_reward_reads_one_token_through_the_heads_fused_op(monkeypatch):
+    """No (B, V) log-softmax with a graph to read one column: the head's fused log-prob op scores the token."""
+    import logitless.grade.rewards as rewards
+
+    model = byte_model(seed=4)
+    reward = TokenLogProbReward(model, BYTES, token="y")
+    calls, fused = [], rewards.fused_linear_logprobs
+    monkeypatch.setattr(rewards, "fused_linear_logprobs", lambda *a, **k: calls.append(k["targets"]) or fused(*a, **k))
+    monkeypatch.setattr(torch, "log_softmax", lambda *a, **k: pytest.fail("a (B, V) log-softmax was built"))
+    weights = torch.rand(4, 3, 5, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    indices = torch.randint(0, 256, (4, 3, 5), generator=torch.Generator().manual_seed(3))
+    value = reward(RewardInputs(_prompt(), SoftTokens(weights.softmax(-1), indices)))
+    assert value.shape == (4,) and [ids.tolist() for ids in calls] == [[ord("y")] * 4]
+    value.sum().backward()
+    assert weights.grad.abs().max() > 0
 
 
 @pytest.mark.parametrize("pad_token_id", [256, None])  # None: the classifier alone refuses batches above 1
@@ -206,6 +223,17 @@ def test_metrics_of_a_grade_step():
     assert tuple(metrics) == METRIC_NAMES and metrics["step"] == 1 and metrics["tau"] == 2.0
     assert 0 < metrics["topk_tail_mass"] < 1 and 1 / 5 <= metrics["max_soft_weight"] <= 1
     assert all(math.isfinite(metrics[name]) for name in ("reward", "kl", "loss", "grad_norm", "step_s", "peak_mb"))
+
+
+def test_a_rollout_step_runs_no_softmax_over_the_vocabulary(monkeypatch):
+    """The top-k and the tail-mass metric share the step's logits buffer: no (B, V) softmax for the metric (the only
+    softmax of a step is the relaxed sample's, over the k kept tokens)."""
+    config = GradeConfig(max_new_tokens=3, batch_size=4, gumbel_topk=5)
+    trainer = GumbelTrainerMemoryEfficient(byte_model(), TokenSetReward(list(range(97, 123))), config, tokenizer=BYTES)
+    widths, softmax = [], torch.softmax
+    monkeypatch.setattr(torch, "softmax", lambda input, *a, **k: widths.append(input.shape[-1]) or softmax(input, *a, **k))
+    metrics = trainer.train_step(PROMPTS)
+    assert widths and set(widths) == {5} and 0 < metrics["topk_tail_mass"] < 1
 
 
 class _PoisonedReward(TokenSetReward):

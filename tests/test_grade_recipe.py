@@ -16,7 +16,9 @@ from safetensors.torch import load_file
 from logitless.checkpoint import last_complete_checkpoint
 from logitless.cli import build_parser, main
 from logitless.grade import METRIC_NAMES
-from logitless.recipes.grade import DEFAULT_PROMPTS, EVAL_PROMPTS, VALIDATION, train_grade
+from logitless.recipes.grade import train_grade
+from logitless.recipes.grade_method import VALIDATION
+from logitless.recipes.grade_prompts import DEFAULT_PROMPTS, EVAL_PROMPTS
 from logitless.recipes.grade_options import STEERING_OPTIONS, GradeRunConfig
 
 TINY = dict(max_new_tokens=2, batch_size=2, gumbel_topk=16, save_every=2)

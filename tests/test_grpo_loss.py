@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from logitless import fused_grpo_loss
+from logitless.ops import BlockSizes
 from logitless.ops.reference import grpo_loss
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
@@ -25,7 +26,7 @@ def _batch(b=3, t=11, h=16, v=997, dtype=torch.float32, seed=0):
     old = logp + 0.3 * torch.randn(b, t, generator=g)  # ratios far enough from 1 to clip
     ref = logp + 0.2 * torch.randn(b, t, generator=g)
     return dict(hidden=hidden, weight=weight, bias=bias, completion_ids=ids, completion_mask=mask,
-                advantages=advantages, old_logprobs=old, ref_logprobs=ref)
+                advantages=advantages, old_log_probs=old, ref_log_probs=ref)
 
 
 def _grads(loss, batch):
@@ -40,12 +41,16 @@ def _run(fn, batch, **kwargs):
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-@pytest.mark.parametrize("options", [dict(beta=0.0), dict(beta=0.04, use_bias_correction_kl=True),
-                                     dict(beta=0.1, delta=1.5, epsilon_high=0.28, gradient_accumulation_steps=2,
-                                          max_completion_length=16, num_items_in_batch=40, softcap=1.5)])
-def test_fused_equals_materialized(loss_type, options):
+@pytest.mark.parametrize("options", [
+    dict(beta=0.0), dict(beta=0.04, use_bias_correction_kl=True), dict(beta=0.04, delta=1.1, epsilon_high=0.28),
+    dict(beta=0.0, delta=0.9, max_completion_length=20),
+    dict(beta=0.1, delta=1.5, epsilon_high=0.28, gradient_accumulation_steps=2, max_completion_length=16,
+         num_items_in_batch=40, softcap=1.5, logit_scale=0.7)])
+def test_fused_equals_the_trl_oracle(loss_type, options):
+    """Against `reference.grpo_loss`, TRL's GRPOTrainer._compute_loss transcribed on materialized logits."""
     batch = _batch()
-    fused = _run(fused_grpo_loss, batch, loss_type=loss_type, temperature=0.8, chunk_size=7, **options)
+    fused = _run(fused_grpo_loss, batch, loss_type=loss_type, temperature=0.8, block_sizes=BlockSizes(tokens=7),
+                 **options)
     reference = _run(grpo_loss, batch, loss_type=loss_type, temperature=0.8, **options)
     torch.testing.assert_close(fused[0], reference[0], atol=1e-5, rtol=1e-5)
     assert fused[1].keys() == reference[1].keys()
@@ -55,43 +60,31 @@ def test_fused_equals_materialized(loss_type, options):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def _trl_formula(batch, loss_type, beta, eps_low, eps_high, temperature, max_len, delta=None, bias_kl=False):
-    """TRL GRPOTrainer._compute_loss written out on materialized logits, independent of logitless."""
-    hidden, weight, bias = batch["hidden"], batch["weight"], batch["bias"]
-    logits = (hidden @ weight.T + bias) / temperature
-    logp = torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"][..., None]).squeeze(-1)
-    mask, adv = batch["completion_mask"], batch["advantages"][:, None]
-    coef_1 = torch.exp(logp - batch["old_logprobs"])
-    ref = batch["ref_logprobs"]
-    per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
-    if bias_kl:
-        per_token_kl = per_token_kl * coef_1
-    coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
-    if delta is not None:
-        coef_1 = torch.clamp(coef_1, max=delta)
-    per_token = -torch.min(coef_1 * adv, coef_2 * adv)
-    if beta:
-        per_token = per_token + beta * per_token_kl
-    if loss_type == "grpo":
-        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    if loss_type == "bnpo":
-        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
-    if loss_type == "dr_grpo":
-        return (per_token * mask).sum() / (per_token.size(0) * max_len)
-    return (per_token * mask).sum() / mask.sum()
-
-
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-@pytest.mark.parametrize("beta, delta, bias_kl", [(0.0, None, False), (0.04, None, False), (0.04, 1.1, True),
-                                                  (0.0, 0.9, False)])
-def test_matches_trl_formula(loss_type, beta, delta, bias_kl):
-    batch = _batch(seed=1)
-    loss, _, grads = _run(fused_grpo_loss, batch, loss_type=loss_type, beta=beta, epsilon_high=0.28,
-                          temperature=0.8, max_completion_length=20, delta=delta, use_bias_correction_kl=bias_kl)
-    expected = _trl_formula(batch, loss_type, beta, 0.2, 0.28, 0.8, 20, delta, bias_kl)
-    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-5)
-    for got, want in zip(grads, _grads(expected, batch)):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+@pytest.mark.parametrize("loss", [fused_grpo_loss, grpo_loss], ids=["fused", "oracle"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_accumulating_micro_batches_gives_the_whole_batchs_loss_and_gradients(loss, loss_type):
+    """TRL's gradient accumulation: k equal micro-batches, each scaled by gradient_accumulation_steps = k (grpo,
+    dr_grpo) or normalized by the whole batch's token count num_items_in_batch (dapo), sum to the loss and the
+    gradients of the batch taken at once. (bnpo normalizes by each micro-batch's own token count: no such sum.)"""
+    batch = _batch(b=4, seed=12)
+    batch["completion_mask"][1, 5:] = 0
+    whole, _, whole_grads = _run(loss, batch, loss_type=loss_type, beta=0.04, max_completion_length=11)
+    tokens = batch["completion_mask"].sum().item()
+    total, grads = 0.0, None
+    for rows in (slice(0, 2), slice(2, 4)):
+        micro = {name: value[rows] if name not in ("weight", "bias") else value for name, value in batch.items()}
+        micro["hidden"] = batch["hidden"]  # the leaf: the gradient reaches it through the slice below
+        args = dict(micro)
+        micro_loss, _ = loss(args.pop("hidden")[rows], args.pop("weight"), args.pop("completion_ids"),
+                             args.pop("completion_mask"), args.pop("advantages"), **args, loss_type=loss_type,
+                             beta=0.04, max_completion_length=11, gradient_accumulation_steps=2,
+                             num_items_in_batch=tokens if loss_type == "dapo" else None)
+        micro_grads = _grads(micro_loss, batch)
+        total = total + micro_loss
+        grads = micro_grads if grads is None else [g + m for g, m in zip(grads, micro_grads)]
+    torch.testing.assert_close(total, whole, atol=1e-6, rtol=1e-5)
+    for got, want in zip(grads, whole_grads):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
 def test_metrics_values():
@@ -101,7 +94,7 @@ def test_metrics_values():
     logp_all = torch.log_softmax((hidden @ weight.T + bias) / 0.8, -1)
     logp = logp_all.gather(-1, batch["completion_ids"][..., None]).squeeze(-1)
     keep = batch["completion_mask"].bool()
-    ratio = torch.exp(logp - batch["old_logprobs"])
+    ratio = torch.exp(logp - batch["old_log_probs"])
     adv = batch["advantages"][:, None].expand_as(ratio)
     low = ((ratio < 0.8) & (adv < 0))[keep].float().mean().item()
     high = ((ratio > 1.2) & (adv > 0))[keep].float().mean().item()
@@ -113,16 +106,16 @@ def test_metrics_values():
     per_sequence_high = (((ratio > 1.2) & (adv > 0)).float() * keep).sum(1) / keep.sum(1)
     assert metrics["clip_ratio/low_min"] == pytest.approx(per_sequence_low.min().item())
     assert metrics["clip_ratio/high_max"] == pytest.approx(per_sequence_high.max().item())
-    gap = batch["ref_logprobs"] - logp
+    gap = batch["ref_log_probs"] - logp
     assert metrics["kl"] == pytest.approx((gap.exp() - gap - 1)[keep].mean().item(), rel=1e-5)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     assert metrics["entropy"] == pytest.approx(entropy[keep].mean().item(), rel=1e-5)
-    assert "kl" not in _run(fused_grpo_loss, dict(batch, ref_logprobs=None))[1]
+    assert "kl" not in _run(fused_grpo_loss, dict(batch, ref_log_probs=None))[1]
 
 
-def test_without_old_logprobs_ratio_is_one_and_gradient_is_policy_gradient():
+def test_without_old_log_probs_ratio_is_one_and_gradient_is_policy_gradient():
     batch = _batch(seed=3)
-    batch["old_logprobs"] = None
+    batch["old_log_probs"] = None
     loss, metrics, grads = _run(fused_grpo_loss, batch, loss_type="bnpo", temperature=0.8)
     reference = _run(grpo_loss, batch, loss_type="bnpo", temperature=0.8)
     torch.testing.assert_close(loss, reference[0])
@@ -140,7 +133,7 @@ def test_frozen_weight_skips_its_gradient_and_no_grad_skips_all():
     loss.backward()
     assert batch["weight"].grad is None and batch["hidden"].grad.abs().sum() > 0
     reference, _ = grpo_loss(batch["hidden"], batch["weight"], batch["completion_ids"], batch["completion_mask"],
-                             batch["advantages"], old_logprobs=batch["old_logprobs"], ref_logprobs=batch["ref_logprobs"])
+                             batch["advantages"], old_log_probs=batch["old_log_probs"], ref_log_probs=batch["ref_log_probs"])
     (want,) = torch.autograd.grad(reference, batch["hidden"])
     torch.testing.assert_close(batch["hidden"].grad, want, atol=1e-5, rtol=1e-5)
     with torch.no_grad():
@@ -151,12 +144,12 @@ def test_frozen_weight_skips_its_gradient_and_no_grad_skips_all():
 
 def test_gradcheck_float64():
     batch = _batch(b=2, t=4, h=3, v=13, dtype=torch.float64, seed=4)
-    batch["old_logprobs"], batch["ref_logprobs"] = batch["old_logprobs"].double(), batch["ref_logprobs"].double()
+    batch["old_log_probs"], batch["ref_log_probs"] = batch["old_log_probs"].double(), batch["ref_log_probs"].double()
 
     def loss_of(hidden, weight, bias):
         return fused_grpo_loss(hidden, weight, batch["completion_ids"], batch["completion_mask"],
-                               batch["advantages"].double(), bias=bias, old_logprobs=batch["old_logprobs"],
-                               ref_logprobs=batch["ref_logprobs"], beta=0.1, chunk_size=3, vocab_block_size=5,
+                               batch["advantages"].double(), bias=bias, old_log_probs=batch["old_log_probs"],
+                               ref_log_probs=batch["ref_log_probs"], beta=0.1, block_sizes=BlockSizes(3, 5),
                                temperature=0.9)[0]
 
     assert torch.autograd.gradcheck(loss_of, (batch["hidden"], batch["weight"], batch["bias"]))
@@ -186,8 +179,8 @@ def test_same_loss_as_liger(loss_type, beta):
     module = liger.LigerFusedLinearGRPOLoss(compiled=False, use_ref_model=beta != 0, chunk_size=1, **kwargs)
     liger_loss, liger_metrics = module(batch["hidden"], batch["weight"], batch["completion_ids"],
                                        batch["completion_mask"], batch["advantages"], bias=batch["bias"],
-                                       ref_per_token_logps=batch["ref_logprobs"] if beta else None,
-                                       old_per_token_logps=batch["old_logprobs"],
+                                       ref_per_token_logps=batch["ref_log_probs"] if beta else None,
+                                       old_per_token_logps=batch["old_log_probs"],
                                        num_items_in_batch=batch["completion_mask"].sum())
     torch.testing.assert_close(ours[0], liger_loss, atol=1e-5, rtol=1e-5)
     for got, want in zip(ours[2], _grads(liger_loss, batch)):
@@ -213,20 +206,20 @@ def test_per_token_advantages():
 
 @pytest.mark.parametrize("overrides, error, match", [
     (dict(loss_type="ppo"), ValueError, "loss_type"),
-    (dict(beta=0.1, ref_logprobs=None), ValueError, "ref_logprobs: required"),
+    (dict(beta=0.1, ref_log_probs=None), ValueError, "ref_log_probs: required"),
     (dict(advantages=torch.zeros(2)), ValueError, "advantages: expected"),
     (dict(advantages=torch.tensor([0.0, float("nan"), 1.0])), ValueError, "advantages: contains NaN"),
     (dict(completion_mask=torch.ones(3, 5)), ValueError, "completion_mask: shape"),
-    (dict(old_logprobs=torch.zeros(3, 4)), ValueError, "old_logprobs: shape"),
+    (dict(old_log_probs=torch.zeros(3, 4)), ValueError, "old_log_probs: shape"),
     (dict(epsilon_low=-0.1), ValueError, "epsilon_low"),
     (dict(delta=0.0), ValueError, "delta"),
     (dict(advantages=torch.zeros(3, 5)), ValueError, "advantages: expected"),
     (dict(temperature=-1.0), ValueError, "temperature"),
     (dict(completion_ids=torch.full((3, 11), 997)), ValueError, "completion_ids: token ids"),
     (dict(hidden=torch.randn(33, 16)), ValueError, "hidden: expected 3 dimensions"),
-    # NaN used to pass silently into the loss
-    (dict(old_logprobs=torch.full((3, 11), float("nan"))), ValueError, "old_logprobs: NaN"),
-    (dict(ref_logprobs=torch.full((3, 11), float("nan")), beta=0.04), ValueError, "ref_logprobs: NaN"),
+    # NaN in the inputs is refused, not passed into the loss
+    (dict(old_log_probs=torch.full((3, 11), float("nan"))), ValueError, "old_log_probs: NaN"),
+    (dict(ref_log_probs=torch.full((3, 11), float("nan")), beta=0.04), ValueError, "ref_log_probs: NaN"),
     (dict(beta=float("nan")), ValueError, "beta: expected a finite number"),
     (dict(epsilon_high=float("nan")), ValueError, "epsilon_high: expected a finite number"),
     (dict(epsilon_low=float("inf")), ValueError, "epsilon_low: expected a finite number"),
@@ -242,7 +235,7 @@ def test_masked_positions_may_hold_anything():
     # TRL pads old/ref log-probs past a completion's end; only the kept tokens are read
     batch = _batch(seed=8)
     padded = dict(batch)
-    for name in ("old_logprobs", "ref_logprobs"):
+    for name in ("old_log_probs", "ref_log_probs"):
         padded[name] = batch[name].masked_fill(batch["completion_mask"] == 0, float("nan"))
     loss, _, grads = _run(fused_grpo_loss, padded, beta=0.04)
     want_loss, _, want_grads = _run(fused_grpo_loss, batch, beta=0.04)
@@ -257,7 +250,7 @@ def test_neg_inf_bias_gives_a_finite_entropy_metric():
     bias[-100:] = float("-inf")  # padded vocabulary rows
     batch["bias"] = bias.requires_grad_()
     batch["completion_ids"] = batch["completion_ids"] % 800
-    fused = _run(fused_grpo_loss, batch, beta=0.04, vocab_block_size=64)
+    fused = _run(fused_grpo_loss, batch, beta=0.04, block_sizes=BlockSizes(vocab=64))
     reference = _run(grpo_loss, batch, beta=0.04)
     assert fused[1]["entropy"] == pytest.approx(reference[1]["entropy"], rel=1e-5)
     assert all(bool(torch.isfinite(g).all()) for g in fused[2][:2])
@@ -274,8 +267,8 @@ def test_padding_may_hold_any_id_and_any_hidden_state(impl):
     padded["completion_ids"] = batch["completion_ids"].masked_fill(pad, -100)
     padded["hidden"] = batch["hidden"].detach().masked_fill(pad[..., None], float("nan")).requires_grad_()
     loss, _ = fused_grpo_loss(padded["hidden"], padded["weight"], padded["completion_ids"], padded["completion_mask"],
-                              padded["advantages"], bias=padded["bias"], old_logprobs=padded["old_logprobs"],
-                              ref_logprobs=padded["ref_logprobs"], beta=0.04, impl=impl)
+                              padded["advantages"], bias=padded["bias"], old_log_probs=padded["old_log_probs"],
+                              ref_log_probs=padded["ref_log_probs"], beta=0.04, impl=impl)
     want_loss, _, want_grads = _run(fused_grpo_loss, batch, beta=0.04)
     grads = torch.autograd.grad(loss, [padded["hidden"], batch["weight"], batch["bias"]])
     torch.testing.assert_close(loss, want_loss)
@@ -291,10 +284,10 @@ def test_advantages_and_log_probs_that_require_grad_get_their_gradients():
     for impl in ("auto", "reference"):
         batch = _batch(seed=10)
         constants = [batch[name].detach().clone().requires_grad_() for name in
-                     ("advantages", "old_logprobs", "ref_logprobs")]
+                     ("advantages", "old_log_probs", "ref_log_probs")]
         loss, _ = fused_grpo_loss(batch["hidden"], batch["weight"], batch["completion_ids"], batch["completion_mask"],
-                                  constants[0], bias=batch["bias"], old_logprobs=constants[1],
-                                  ref_logprobs=constants[2], beta=0.04, impl=impl)
+                                  constants[0], bias=batch["bias"], old_log_probs=constants[1],
+                                  ref_log_probs=constants[2], beta=0.04, impl=impl)
         grads[impl] = torch.autograd.grad(loss, [*constants, batch["hidden"], batch["weight"]])
     assert grads["reference"][0].abs().sum() > 0
     for got, want in zip(grads["auto"], grads["reference"]):

@@ -3,7 +3,38 @@
 import pytest
 import torch
 
-from logitless.ops.gumbel import (gumbel_noise, gumbel_softmax_dense, gumbel_softmax_topk, sparse_soft_embedding)
+from logitless.ops.gumbel import (gumbel_noise, gumbel_softmax_dense, gumbel_softmax_topk,
+                                  perturbed_topk_and_tail_mass, sparse_soft_embedding)
+
+
+def _relaxed_sample(logits, noise, tau):
+    """softmax((z + g) / tau) over the last dim, written out (no code shared with the samplers)."""
+    scaled = (logits.double() + noise.double()) / tau
+    weights = (scaled - scaled.max(dim=-1, keepdim=True).values).exp()
+    return weights / weights.sum(dim=-1, keepdim=True)
+
+
+@pytest.mark.parametrize("tau", [0.3, 1.0, 2.5])
+def test_each_sampler_is_the_softmax_of_the_perturbed_logits_over_tau(tau):
+    """Each sampler on its own against the formula: the dense sample, and the top-k weights (the k largest of the
+    dense sample, renormalized over themselves)."""
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(7)) * 2
+    noise = gumbel_noise((3, 40), generator=torch.Generator().manual_seed(8))
+    expected = _relaxed_sample(logits, noise, tau)
+    torch.testing.assert_close(gumbel_softmax_dense(logits, tau, noise=noise).double(), expected)
+    indices, weights = gumbel_softmax_topk(logits, tau, 7, noise=noise)
+    kept = expected.gather(-1, indices)
+    torch.testing.assert_close(weights.double(), kept / kept.sum(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("tau", [0.3, 1.0, 2.5])
+def test_the_tail_mass_is_the_relaxed_samples_mass_outside_the_kept_tokens(tau):
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(9)) * 2
+    noise = gumbel_noise((4, 300), generator=torch.Generator().manual_seed(10))
+    indices, tail = perturbed_topk_and_tail_mass(logits.clone(), noise, 5, tau)
+    assert torch.equal(indices, (logits + noise).topk(5).indices)
+    expected = 1 - _relaxed_sample(logits, noise, tau).gather(-1, indices).sum(-1)
+    torch.testing.assert_close(tail.double(), expected, atol=1e-6, rtol=1e-5)
 
 
 def test_topk_with_k_equal_to_vocab_equals_dense_sample_and_gradient():

@@ -1,4 +1,4 @@
-"""fused_linear_jsd / heads_jsd, the generalized JSD of a student's head from a teacher's, against the fp64
+"""fused_linear_jsd (two heads in parts or whole), the generalized JSD of a student's head from a teacher's, against the fp64
 materialized oracle (`reference.generalized_jsd`) and TRL's ChunkedDivergenceFunction: values, the student's
 entropy and gradients, every beta TRL treats apart, teacher hidden size != student's, soft cap, logit scale and
 bias on each side, masks, -inf logits, prime V, odd N, gradcheck in fp64. The Triton twin is checked in
@@ -9,7 +9,7 @@ import torch
 from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
 
 from logitless.ops import BlockSizes, LinearHead, engine, reference
-from logitless.ops.jsd import fused_linear_jsd, heads_jsd
+from logitless.ops.jsd import fused_linear_jsd
 
 BETAS = [0.0, 0.5, 1.0, 0.3]
 BLOCKS = BlockSizes(tokens=5, vocab=64)  # 13 rows: 3 chunks, the last of 3; 1009 columns: 16 blocks, the last of 49
@@ -43,10 +43,11 @@ def _oracle(student, teacher, beta, heads, mask=None):
     leaves = {name: t.detach().double().requires_grad_() for name, t in student.items()}
     (temperature_s, softcap_s, scale_s), (temperature_t, softcap_t, scale_t) = heads
     log_p_s = torch.log_softmax(reference.linear_logits(leaves["hidden_s"], leaves["weight_s"], leaves["bias_s"],
-                                                        softcap_s, temperature_s, scale_s), -1)
-    log_p_t = torch.log_softmax(reference.linear_logits(*(teacher[k].double() for k in ("hidden_t", "weight_t",
-                                                                                        "bias_t")),
-                                                        softcap_t, temperature_t, scale_t), -1)
+                                                        softcap=softcap_s, temperature=temperature_s,
+                                                        logit_scale=scale_s), -1)
+    hidden_t, weight_t, bias_t = (teacher[k].double() for k in ("hidden_t", "weight_t", "bias_t"))
+    log_p_t = torch.log_softmax(reference.linear_logits(hidden_t, weight_t, bias_t, softcap=softcap_t,
+                                                        temperature=temperature_t, logit_scale=scale_t), -1)
     divergence = reference.generalized_jsd(log_p_s, log_p_t, beta)
     entropy = reference.entropy_from_log_probs(log_p_s)
     if mask is not None:
@@ -71,7 +72,7 @@ def test_matches_the_fp64_oracle(beta, temperature):
     mask[[2, 7]] = False
     options = dict(temperature=temperature, softcap=3.0, logit_scale=1.3)
     divergence, entropy = fused_linear_jsd(**student, **teacher, beta=beta, mask=mask, block_sizes=BLOCKS,
-                                           impl="chunked", return_entropy=True, **options)
+                                           impl="chunked", return_token_entropy=True, **options)
     heads = [(temperature, 3.0, 1.3)] * 2
     want, want_entropy, leaves = _oracle(student, teacher, beta, heads, mask)
     assert divergence.dtype == entropy.dtype == torch.float32 and divergence.shape == (13,)
@@ -92,10 +93,13 @@ def test_matches_trls_chunked_divergence(beta, temperature, softcaps):
     softcap_s, softcap_t = softcaps
     trl_divergence, trl_entropy = ChunkedDivergenceFunction.apply(
         *student.values(), *teacher.values(), beta, temperature, 1.3, softcap_s, 0.8, softcap_t)
-    head_s = LinearHead(student["weight_s"], student["bias_s"], temperature, softcap=softcap_s, scale=1.3)
-    head_t = LinearHead(teacher["weight_t"], teacher["bias_t"], temperature, softcap=softcap_t, scale=0.8)
-    divergence, entropy = heads_jsd(student["hidden_s"], head_s, teacher["hidden_t"], head_t, beta=beta,
-                                    block_sizes=BLOCKS, impl="chunked")
+    head_s = LinearHead(student["weight_s"], bias=student["bias_s"], temperature=temperature, softcap=softcap_s,
+                        logit_scale=1.3)
+    head_t = LinearHead(teacher["weight_t"], bias=teacher["bias_t"], temperature=temperature, softcap=softcap_t,
+                        logit_scale=0.8)
+    divergence, entropy = fused_linear_jsd(student["hidden_s"], hidden_t=teacher["hidden_t"], head_s=head_s,
+                                           head_t=head_t, beta=beta, return_token_entropy=True, block_sizes=BLOCKS,
+                                           impl="chunked")
     _assert_close(divergence, trl_divergence, "divergence")
     _assert_close(entropy, trl_entropy, "entropy")
     for name, got, expected in zip(student, _grads(divergence, student), _grads(trl_divergence, student)):
@@ -132,7 +136,7 @@ def test_minus_inf_logits_are_exact(beta):
     teacher["bias_t"][::5] = float("-inf")
     heads = [(1.0, None, 1.0)] * 2
     divergence, entropy = fused_linear_jsd(**student, **teacher, beta=beta, block_sizes=BlockSizes(4, 8),
-                                           impl="chunked", return_entropy=True)
+                                           impl="chunked", return_token_entropy=True)
     want, want_entropy, leaves = _oracle(student, teacher, beta, heads)
     assert torch.isfinite(divergence).all() and torch.isfinite(entropy).all()
     _assert_close(divergence, want, "divergence")
@@ -162,7 +166,7 @@ def test_gradcheck_float64(beta):
     def divergence(hidden_s, weight_s, bias_s):
         return fused_linear_jsd(hidden_s, weight_s, *list(teacher.values())[:2], bias_s=bias_s,
                                 bias_t=teacher["bias_t"], beta=beta, temperature=1.3, softcap=2.0, logit_scale=0.9,
-                                chunk_size=2, vocab_block_size=3, impl="chunked")
+                                block_sizes=BlockSizes(2, 3), impl="chunked")
 
     assert torch.autograd.gradcheck(divergence, tuple(student.values()))
 
@@ -171,7 +175,7 @@ def test_teacher_gets_no_gradient():
     student, teacher = _inputs(n=4, vocab=11)
     for tensor in teacher.values():
         tensor.requires_grad_(True)
-    divergence, entropy = fused_linear_jsd(**student, **teacher, return_entropy=True)
+    divergence, entropy = fused_linear_jsd(**student, **teacher, return_token_entropy=True)
     assert divergence.requires_grad and not entropy.requires_grad
     grads = torch.autograd.grad(divergence.sum(), [*student.values(), *teacher.values()], allow_unused=True)
     assert all(g is not None and g.abs().sum() > 0 for g in grads[:3])
@@ -184,11 +188,11 @@ def test_batched_leading_dims_and_mask():
                student.items()}
     teacher = {k: v.reshape(3, 4, -1) if k == "hidden_t" else v for k, v in teacher.items()}
     mask = torch.tensor([[1, 0, 1, 1], [0, 0, 0, 0], [1, 1, 1, 0]])
-    divergence, entropy = fused_linear_jsd(**student, **teacher, beta=0.3, mask=mask, chunk_size=2,
-                                           return_entropy=True)
+    divergence, entropy = fused_linear_jsd(**student, **teacher, beta=0.3, mask=mask, block_sizes=BlockSizes(tokens=2),
+                                           return_token_entropy=True)
     assert divergence.shape == entropy.shape == (3, 4)
     flat = {k: v.reshape(12, -1) if k.startswith("hidden") else v for k, v in (student | teacher).items()}
-    full, full_entropy = fused_linear_jsd(**flat, beta=0.3, return_entropy=True)
+    full, full_entropy = fused_linear_jsd(**flat, beta=0.3, return_token_entropy=True)
     kept = mask.reshape(-1).bool()
     _assert_close(divergence.reshape(-1)[kept], full[kept], "divergence")
     _assert_close(entropy.reshape(-1)[kept], full_entropy[kept], "entropy")
@@ -200,7 +204,7 @@ def test_batched_leading_dims_and_mask():
 def test_bf16_inputs_close_to_fp32():
     student, teacher = _inputs(n=9, hidden_s=16, hidden_t=16, vocab=257, seed=6)
     low = {k: v.detach().bfloat16().requires_grad_(k.endswith("_s")) for k, v in (student | teacher).items()}
-    divergence = fused_linear_jsd(**low, beta=0.5, chunk_size=4)
+    divergence = fused_linear_jsd(**low, beta=0.5, block_sizes=BlockSizes(tokens=4))
     want, _, leaves = _oracle({k: low[k] for k in student}, {k: low[k].detach() for k in teacher}, 0.5,
                               [(1.0, None, 1.0)] * 2)
     assert divergence.dtype == torch.float32
@@ -228,7 +232,7 @@ def test_a_second_sweep_only_for_the_mixture(beta, sweeps, monkeypatch):
 def test_no_tokens():
     student, teacher = _inputs(n=0, vocab=11)
     for beta in (0.0, 0.5):
-        divergence, entropy = fused_linear_jsd(**student, **teacher, beta=beta, return_entropy=True)
+        divergence, entropy = fused_linear_jsd(**student, **teacher, beta=beta, return_token_entropy=True)
         assert divergence.shape == entropy.shape == (0,)
         assert all(g.abs().sum() == 0 for g in torch.autograd.grad(divergence.sum(), list(student.values())))
 
@@ -256,7 +260,7 @@ def test_a_second_derivative_is_refused():
     (dict(softcap=-1.0), ValueError, "softcap"),
     (dict(mask=torch.ones(3)), ValueError, "mask"),
     (dict(impl="fast"), ValueError, "impl: expected one of"),
-    (dict(chunk_size=0), ValueError, "chunk_size: expected a positive int"),
+    (dict(chunk_size=0), TypeError, "fused_linear_jsd: keyword `chunk_size` is spelled `block_sizes=BlockSizes"),
 ])
 def test_bad_input_names_the_argument(change, error, message):
     student, teacher = _inputs(n=4, vocab=11)

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from logitless.ops import BlockSizes
 from logitless.ops.kl import fused_linear_kl
 
 
@@ -45,7 +46,7 @@ def _grads(out, tensors, seed=0):
 ])
 def test_values_and_gradients_match_materialized_fp32(n, vocab, chunk_size, bias, temperature):
     tensors = _inputs(n, 8, 6, vocab, bias=bias, scale=0.7)
-    fused = fused_linear_kl(**tensors, temperature=temperature, chunk_size=chunk_size)
+    fused = fused_linear_kl(**tensors, temperature=temperature, block_sizes=BlockSizes(tokens=chunk_size))
     oracle = linear_kl(**tensors, temperature=temperature)
     assert fused.dtype == torch.float32 and fused.shape == (n,)
     torch.testing.assert_close(fused, oracle, rtol=1e-5, atol=1e-6)
@@ -60,7 +61,7 @@ def test_batched_leading_dims_and_mask():
     for name in ("hidden_p", "weight_p"):
         tensors[name].requires_grad_(True)
     mask = torch.tensor([[1, 0, 1, 1], [0, 0, 0, 0], [1, 1, 1, 0]])
-    fused = fused_linear_kl(**tensors, mask=mask, chunk_size=2)
+    fused = fused_linear_kl(**tensors, mask=mask, block_sizes=BlockSizes(tokens=2))
     oracle = linear_kl(**tensors, mask=mask)
     assert fused.shape == (3, 4)
     assert bool((fused[mask == 0] == 0).all()) and bool((fused[mask == 1] > 0).all())
@@ -75,7 +76,7 @@ def test_bf16_inputs_close_to_fp32():
     tensors = _inputs(9, 16, 16, 257, bias=True, scale=0.5)
     as_bf16 = {k: v.detach().bfloat16().requires_grad_(k.endswith("_p")) for k, v in tensors.items()}
     upcast = {k: v.detach().float().requires_grad_(k.endswith("_p")) for k, v in as_bf16.items()}
-    fused = fused_linear_kl(**as_bf16, chunk_size=4)
+    fused = fused_linear_kl(**as_bf16, block_sizes=BlockSizes(tokens=4))
     oracle = linear_kl(**upcast)
     assert fused.dtype == torch.float32
     torch.testing.assert_close(fused, oracle, rtol=2e-2, atol=2e-3)
@@ -124,7 +125,7 @@ def test_gradcheck_float64():
 
     def function(hidden_p, weight_p, bias_p):
         return fused_linear_kl(hidden_p, weight_p, rest["hidden_q"], rest["weight_q"], bias_p=bias_p,
-                               bias_q=rest["bias_q"], temperature=1.3, chunk_size=2)
+                               bias_q=rest["bias_q"], temperature=1.3, block_sizes=BlockSizes(tokens=2))
 
     assert torch.autograd.gradcheck(function, tuple(tensors[n] for n in names))
 
@@ -156,15 +157,15 @@ def test_bad_input_names_the_argument(change, message):
 def test_vocabulary_blocks_and_heads_with_their_own_scale_and_softcap():
     # two models' heads (e.g. lm_head_of a policy and of a teacher): each its own bias, scale, soft cap
     from logitless.ops.head import LinearHead
-    from logitless.ops.kl import heads_kl
     from logitless.ops.reference import linear_logits
 
     tensors = _inputs(13, 8, 6, 301, bias=True, scale=0.8)
-    head_p = LinearHead(tensors["weight_p"], tensors["bias_p"], temperature=0.9, softcap=2.5, scale=1.3)
-    head_q = LinearHead(tensors["weight_q"], tensors["bias_q"], temperature=0.9, scale=0.7)
-    fused = heads_kl(tensors["hidden_p"], head_p, tensors["hidden_q"], head_q, chunk_size=5, vocab_block_size=64)
-    log_p = torch.log_softmax(linear_logits(tensors["hidden_p"], head_p.weight, head_p.bias, 2.5, 0.9, 1.3), -1)
-    log_q = torch.log_softmax(linear_logits(tensors["hidden_q"], head_q.weight, head_q.bias, None, 0.9, 0.7), -1)
+    head_p = LinearHead(tensors["weight_p"], bias=tensors["bias_p"], temperature=0.9, softcap=2.5, logit_scale=1.3)
+    head_q = LinearHead(tensors["weight_q"], bias=tensors["bias_q"], temperature=0.9, logit_scale=0.7)
+    fused = fused_linear_kl(tensors["hidden_p"], hidden_q=tensors["hidden_q"], head_p=head_p, head_q=head_q,
+                            block_sizes=BlockSizes(5, 64))
+    log_p = torch.log_softmax(linear_logits(tensors["hidden_p"], head=head_p), -1)
+    log_q = torch.log_softmax(linear_logits(tensors["hidden_q"], head=head_q), -1)
     oracle = (log_p.exp() * (log_p - log_q.detach())).sum(-1)
     torch.testing.assert_close(fused, oracle, rtol=1e-5, atol=1e-6)
     expected = _grads(oracle, tensors)
@@ -178,12 +179,12 @@ def test_softcap_and_logit_scale_match_materialized(softcap, logit_scale):
     from logitless.ops.reference import linear_logits
 
     tensors = _inputs(11, 8, 6, 257, bias=True, scale=0.9)
-    fused = fused_linear_kl(**tensors, temperature=0.8, softcap=softcap, logit_scale=logit_scale, chunk_size=4,
-                            vocab_block_size=64)
-    log_p = torch.log_softmax(linear_logits(tensors["hidden_p"], tensors["weight_p"], tensors["bias_p"], softcap, 0.8,
-                                            logit_scale), -1)
-    log_q = torch.log_softmax(linear_logits(tensors["hidden_q"], tensors["weight_q"], tensors["bias_q"], softcap, 0.8,
-                                            logit_scale), -1).detach()
+    fused = fused_linear_kl(**tensors, temperature=0.8, softcap=softcap, logit_scale=logit_scale,
+                            block_sizes=BlockSizes(4, 64))
+    options = dict(softcap=softcap, temperature=0.8, logit_scale=logit_scale)
+    log_p = torch.log_softmax(linear_logits(tensors["hidden_p"], tensors["weight_p"], tensors["bias_p"], **options), -1)
+    log_q = torch.log_softmax(linear_logits(tensors["hidden_q"], tensors["weight_q"], tensors["bias_q"], **options),
+                              -1).detach()
     oracle = (log_p.exp() * (log_p - log_q)).sum(-1)
     torch.testing.assert_close(fused, oracle, rtol=1e-5, atol=1e-6)
     expected = _grads(oracle, tensors)

@@ -73,3 +73,33 @@ def test_imports_are_found_in_every_spelling(tmp_path):
         found[name] = _imported(folder / name, tmp_path / "logitless")
     assert found == {"a.py": {"recipes"}, "b.py": {"bench"}, "c.py": {"demo"}, "d.py": {"cli"}, "e.py": {"bench"},
                      "f.py": {"ops"}}
+
+
+def _defined(path: Path) -> set[str]:
+    """The public functions and classes defined at the top of the module at ``path``."""
+    return {node.name for node in ast.parse(path.read_text()).body
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_")}
+
+
+def test_the_tests_take_library_logic_from_the_library_not_from_the_benchmarks():
+    """A test may test a benchmark, but what it uses of one may not be a private helper: logic a test needs
+    (a reference gradient, say) belongs to the library."""
+    offenders = []
+    for path in sorted((PACKAGE.parents[1] / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("logitless.bench"):
+                offenders += [f"{path.name}: {node.module}.{alias.name}" for alias in node.names
+                              if alias.name.startswith("_")]
+    assert offenders == []
+
+
+def test_the_multichoice_modules_and_a_grade_methods_run_do_one_job_each():
+    jobs = {"letters.py": {"check_choices", "check_marker", "check_answer", "token_id_list", "choice_token_ids",
+                           "letter_logsumexp"},
+            "answer.py": {"find_answer_position", "extract_answer_probability_from_logits"},
+            "recompute.py": {"answer_probability_by_recomputing"}, "strip.py": {"strip_final_answer"},
+            "judge.py": {"MultichoiceJudge"}, "reward.py": {"multichoice_judge_reward"}}
+    assert {name: _defined(PACKAGE / "multichoice" / name) for name in jobs} == jobs
+    assert _defined(PACKAGE / "recipes" / "grade_method.py") >= {"build_trainer", "resume_trainer", "train_step",
+                                                                  "train_steps", "save_method", "plot_method",
+                                                                  "run_method"}

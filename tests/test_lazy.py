@@ -7,7 +7,7 @@ from logitless.ops.lazy import CompletionLogits
 
 def test_rows_equal_materialized_logits():
     hidden, weight, bias = torch.randn(7, 5), torch.randn(101, 5), torch.randn(101)
-    view = CompletionLogits(hidden, LinearHead(weight, bias, temperature=0.5))
+    view = CompletionLogits(hidden, LinearHead(weight, bias=bias, temperature=0.5))
     full = (hidden @ weight.T + bias) / 0.5
     assert view.shape == (7, 101) and len(view) == 7
     torch.testing.assert_close(view[3], full[3])
@@ -24,7 +24,7 @@ def test_rows_equal_materialized_logits():
 
 def test_softcapped_and_scaled_rows():
     hidden, weight = torch.randn(4, 5), torch.randn(101, 5)
-    view = CompletionLogits(hidden, LinearHead(weight, temperature=0.5, softcap=1.5, scale=2.0))
+    view = CompletionLogits(hidden, LinearHead(weight, temperature=0.5, softcap=1.5, logit_scale=2.0))
     torch.testing.assert_close(view[1:3], 1.5 * torch.tanh(2.0 * (hidden[1:3] @ weight.T) / 1.5) / 0.5)
 
 

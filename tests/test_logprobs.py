@@ -1,4 +1,5 @@
-"""get_response_log_probs: fused (default) against materialized, on real HF causal LMs built from configs."""
+"""get_response_log_probs: fused (impl="auto", the default) against materialized (impl="reference"), on real HF
+causal LMs built from configs."""
 
 import pytest
 import torch
@@ -16,13 +17,13 @@ def _batch(vocab=151936, batch=2, length=13):
 
 def _both(model, input_ids, labels, **kwargs):
     out = {}
-    for impl in ("fused", "materialized"):
+    for impl in ("auto", "reference"):
         model.zero_grad(set_to_none=True)
         result = get_response_log_probs(model, input_ids, labels, True, impl=impl, **kwargs)
         (result["log_probs"].sum() + 0.3 * result["token_entropy"].sum()).backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         out[impl] = (result, grads)
-    return out["fused"], out["materialized"]
+    return out["auto"], out["reference"]
 
 
 def _assert_agree(fused, materialized, atol=1e-5):
@@ -77,7 +78,7 @@ def test_head_with_logits_scaling(family, scaling):
     with torch.no_grad():  # the head's scale is the one the model's own forward applies
         logits = model(input_ids).logits
         raw = model.get_output_embeddings()(final_hidden_states(model, input_ids))
-    torch.testing.assert_close(logits, raw * lm_head_of(model).scale)
+    torch.testing.assert_close(logits, raw * lm_head_of(model).logit_scale)
 
 
 def test_head_with_bias_phi():
@@ -112,7 +113,7 @@ def test_one_head_definition_of_scale_softcap_and_temperature():
     # cap(s * x) / T: what LinearHead.logits computes, and what the fused op computes from the same keywords
     hidden, weight = torch.randn(2, 5, 8), torch.randn(53, 8)
     targets = torch.randint(0, 53, (2, 5))
-    head = LinearHead(weight, None, temperature=0.9, softcap=0.6, scale=0.25)
+    head = LinearHead(weight, temperature=0.9, softcap=0.6, logit_scale=0.25)
     logits = 0.6 * torch.tanh(0.25 * (hidden @ weight.T) / 0.6) / 0.9
     torch.testing.assert_close(head.logits(hidden.reshape(10, 8)), logits.reshape(10, 53))
     torch.testing.assert_close(head.logits(hidden.reshape(10, 8), torch.tensor([3, 50])), logits.reshape(10, 53)[:, [3, 50]])
@@ -121,9 +122,9 @@ def test_one_head_definition_of_scale_softcap_and_temperature():
     torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("impl", ["fused", "materialized"])
+@pytest.mark.parametrize("impl", ["auto", "reference"])
 def test_ignored_labels_score_zero_like_the_other_positions_are_untouched(tiny_model, impl):
-    # labels of -100 (transformers' ignore index) used to be refused as out-of-range token ids
+    # labels of -100 (transformers' ignore index) are not scored, not refused as out-of-range token ids
     input_ids, labels = _batch(batch=2, length=6)
     ignored = labels.clone()
     ignored[0, :2] = -100
@@ -136,7 +137,7 @@ def test_ignored_labels_score_zero_like_the_other_positions_are_untouched(tiny_m
 
 
 def test_empty_batch_is_a_clear_error(tiny_model):
-    # a batch of size 0 used to fail with a bare RuntimeError inside the model
+    # a batch of size 0 is named, not a bare RuntimeError from inside the model
     empty = torch.zeros(0, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="input_ids: the batch is empty"):
         get_response_log_probs(tiny_model, empty, empty)
@@ -152,11 +153,18 @@ def test_bad_inputs(tiny_model):
         get_response_log_probs(tiny_model, input_ids.float(), labels)
     with pytest.raises(ValueError, match="impl"):
         get_response_log_probs(tiny_model, input_ids, labels, impl="fast")
+    for other_spelling in ("fused", "materialized"):
+        with pytest.raises(ValueError, match="impl: 'fused' is spelled 'auto' \\(or 'chunked'\\); 'materialized' is "
+                                             "'reference'"):
+            get_response_log_probs(tiny_model, input_ids, labels, impl=other_spelling)
+    with pytest.raises(TypeError, match="get_response_log_probs: unknown keyword `temprature`; did you mean "
+                                        "`temperature`?"):
+        get_response_log_probs(tiny_model, input_ids, labels, temprature=0.5)
     with pytest.raises(ValueError, match="temperature"):
         get_response_log_probs(tiny_model, input_ids, labels, temperature=0)
 
 
-@pytest.mark.parametrize("impl", ["fused", "materialized"])
+@pytest.mark.parametrize("impl", ["auto", "reference"])
 def test_left_padding_with_attention_mask_matches_unpadded_rows(impl):
     from transformers import GPT2Config, GPT2LMHeadModel  # absolute positions: padding must not shift them
 
@@ -171,7 +179,7 @@ def test_left_padding_with_attention_mask_matches_unpadded_rows(impl):
     torch.testing.assert_close(batch[0, 3:], alone[0], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("impl", ["materialized", "fused"])
+@pytest.mark.parametrize("impl", ["reference", "auto"])
 def test_an_infinite_temperature_is_refused_by_every_impl(impl):
     model = tiny_qwen2(vocab_size=97, hidden_size=8, intermediate_size=16, num_hidden_layers=1, pad_token_id=0)
     input_ids = torch.randint(1, 97, (1, 5))

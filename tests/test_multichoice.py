@@ -8,9 +8,12 @@ from logitless.models import tiny_qwen2
 from logitless.multichoice.data import format_question, synthetic_multichoice
 from logitless.ops.head import LinearHead
 from logitless.ops.lazy import CompletionLogits
-from logitless.multichoice.reward import (MultichoiceJudge, answer_probability_by_recomputing, choice_token_ids,
-                                           extract_answer_probability_from_logits, find_answer_position,
-                                           multichoice_judge_reward, strip_final_answer)
+from logitless.multichoice.answer import extract_answer_probability_from_logits, find_answer_position
+from logitless.multichoice.judge import MultichoiceJudge
+from logitless.multichoice.letters import choice_token_ids
+from logitless.multichoice.recompute import answer_probability_by_recomputing
+from logitless.multichoice.reward import multichoice_judge_reward
+from logitless.multichoice.strip import strip_final_answer
 
 QWEN_LETTER_IDS = {"A": [32, 362], "B": [33, 425], "C": [34, 356], "D": [35, 422]}  # bare, spaced
 
@@ -88,7 +91,7 @@ def test_probability_equals_a_direct_softmax_of_the_answer_row(tokenizer):
 def test_probability_from_a_completion_logits_view_reads_one_row(tokenizer):
     ids = encode(tokenizer, "The largest is 7, option D.\nANSWER: D")
     hidden, weight, bias = torch.randn(len(ids), 16), torch.randn(500, 16), torch.randn(500)
-    view = CompletionLogits(hidden, LinearHead(weight, bias, temperature=0.7))
+    view = CompletionLogits(hidden, LinearHead(weight, bias=bias, temperature=0.7))
     rows = (hidden @ weight.T + bias) / 0.7  # (C, V), the reference only
 
     class Recording:

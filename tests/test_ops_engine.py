@@ -29,7 +29,7 @@ def _tensors(seed=0, vocab=301):
 
 def _logprobs(t, **options):
     log_probs, entropy = fused_linear_logprobs(t["hidden"], t["weight"], t["ids"], bias=t["bias"], mask=t["mask"],
-                                               return_entropy=True, temperature=0.8, softcap=3.0, **options)
+                                               return_token_entropy=True, temperature=0.8, softcap=3.0, **options)
     return (log_probs + 0.5 * entropy).sum()
 
 
@@ -42,7 +42,7 @@ def _cross_entropy(t, **options):
 def _grpo(t, **options):
     old = torch.full(t["ids"].shape, -5.0)
     loss, _ = fused_grpo_loss(t["hidden"], t["weight"], t["ids"], t["mask"], torch.tensor([1.0, -0.5]),
-                              bias=t["bias"], old_logprobs=old, ref_logprobs=old + 0.1, beta=0.04, **options)
+                              bias=t["bias"], old_log_probs=old, ref_log_probs=old + 0.1, beta=0.04, **options)
     return loss
 
 
@@ -192,22 +192,19 @@ def test_block_sizes_are_frozen_and_default_to_none():
         sizes.tokens = 4
 
 
-def test_old_block_keywords_map_onto_block_sizes(monkeypatch):
+def test_block_sizes_reach_the_engine_and_the_token_and_vocabulary_keywords_are_refused(monkeypatch):
     from logitless.ops import blocks
 
     plans = []
     real_plan = blocks.plan_blocks
     monkeypatch.setattr("logitless.ops.fused.plan_blocks", lambda *a, **k: plans.append(real_plan(*a, **k))
                         or plans[-1])
-    old = _value_and_grads(_cross_entropy, chunk_size=5, vocab_block_size=64)
-    new = _value_and_grads(_cross_entropy, block_sizes=BLOCKS)
-    assert [plan.sizes for plan in plans] == [BLOCKS, BLOCKS]
-    for got, want in zip(new, old):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-    with pytest.raises(ValueError, match="chunk_size: expected a positive int, got 0"):
-        _cross_entropy(_tensors(), chunk_size=0)
-    with pytest.raises(ValueError, match="block_sizes: given together with chunk_size"):
-        _cross_entropy(_tensors(), block_sizes=BLOCKS, chunk_size=5)
+    _value_and_grads(_cross_entropy, block_sizes=BLOCKS)
+    assert [plan.sizes for plan in plans] == [BLOCKS]
+    for keyword, spelling in (("chunk_size", "tokens"), ("vocab_block_size", "vocab")):
+        with pytest.raises(TypeError, match=rf"fused_linear_cross_entropy: keyword `{keyword}` is spelled "
+                                            rf"`block_sizes=BlockSizes\({spelling}=\.\.\.\)`"):
+            _cross_entropy(_tensors(), **{keyword: 5})
     with pytest.raises(TypeError, match="block_sizes: expected a BlockSizes, got tuple"):
         _cross_entropy(_tensors(), block_sizes=(5, 64))
 
@@ -217,17 +214,72 @@ def test_default_block_sizes_per_device():
     # two passes: all 1024 tokens in one chunk, blocks of 16 MB (CPU) or 256 MB (GPU) of fp32 logits
     assert default_block_sizes("cpu", torch.float32, num_tokens=1024, vocab_size=vocab) == BlockSizes(1024, 4096)
     assert default_block_sizes("cuda", torch.bfloat16, num_tokens=1024, vocab_size=vocab) == BlockSizes(1024, 65536)
-    # one pass: a chunk keeps at most 112 MB of logits (193 tokens), in blocks of 4096 entries; the tokens go in
-    # chunks of equal size (1024 = 5 x 171 + 169, not 5 x 193 + 59); at a larger vocabulary still 192 tokens
-    assert default_block_sizes("cpu", torch.float32, num_tokens=1024, vocab_size=248320,
-                               single_pass=True) == BlockSizes(171, 4096)
-    assert default_block_sizes("cpu", torch.float32, num_tokens=1024, vocab_size=32000,
-                               single_pass=True) == BlockSizes(1024 // 2, 4096)  # 917 at most: 2 chunks
+    # one pass: a chunk keeps at most CHUNK_BYTES (224 MiB) of fp32 logits, in blocks of 4096 entries; the tokens
+    # go in chunks of equal size (1024 = 3 x 342 - 2 at a 151936 vocabulary, where 386 tokens fill the budget)
     assert default_block_sizes("cpu", torch.float32, num_tokens=1024, vocab_size=vocab,
-                               single_pass=True) == BlockSizes(171, 4096)
+                               single_pass=True) == BlockSizes(342, 4096)
+    assert default_block_sizes("cpu", torch.float32, num_tokens=1024, vocab_size=248320,
+                               single_pass=True) == BlockSizes(205, 4096)  # 236 fill it: 5 chunks
+    assert default_block_sizes("cpu", torch.float32, num_tokens=1024, vocab_size=32000,
+                               single_pass=True) == BlockSizes(1024, 4096)  # 1835 fill it: one chunk
     assert default_block_sizes("cpu", torch.float32, num_tokens=386, vocab_size=vocab,
-                               single_pass=True) == BlockSizes(193, 4096)
-    assert default_block_sizes("cpu", torch.float32, num_tokens=200, vocab_size=vocab,
-                               single_pass=True) == BlockSizes(100, 4096)
+                               single_pass=True) == BlockSizes(386, 4096)
+    assert default_block_sizes("cpu", torch.float32, num_tokens=387, vocab_size=vocab,
+                               single_pass=True) == BlockSizes(194, 4096)
+
+
+@pytest.mark.parametrize("vocab", [1000, 32000, 151936, 248320, 1_000_003])
+@pytest.mark.parametrize("num_tokens", [1, 100, 1024, 8192])
+def test_the_one_pass_chunk_is_chosen_by_bytes(vocab, num_tokens):
+    """A row chunk of the one-pass schedule never keeps more than CHUNK_BYTES of logits (at least one token), and
+    as few chunks as that allows."""
+    from logitless.ops.blocks import CHUNK_BYTES
+
+    tokens = default_block_sizes("cpu", torch.float32, num_tokens=num_tokens, vocab_size=vocab,
+                                 single_pass=True).tokens
+    fit = max(1, CHUNK_BYTES // (4 * vocab))
+    assert tokens <= fit and -(-num_tokens // tokens) == -(-num_tokens // fit)
+
     # never more than there is
     assert default_block_sizes("cpu", torch.float32, num_tokens=3, vocab_size=100) == BlockSizes(3, 100)
+
+
+def test_the_one_pass_blocks_shared_out_among_threads_give_the_same_bits_whoever_takes_them():
+    """The one-pass schedule's blocks run on worker threads (`ops/workers.py`): each block's statistics on their
+    own, merged in block order, so two runs, and a run on one thread, give the same bits; the workers leave the
+    process's thread count as it was."""
+    import threading
+
+    from logitless.ops import workers
+
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 40, 16, generator=generator).requires_grad_()
+    weight = (torch.randn(5003, 16, generator=generator) * 0.1).requires_grad_()
+    ids, advantages = torch.randint(0, 5003, (2, 40), generator=generator), torch.randn(2, generator=generator)
+    threads = torch.get_num_threads()
+
+    def run(num_threads):
+        torch.set_num_threads(num_threads)
+        try:
+            hidden.grad = weight.grad = None
+            loss, metrics = fused_grpo_loss(hidden, weight, ids, torch.ones(2, 40), advantages, beta=0.0,
+                                            block_sizes=BlockSizes(tokens=30, vocab=512))
+            loss.backward()
+        finally:
+            torch.set_num_threads(threads)
+        return [loss.detach(), hidden.grad, weight.grad], metrics
+
+    calls, real = [], workers.BlockWorkers.map
+    workers.BlockWorkers.map = lambda self, fn, items: calls.append(1) or real(self, fn, items)
+    try:
+        first, again, alone = run(2), run(2), run(1)
+    finally:
+        workers.BlockWorkers.map = real
+    assert calls  # the threads ran blocks
+    for other in (again, alone):
+        assert all(torch.equal(a, b) for a, b in zip(first[0], other[0])) and first[1] == other[1]
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert torch.get_num_threads() == threads and seen == [threads]

@@ -16,8 +16,8 @@ BLOCKS = BlockSizes(tokens=5, vocab=64)  # 37 rows: 8 chunks, the last of 2; 100
 
 def _head(weight, bias, options, dtype=None):
     dtype = dtype or weight.dtype
-    return LinearHead(weight.to(dtype), None if bias is None else bias.to(dtype), options["temperature"],
-                      options["softcap"], options["logit_scale"])
+    return LinearHead(weight.to(dtype), bias=None if bias is None else bias.to(dtype),
+                      temperature=options["temperature"], softcap=options["softcap"], logit_scale=options["logit_scale"])
 
 
 def _random_case(n=37, hidden_size=8, vocab=1009, seed=0, neg_inf=True):
@@ -57,7 +57,7 @@ def _oracle(hidden, weight, bias, targets, options):
     """fp64 materialized extras, log-probs and entropy."""
     logits = _head(weight, bias, options, torch.float64).logits(hidden.double())
     extras = reference.token_extras(logits, targets)
-    log_probs, entropy = reference.logprobs_from_logits(logits, targets, return_entropy=True)
+    log_probs, entropy = reference.logprobs_from_logits(logits, targets, return_token_entropy=True)
     return log_probs, entropy, extras
 
 
@@ -77,7 +77,7 @@ OPTIONS = [dict(temperature=1.0, softcap=None, logit_scale=1.0), dict(temperatur
 @pytest.mark.parametrize("block_sizes", [BLOCKS, None], ids=["blocks", "default"])
 def test_extras_match_the_fp64_oracle(options, block_sizes):
     hidden, weight, bias, targets = _random_case()
-    log_probs, entropy, _, extras = linear_token_stats(_head(weight, bias, options), hidden, targets, extras=EXTRAS,
+    log_probs, entropy, _, extras = linear_token_stats(hidden, targets=targets, head=_head(weight, bias, options), extras=EXTRAS,
                                                        block_sizes=block_sizes, impl="chunked")
     want_log_probs, want_entropy, want = _oracle(hidden, weight, bias, targets, options)
     assert extras["log_sum_sq_probs"].dtype == extras["mean_logits"].dtype == torch.float32
@@ -95,7 +95,7 @@ def test_extras_match_the_fp64_oracle(options, block_sizes):
 def test_ties_pick_the_first_argmax_as_the_oracle_and_trl_do():
     hidden, weight, bias, targets = _integer_case()
     for options in OPTIONS:
-        *_, extras = linear_token_stats(_head(weight, bias, options), hidden, targets, extras=("is_top1",),
+        *_, extras = linear_token_stats(hidden, targets=targets, head=_head(weight, bias, options), extras=("is_top1",),
                                         block_sizes=BlockSizes(tokens=6, vocab=16), impl="chunked")
         want = _oracle(hidden, weight, bias, targets, options)[2]["is_top1"]
         assert torch.equal(extras["is_top1"], want)
@@ -111,7 +111,7 @@ def test_extras_match_trls_fused_head_on_kept_tokens(options):
     labels[0, :7], labels[2, 15:] = -100, -100
     kept = labels != -100
     kept_hidden, kept_labels = hidden[kept], labels[kept]  # (K, H), (K,)
-    log_probs, entropy, _, extras = linear_token_stats(_head(weight, bias, options), kept_hidden, kept_labels,
+    log_probs, entropy, _, extras = linear_token_stats(kept_hidden, targets=kept_labels, head=_head(weight, bias, options),
                                                        extras=EXTRAS, block_sizes=BLOCKS, impl="chunked")
     trl_log_probs, trl_entropy, trl_extras = _trl(kept_hidden, weight, bias, kept_labels, options)
     for got, want in ((log_probs, trl_log_probs), (entropy, trl_entropy),
@@ -125,8 +125,8 @@ def test_extras_carry_no_gradient_and_leave_the_other_statistics_as_they_were():
     options = OPTIONS[2]
     leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
     head = _head(leaves[1], leaves[2], options)
-    plain = linear_token_stats(head, leaves[0], targets, block_sizes=BLOCKS, impl="chunked")
-    log_probs, entropy, mean_log_prob, extras = linear_token_stats(head, leaves[0], targets, extras=EXTRAS,
+    plain = linear_token_stats(leaves[0], targets=targets, head=head, block_sizes=BLOCKS, impl="chunked")
+    log_probs, entropy, mean_log_prob, extras = linear_token_stats(leaves[0], targets=targets, head=head, extras=EXTRAS,
                                                                    block_sizes=BLOCKS, impl="chunked")
     assert len(plain) == 3 and set(extras) == set(EXTRAS)
     assert not any(value.requires_grad for value in extras.values())
@@ -162,7 +162,7 @@ def test_bf16_inputs_give_fp32_statistics():
     hidden, weight, bias, targets = _random_case(seed=4)
     options = OPTIONS[1]
     low = [t.bfloat16() for t in (hidden, weight, bias)]
-    *_, extras = linear_token_stats(_head(low[1], low[2], options), low[0], targets, extras=EXTRAS,
+    *_, extras = linear_token_stats(low[0], targets=targets, head=_head(low[1], low[2], options), extras=EXTRAS,
                                     block_sizes=BLOCKS, impl="chunked")
     want = _oracle(*(t.double() for t in low), targets, options)[2]  # the same bf16 values, materialized in fp64
     assert extras["log_sum_sq_probs"].dtype == extras["mean_logits"].dtype == torch.float32
@@ -173,7 +173,7 @@ def test_bf16_inputs_give_fp32_statistics():
 def test_no_tokens():
     _, weight, bias, _ = _random_case()
     no_ids = torch.zeros(0, dtype=torch.long)
-    *_, extras = linear_token_stats(_head(weight, bias, OPTIONS[0]), torch.zeros(0, 8), no_ids, extras=EXTRAS,
+    *_, extras = linear_token_stats(torch.zeros(0, 8), targets=no_ids, head=_head(weight, bias, OPTIONS[0]), extras=EXTRAS,
                                     impl="chunked")
     assert all(value.shape == (0,) for value in extras.values())
 
@@ -186,4 +186,4 @@ def test_no_tokens():
 def test_bad_extras_are_named(extras, error, message):
     hidden, weight, bias, targets = _random_case(n=4, vocab=11)
     with pytest.raises(error, match=message):
-        linear_token_stats(_head(weight, bias, OPTIONS[0]), hidden, targets, extras=extras)
+        linear_token_stats(hidden, targets=targets, head=_head(weight, bias, OPTIONS[0]), extras=extras)

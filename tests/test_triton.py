@@ -5,7 +5,6 @@ already, so without a GPU the kernel checks run in a child pytest on this file w
 TRITON_INTERPRET=1 (the CPU interpreter); here `test_kernels_in_interpreter` launches it.
 """
 
-import itertools
 import os
 import re
 import subprocess
@@ -87,8 +86,8 @@ if INTERPRETED or torch.cuda.is_available():
         targets[targets % 11 == 5] += 1
         hidden, weight, bias, targets = (t.to(DEVICE) for t in (hidden, weight, bias, targets))
         for softcap in (None, 2.0):
-            head = LinearHead(weight, bias, temperature=0.7, softcap=softcap, scale=1.3)
-            got, want = (linear_token_stats(head, hidden, targets, extras=extras, block_sizes=BlockSizes(4, 300),
+            head = LinearHead(weight, bias=bias, temperature=0.7, softcap=softcap, logit_scale=1.3)
+            got, want = (linear_token_stats(hidden, targets=targets, head=head, extras=extras, block_sizes=BlockSizes(4, 300),
                                             impl=impl) for impl in ("triton", "chunked"))
             for name, g, w in zip(("log_probs", "entropy"), got, want):
                 _assert_close(g, w, name)
@@ -171,7 +170,7 @@ if INTERPRETED or torch.cuda.is_available():
         block_t = block_s * 0.5 + torch.randn_like(block_s)
         if softcap is not None:
             block_s = softcap * torch.tanh(block_s / softcap) / 0.7  # logits of a capped head at temperature 0.7
-        head = LinearHead(torch.zeros(width, 2, device=DEVICE), temperature=0.7, softcap=softcap, scale=1.5)
+        head = LinearHead(torch.zeros(width, 2, device=DEVICE), temperature=0.7, softcap=softcap, logit_scale=1.5)
         log_p_s, log_p_t = torch.log_softmax(block_s, 1), torch.log_softmax(block_t, 1)
         student_kl = torch.randn(num_rows, device=DEVICE)  # any per-row centering term
         stats = jsd_blocks.JSDStats(torch.logsumexp(block_s, 1), torch.logsumexp(block_t, 1), None, None, student_kl)
@@ -207,7 +206,7 @@ if INTERPRETED or torch.cuda.is_available():
         def jsd_and_grads(**options):
             divergence, entropy = fused_linear_jsd(hidden_s, weight_s, hidden_t, weight_t, bias_s=bias_s,
                                                    bias_t=bias_t, beta=beta, temperature=0.8, softcap=2.0,
-                                                   logit_scale=1.3, mask=mask, return_entropy=True, **options)
+                                                   logit_scale=1.3, mask=mask, return_token_entropy=True, **options)
             weights = torch.linspace(0.5, 1.5, divergence.numel(), device=DEVICE).reshape(divergence.shape)
             return [divergence, entropy, *torch.autograd.grad((divergence * weights).sum(), inputs)]
 
@@ -224,7 +223,7 @@ if INTERPRETED or torch.cuda.is_available():
         block_q = block_p * 0.5 + torch.randn_like(block_p)
         if softcap is not None:
             block_p = softcap * torch.tanh(block_p / softcap) / 0.7  # logits of a capped head at temperature 0.7
-        head = LinearHead(torch.zeros(width, 2, device=DEVICE), temperature=0.7, softcap=softcap, scale=1.5)
+        head = LinearHead(torch.zeros(width, 2, device=DEVICE), temperature=0.7, softcap=softcap, logit_scale=1.5)
         lse_p, lse_q = torch.logsumexp(block_p, 1), torch.logsumexp(block_q, 1)
         log_p, log_q = block_p - lse_p[:, None], block_q - lse_q[:, None]
         kl = (log_p.exp() * (log_p - log_q).nan_to_num(nan=0.0)).sum(1)
@@ -272,7 +271,7 @@ if INTERPRETED or torch.cuda.is_available():
         """The fused ops with the Triton kernels forced, several blocks and chunks, against the oracles. The losses
         known at forward time take the two-pass schedule, whose blocks the kernels compute, as on a GPU."""
         from logitless import fused_grpo_loss, fused_linear_cross_entropy, fused_linear_logprobs
-        from logitless.ops import backend, blocks as schedule, reference
+        from logitless.ops import BlockSizes, backend, blocks as schedule, reference
 
         monkeypatch.setenv("LOGITLESS_TRITON", "1")
         monkeypatch.setattr(schedule, "SINGLE_PASS_DEVICES", ())
@@ -288,11 +287,11 @@ if INTERPRETED or torch.cuda.is_available():
         ids[ids % 7 == 0] += 1
         mask = torch.ones(2, 9, device=DEVICE)
         mask[1, 5:] = 0
-        blocks = dict(chunk_size=4, vocab_block_size=300)
+        blocks = dict(block_sizes=BlockSizes(4, 300))
         log_probs, entropy = fused_linear_logprobs(hidden, weight, ids, bias=bias, temperature=0.7,
-                                                   return_entropy=True, mask=mask, **blocks)
+                                                   return_token_entropy=True, mask=mask, **blocks)
         ref_log_probs, ref_entropy = reference.linear_logprobs(hidden, weight, ids, bias=bias, temperature=0.7,
-                                                               return_entropy=True)
+                                                               return_token_entropy=True)
         got = [log_probs, entropy, *torch.autograd.grad((log_probs + entropy).sum(), (hidden, weight))]
         want = [ref_log_probs * mask, ref_entropy * mask,
                 *torch.autograd.grad(((ref_log_probs + ref_entropy) * mask).sum(), (hidden, weight))]
@@ -311,7 +310,7 @@ if INTERPRETED or torch.cuda.is_available():
 
         advantages, old = torch.randn(2, device=DEVICE), (ref_log_probs.detach() + 0.2)
         args = (hidden, weight, ids, mask, advantages)
-        kwargs = dict(old_logprobs=old, ref_logprobs=old - 0.1, beta=0.04, temperature=0.7, softcap=1.5)
+        kwargs = dict(old_log_probs=old, ref_log_probs=old - 0.1, beta=0.04, temperature=0.7, softcap=1.5)
         loss, _ = fused_grpo_loss(*args, **kwargs, **blocks)
         ref_loss, _ = reference.grpo_loss(*args, **kwargs)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
@@ -333,12 +332,12 @@ if INTERPRETED or torch.cuda.is_available():
         mask[1, 4:] = False
         advantages, old = torch.tensor([1.0, -0.5], device=DEVICE), torch.full((2, 7), -5.0, device=DEVICE)
         ops = [
-            lambda **o: sum(fused_linear_logprobs(hidden, weight, ids, mask=mask, return_entropy=True, softcap=3.0,
+            lambda **o: sum(fused_linear_logprobs(hidden, weight, ids, mask=mask, return_token_entropy=True, softcap=3.0,
                                                   **o)).sum(),
             lambda **o: fused_linear_cross_entropy(hidden, weight, ids.masked_fill(~mask, -100), label_smoothing=0.1,
                                                    **o),
-            lambda **o: fused_grpo_loss(hidden, weight, ids, mask, advantages, old_logprobs=old,
-                                        ref_logprobs=old + 0.1, beta=0.04, temperature=0.8, **o)[0],
+            lambda **o: fused_grpo_loss(hidden, weight, ids, mask, advantages, old_log_probs=old,
+                                        ref_log_probs=old + 0.1, beta=0.04, temperature=0.8, **o)[0],
         ]
         for op in ops:
             want = op(impl="reference")
@@ -355,11 +354,11 @@ if INTERPRETED or torch.cuda.is_available():
            seed=st.integers(0, 2**16))
     def test_random_shapes_through_the_kernels(num_rows, vocab, block, neg_inf, softcap, temperature, seed):
         """Log-probs, entropy, cross-entropy and the GRPO loss with the kernels forced (the two-pass schedule,
-        as on GPUs), against the oracles."""
+        as on GPUs), each op's values and gradients against its oracle on its own."""
         import os as _os
 
         from logitless import fused_grpo_loss, fused_linear_cross_entropy, fused_linear_logprobs
-        from logitless.ops import blocks, reference
+        from logitless.ops import BlockSizes, blocks, reference
 
         _os.environ["LOGITLESS_TRITON"] = "1"
         single_pass_devices, blocks.SINGLE_PASS_DEVICES = blocks.SINGLE_PASS_DEVICES, ()
@@ -373,25 +372,40 @@ if INTERPRETED or torch.cuda.is_available():
             ids = torch.randint(0, vocab, (1, num_rows), generator=generator)
             ids = ids - ids % 4 if neg_inf else ids  # never a -inf row
             mask = torch.rand(1, num_rows, generator=generator) > 0.2
-            options = dict(bias=bias, temperature=temperature, softcap=softcap)
-            log_probs, entropy = fused_linear_logprobs(hidden, weight, ids, return_entropy=True, mask=mask,
-                                                       vocab_block_size=block, **options)
-            cross = fused_linear_cross_entropy(hidden, weight, ids.masked_fill(~mask, -100), reduction="sum",
-                                               vocab_block_size=block, **options)
             advantages = torch.randn(1, generator=generator)
-            grpo, _ = fused_grpo_loss(hidden, weight, ids, mask, advantages, vocab_block_size=block, **options)
-            ref_log_probs, ref_entropy = reference.linear_logprobs(hidden, weight, ids, return_entropy=True, **options)
-            ref_cross = reference.cross_entropy(reference.linear_logits(hidden, weight, bias, softcap, temperature),
-                                                ids.masked_fill(~mask, -100), reduction="sum")
-            ref_grpo, _ = reference.grpo_loss(hidden, weight, ids, mask, advantages, **options)
-            total = (log_probs + 0.5 * entropy).sum() + cross + grpo
-            ref_total = ((ref_log_probs + 0.5 * ref_entropy) * mask).sum() + ref_cross + ref_grpo
-            for got, want in zip((total, *torch.autograd.grad(total, (hidden, weight))),
-                                 (ref_total, *torch.autograd.grad(ref_total, (hidden, weight)))):
-                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            head = dict(bias=bias, temperature=temperature, softcap=softcap)
+            sizes = BlockSizes(vocab=block)
+            log_probs, entropy = fused_linear_logprobs(hidden, weight, ids, return_token_entropy=True, mask=mask,
+                                                       block_sizes=sizes, **head)
+            ref_log_probs, ref_entropy = reference.linear_logprobs(hidden, weight, ids, return_token_entropy=True,
+                                                                   **head)
+            ignored = ids.masked_fill(~mask, -100)
+            checks = {
+                "log_probs": (log_probs, ref_log_probs * mask),
+                "entropy": (entropy, ref_entropy * mask),
+                "cross_entropy": (fused_linear_cross_entropy(hidden, weight, ignored, reduction="sum",
+                                                             block_sizes=sizes, **head),
+                                  reference.cross_entropy(reference.linear_logits(hidden, weight, **head), ignored,
+                                                          reduction="sum")),
+                "grpo": (fused_grpo_loss(hidden, weight, ids, mask, advantages, block_sizes=sizes, **head)[0],
+                         reference.grpo_loss(hidden, weight, ids, mask, advantages, **head)[0]),
+            }
+            for name, (got, want) in checks.items():
+                weights = torch.linspace(0.5, 1.5, want.numel()).reshape(want.shape)  # any upstream gradient
+                for what, g, w in zip(("value", "grad hidden", "grad weight"),
+                                      (got, *_grads_or_zeros((got * weights).sum(), (hidden, weight))),
+                                      (want, *_grads_or_zeros((want * weights).sum(), (hidden, weight)))):
+                    torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m, n=f"{name} {what}": f"{n}: {m}")
         finally:
             blocks.SINGLE_PASS_DEVICES = single_pass_devices
             _os.environ.pop("LOGITLESS_TRITON")
+
+    def _grads_or_zeros(output, inputs):
+        """The gradients of ``output`` (zeros when no token reaches it), keeping the graph (log-probs and entropy
+        share one)."""
+        if not output.requires_grad:
+            return [torch.zeros_like(t) for t in inputs]
+        return torch.autograd.grad(output, inputs, allow_unused=True, materialize_grads=True, retain_graph=True)
 
 else:
 

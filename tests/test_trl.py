@@ -12,8 +12,8 @@ from datasets import Dataset  # noqa: E402
 from logitless.hf import final_hidden_states, lm_head_of  # noqa: E402
 from logitless.models import load_model_and_tokenizer, save_model_and_tokenizer, tiny_qwen2  # noqa: E402
 from logitless.ops.lazy import CompletionLogits  # noqa: E402
-from logitless.multichoice.reward import (choice_token_ids, extract_answer_probability_from_logits,  # noqa: E402
-                                           find_answer_position)
+from logitless.multichoice.answer import extract_answer_probability_from_logits, find_answer_position  # noqa: E402
+from logitless.multichoice.letters import choice_token_ids  # noqa: E402
 from logitless.trl import GRPOTrainerWithLogits  # noqa: E402
 from logitless.trl import lm_head as lm_head_module  # noqa: E402
 from logitless.trl.rewards import completion_views  # noqa: E402
@@ -259,9 +259,9 @@ def _fused_op_calls():
     calls = []
     real = lm_head_module.linear_token_stats
 
-    def counted(head, hidden, targets, **kwargs):
+    def counted(hidden, *args, **kwargs):
         calls.append(hidden.shape[0])
-        return real(head, hidden, targets, **kwargs)
+        return real(hidden, *args, **kwargs)
 
     lm_head_module.linear_token_stats = counted
     try:

@@ -143,7 +143,7 @@ def _our_kernel(name: str):
     if name == "distill":
         import logitless.trl.distillation as module
 
-        return module, "heads_jsd"
+        return module, "fused_linear_jsd"
     return lm_head_module, "linear_token_stats"
 
 

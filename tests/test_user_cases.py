@@ -1,8 +1,5 @@
-"""What a new user saw (issue 9), each case through the `logitless` command as the user ran it.
-
-Every test here failed on the code before issue 9 (checked on a scratch copy of that code) and
-passes now. They use only `logitless.cli.main` and files on disk, as a user would.
-"""
+"""What a new user runs into, each case through the `logitless` command as the user runs it, using only
+`logitless.cli.main` and files on disk, as a user would."""
 
 import json
 import os
@@ -62,9 +59,9 @@ def test_a_run_never_writes_into_a_directory_it_did_not_claim(tmp_path, command,
 
 
 def test_a_crash_anywhere_in_an_sft_save_leaves_a_checkpoint(tmp_path, monkeypatch, tokenizer):
-    """A crash between the two renames of the SFT checkpoint left none: the rerun started at step 0 and deleted
-    both copies. Now every file-system step of a save (keeping one checkpoint) is interrupted in turn: the old
-    or the new one is there, and the next save succeeds."""
+    """A crash between the two renames of an SFT checkpoint must leave one: every file-system step of a save
+    (keeping one checkpoint) is interrupted in turn, and the previous or the new checkpoint is there, and the next
+    save succeeds."""
     from logitless.checkpoint import last_complete_checkpoint, load_checkpoint_state, save_checkpoint
 
     model = tiny_qwen2(vocab_size=151646, hidden_size=8, intermediate_size=16, num_hidden_layers=1)
@@ -148,7 +145,7 @@ def test_grpo_resumes_past_a_partial_checkpoint_refuses_changed_options_and_keep
     A new learning rate was ignored on resume, and a longer schedule logged a broken learning-rate curve."""
     out = tmp_path / "run"
     assert run(*GRPO, out=out, steps=1) == 0
-    partial = out / "checkpoint-2"  # what a kill in the middle of a save used to leave
+    partial = out / "checkpoint-2"  # what a kill in the middle of a save by another program can leave
     partial.mkdir()
     shutil.copy(out / "checkpoint-1" / "model.safetensors", partial)
     with pytest.raises(SystemExit, match="--learning-rate: resuming"):

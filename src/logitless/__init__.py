@@ -18,8 +18,9 @@ _EXPORTS = {
     **dict.fromkeys(("GRPOSettings", "LinearHead", "compute_entropy", "fused_grpo_loss", "fused_linear_cross_entropy",
                      "fused_linear_jsd", "fused_linear_kl", "fused_linear_logprobs"), "logitless.ops"),
     "math_reward": "logitless.rewards.math",
-    **dict.fromkeys(("MultichoiceJudge", "extract_answer_probability_from_logits", "multichoice_judge_reward"),
-                    "logitless.multichoice.reward"),
+    "MultichoiceJudge": "logitless.multichoice.judge",
+    "extract_answer_probability_from_logits": "logitless.multichoice.answer",
+    "multichoice_judge_reward": "logitless.multichoice.reward",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = exports(__name__, _EXPORTS)

@@ -103,11 +103,12 @@ def check_advantages_shape(shape, num_sequences: int, length: int) -> None:
                          f"({num_sequences}, {length}), got {tuple(shape)}")
 
 
-def check_grpo_options(settings, has_ref_logprobs: bool, num_items_in_batch=None) -> None:
+def check_grpo_options(settings, has_ref_log_probs: bool, num_items_in_batch=None, *,
+                       ref_name: str = "ref_logprobs") -> None:
     """What a GRPO loss's validated `GRPOSettings` cannot say alone, whatever the array library: beta != 0
-    needs ``ref_logprobs``, and ``num_items_in_batch`` is a finite number > 0 when it is known (None: not
-    given, or not known under a JAX trace)."""
-    if settings.beta != 0 and not has_ref_logprobs:
-        raise ValueError("ref_logprobs: required when beta != 0 (the KL penalty needs the reference log-probs)")
+    needs the reference log-probs (the argument ``ref_name``), and ``num_items_in_batch`` is a finite number > 0
+    when it is known (None: not given, or not known under a JAX trace)."""
+    if settings.beta != 0 and not has_ref_log_probs:
+        raise ValueError(f"{ref_name}: required when beta != 0 (the KL penalty needs the reference log-probs)")
     if num_items_in_batch is not None:
         check_finite_number("num_items_in_batch", float(num_items_in_batch))

@@ -29,7 +29,7 @@ from logitless.hf import final_hidden_states, lm_head_of
 from logitless.logprobs import get_response_log_probs
 from logitless.models import load_model_and_tokenizer
 from logitless.multichoice.data import synthetic_multichoice
-from logitless.multichoice.reward import find_answer_position
+from logitless.multichoice.answer import find_answer_position
 from logitless.multichoice.warm_start import multichoice_sft_pairs, warm_start_policy
 from logitless.plots import plot_curve
 from logitless.recipes.grpo import train_grpo_multichoice
@@ -67,15 +67,16 @@ def sampled_accuracy(model_dir: str | Path, questions: list[dict], samples: int 
 
 
 def log_prob_errors(model_dir: str | Path) -> dict[str, float]:
-    """Max |error| of the response tokens' log-probs on the warm-up model, fused and materialized, against
-    a float64 computation from the same hidden states (fp32 log_softmax over 151,936 logits rounds)."""
+    """Max |error| of the response tokens' log-probs on the warm-up model, fused (``impl="auto"``) and materialized
+    (``impl="reference"``), against a float64 computation from the same hidden states (fp32 log_softmax over
+    151,936 logits rounds)."""
     model, tokenizer = load_model_and_tokenizer(str(model_dir))
     pairs = multichoice_sft_pairs(synthetic_multichoice(count=8, seed=7))
     tensors = tokenize_prompt_and_output([p["prompt"] for p in pairs], [p["response"] for p in pairs], tokenizer)
     rows = tensors["response_mask"].bool()  # (B, T)
     with torch.no_grad():
         scored = {impl: get_response_log_probs(model, tensors["input_ids"], tensors["labels"], impl=impl)["log_probs"]
-                  for impl in ("fused", "materialized")}
+                  for impl in ("auto", "reference")}
         hidden = final_hidden_states(model, tensors["input_ids"])[rows].double()  # (N, H), response rows only
         exact = torch.log_softmax(hidden @ lm_head_of(model).weight.double().T, dim=-1)  # (N, V) float64
         exact = exact.gather(-1, tensors["labels"][rows][:, None])[:, 0]
@@ -186,10 +187,10 @@ def run(config: DemoConfig) -> int:
     table = summary_table(config, results, memory, grade_reward)
     (directory / "summary.md").write_text(table + "\n")
     print(f"\n{table}\n\nlog-probs of the warm-up model's response tokens against float64: fused max error "
-          f"{errors['fused']:.1e}, materialized (fp32 logits, log_softmax) {errors['materialized']:.1e}\n"
+          f"{errors['auto']:.1e}, materialized (fp32 logits, log_softmax) {errors['reference']:.1e}\n"
           f"summary: {directory / 'summary.md'}")
     first, last = results["sft_loss"]
-    if not last < first or errors["fused"] > 1e-4 or results["steps_trained"] != config.grpo_steps:
+    if not last < first or errors["auto"] > 1e-4 or results["steps_trained"] != config.grpo_steps:
         print("demo FAILED: the SFT loss did not fall, GRPO did not run every step, or the fused path is off")
         return 1
     return 0

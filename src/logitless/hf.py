@@ -32,8 +32,9 @@ def lm_head_of(model, temperature: float = 1.0) -> LinearHead:
         divisor = float(getattr(config, _LOGIT_DIVISOR))
         scale = divisor if config.model_type in _MULTIPLIES_BY_LOGITS_SCALING else 1.0 / divisor
     softcap = getattr(config, _SOFTCAP, None)
-    return LinearHead(head.weight, getattr(head, "bias", None), temperature,
-                      None if softcap is None else float(softcap), 1.0 if scale is None else float(scale))
+    return LinearHead(head.weight, bias=getattr(head, "bias", None), temperature=temperature,
+                      softcap=None if softcap is None else float(softcap),
+                      logit_scale=1.0 if scale is None else float(scale))
 
 
 def model_body(model):
@@ -46,7 +47,7 @@ def model_body(model):
     body = getattr(model, model.base_model_prefix, None)
     if body is None or body is model:
         raise TypeError(f"model: cannot find the body of {type(model).__name__} (base_model_prefix "
-                        f"{model.base_model_prefix!r}); use impl='materialized'")
+                        f"{model.base_model_prefix!r}); use impl='reference'")
     return body
 
 

@@ -2,32 +2,36 @@
 
 The default path never builds the (B, T, V) logits: it runs the model's body to get the final
 hidden states and hands them with the output embedding (a `LinearHead`) to the fused log-probs.
-``impl="materialized"`` is the plain forward -> log_softmax -> gather, kept as the oracle.
+``impl="reference"`` is the plain forward -> log_softmax -> gather, kept as the oracle.
 """
 
 from __future__ import annotations
 
 import torch
 
-from logitless._checks import check_choice, check_positive_finite
+from logitless._checks import check_positive_finite
+from logitless._keywords import check_impl, checked_keywords
 from logitless._tensor_checks import check_same_shape, check_tensor, check_token_ids
 from logitless.hf import final_hidden_states, lm_head_of, position_ids_for
-from logitless.ops.fused import head_logprobs
+from logitless.ops.fused import fused_linear_logprobs
 from logitless.ops.reference import logprobs_from_logits
 
 IGNORE_INDEX = -100  # a label that is not scored (as in PyTorch's and transformers' losses)
 
 
+@checked_keywords()
 def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor, return_token_entropy: bool = False,
-                           *, impl: str = "fused", temperature: float = 1.0,
+                           *, impl: str = "auto", temperature: float = 1.0,
                            attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """log p(labels[b, t] | input_ids[b, :t+1]) for every position, (B, T) fp32; no masking.
 
     With ``return_token_entropy`` also the entropy of each next-token distribution. ``temperature``
-    divides the logits. ``impl`` is "fused" (default: no (B, T, V) logits) or "materialized".
+    divides the logits. ``impl`` is the fused ops' (`logitless._keywords.IMPLS`): "auto" (the default: the fused
+    log-probs, no (B, T, V) logits), "chunked" or "triton" (the fused log-probs on PyTorch's or Triton's block
+    math), or "reference" (the model's own forward, its (B, T, V) logits, log_softmax and gather).
     Labels of -100 (`IGNORE_INDEX`) are not scored: their log-prob is 0 (their entropy is still given).
     """
-    check_choice("impl", impl, ("fused", "materialized"))
+    check_impl(impl)
     check_tensor("input_ids", input_ids, ndim=2, integer=True)
     check_tensor("labels", labels, ndim=2, integer=True)
     check_same_shape("labels", labels, "input_ids", input_ids)
@@ -42,14 +46,15 @@ def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor,
     targets = labels.masked_fill(ignored, 0)
     check_token_ids("labels", targets, model.get_output_embeddings().weight.shape[0])
 
-    if impl == "materialized":
+    if impl == "reference":
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask),
                        use_cache=False).logits  # (B, T, V)
-        log_probs, entropy = logprobs_from_logits(logits, targets, temperature, return_token_entropy)
+        log_probs, entropy = logprobs_from_logits(logits, targets, temperature, return_token_entropy)  # (B, T) each
     else:
         head = lm_head_of(model, temperature)
         hidden = final_hidden_states(model, input_ids, attention_mask)  # (B, T, H)
-        result = head_logprobs(head, hidden, targets, return_entropy=return_token_entropy)
+        result = fused_linear_logprobs(hidden, targets=targets, head=head, return_token_entropy=return_token_entropy,
+                                       impl=impl)
         log_probs, entropy = result if return_token_entropy else (result, None)
     out = {"log_probs": log_probs.masked_fill(ignored, 0.0)}
     if return_token_entropy:

@@ -2,7 +2,7 @@
 multiple-choice warm start (`logitless.multichoice.warm_start`) runs a few dozen times.
 
 Each microbatch is tokenized with `tokenize_prompt_and_output`, scored on its response tokens only
-(`head_logprobs` with the response mask: no (B, T, V) logits, and the prompt's positions never reach the
+(`fused_linear_logprobs` with the response mask: no (B, T, V) logits, and the prompt's positions never reach the
 LM head) and trained with `sft_microbatch_train_step`; then the gradients are clipped and the optimizer
 steps, unless the loss or a gradient is not finite (`logitless.nonfinite.check_step`).
 """
@@ -18,7 +18,7 @@ from logitless.hf import final_hidden_states, lm_head_of
 from logitless.losses import sft_microbatch_train_step
 from logitless.masked import masked_mean
 from logitless.nonfinite import check_step
-from logitless.ops.fused import head_logprobs
+from logitless.ops.fused import fused_linear_logprobs
 
 
 class SFTStep(NamedTuple):
@@ -33,7 +33,7 @@ def _response_log_probs(model, input_ids, labels, response_mask) -> tuple[torch.
     """(log p(label), entropy), each (B, T), at the response positions (0 elsewhere), logit-free."""
     head = lm_head_of(model)
     hidden = final_hidden_states(model, input_ids)  # (B, T, H)
-    return head_logprobs(head, hidden, labels, return_entropy=True, mask=response_mask)
+    return fused_linear_logprobs(hidden, targets=labels, head=head, mask=response_mask, return_token_entropy=True)
 
 
 def sft_step(model, tokenizer, optimizer: torch.optim.Optimizer, microbatches: list[list[dict[str, str]]], *,

@@ -15,8 +15,8 @@ from logitless._checks import check_generations
 from logitless.bench import cli_startup, grade, grade_variance, lmhead, trainers
 from logitless.bench import grpo as bench_grpo
 from logitless.bench import jax as bench_jax
-from logitless.bench.options import (add_device_option, add_model_option, require_device, require_model,
-                                     require_positive, require_writable, write_report)
+from logitless.bench.options import (add_device_option, add_model_option, benchmark_parser, require_device,
+                                     require_model, require_positive, require_writable, write_report)
 
 
 def run_trainer_bench(args: argparse.Namespace) -> int:
@@ -38,7 +38,7 @@ def run_trainer_bench(args: argparse.Namespace) -> int:
 
 def _add_trainer_bench(targets, name: str, summary: str, description: str, completion_length: int,
                        steps: int) -> argparse.ArgumentParser:
-    parser = targets.add_parser(name, help=summary, description=description)
+    parser = benchmark_parser(targets, name, summary, description)
     parser.add_argument("--completions", type=int, default=16, help="completions per step (default: %(default)s)")
     parser.add_argument("--completion-length", dest="completion_length", type=int, default=completion_length,
                         help="tokens per completion at most (default: %(default)s)")

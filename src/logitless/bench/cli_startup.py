@@ -13,7 +13,7 @@ import sys
 import time
 
 from logitless.bench.busy import busy_processes
-from logitless.bench.options import require_positive, require_writable, write_report
+from logitless.bench.options import benchmark_parser, require_positive, require_writable, write_report
 
 COMMANDS = (("--version",), ("grpo", "--help"), ("sft", "--steps", "-1"), ("bench", "lmhead", "--help"))
 LIMIT_S = 2.0  # what a user should wait at most for any of them
@@ -49,11 +49,12 @@ def format_table(report: dict) -> str:
 
 
 def add_parser(targets) -> None:
-    parser = targets.add_parser(
-        "cli", help="how long `logitless --version`, `--help` and a bad option take to answer",
-        description="Wall time of `logitless --version`, `logitless grpo --help`, `logitless sft --steps -1` and "
-                    "`logitless bench lmhead --help`, each in a fresh process, --repeats times, with --busy busy "
-                    "processes beside them: the median and the slowest, against 2 s.")
+    parser = benchmark_parser(
+        targets, "cli",
+        "how long `logitless --version`, `--help` and a bad option take to answer",
+        "Wall time of `logitless --version`, `logitless grpo --help`, `logitless sft --steps -1` and "
+        "`logitless bench lmhead --help`, each in a fresh process, --repeats times, with --busy busy "
+        "processes beside them: the median and the slowest, against 2 s.")
     parser.add_argument("--repeats", type=int, default=5, help="runs of each command (default: %(default)s)")
     parser.add_argument("--busy", type=int, default=0,
                         help="processes spinning on a core each beside the measurement (default: %(default)s)")

@@ -18,8 +18,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-from logitless.bench.options import (add_device_option, add_model_option, choices_metavar, require_device,
-                                     require_model, require_positive, require_writable, write_report)
+from logitless.bench.options import (add_device_option, add_model_option, benchmark_parser, choices_metavar,
+                                     require_device, require_model, require_positive, require_writable, write_report)
 from logitless.bench.ratios import add_ratios, format_ratio
 from logitless.bench.worker import run_variants, worker_main
 from logitless.models import EMBEDDED_DEFAULT
@@ -58,7 +58,7 @@ def _trainer(variant: str, config: GradeBenchConfig):
 def run_worker(variant: str, _directory: str, config: GradeBenchConfig) -> dict:
     import torch
 
-    from logitless.bench.memory import PeakMemory, synchronize
+    from logitless.memory import PeakMemory, synchronize
 
     trainer = _trainer(variant, config)
     prompts = [PROMPTS[(i + step) % len(PROMPTS)] for step in range(config.steps + 1)
@@ -87,27 +87,31 @@ def run(config: GradeBenchConfig, progress: bool = True) -> dict:
 
 def format_table(report: dict) -> str:
     c = report["config"]
-    lines = [f"GRADE ({c['method']}), {c['steps']} steps of {c['batch_size']} rollouts x {c['max_new_tokens']} tokens, "
-             f"top-k {c['gumbel_topk']}, activation checkpointing {'on' if c['activation_checkpointing'] else 'off'}, "
-             f"{c['model']}, {c['device']}",
-             f"{'trainer':<10}{'step s':>9}{'x legacy':>10}{'peak MB':>10}{'x legacy':>10}{'reward':>9}{'kl':>9}"]
-    for name, r in report["results"].items():
-        lines.append(f"{name:<10}{r['step_s']:>9.2f}{format_ratio(r['time_ratio'], 10)}{r['peak_mb']:>10.0f}"
-                     f"{format_ratio(r['peak_ratio'], 10)}{r['reward']:>9.4f}{r['kl']:>9.4f}")
-    return "\n".join(lines)
+
+    def row(name: str, r: dict) -> str:
+        return (f"{name:<10}{r['step_s']:>9.2f}{format_ratio(r['time_ratio'], 10)}{r['peak_mb']:>10.0f}"
+                f"{format_ratio(r['peak_ratio'], 10)}{r['reward']:>9.4f}{r['kl']:>9.4f}")
+
+    return "\n".join([
+        f"GRADE ({c['method']}), {c['steps']} steps of {c['batch_size']} rollouts x {c['max_new_tokens']} tokens, top-k "
+        f"{c['gumbel_topk']}, activation checkpointing {'on' if c['activation_checkpointing'] else 'off'}, "
+        f"{c['model']}, {c['device']}",
+        f"{'trainer':<10}{'step s':>9}{'x legacy':>10}{'peak MB':>10}{'x legacy':>10}{'reward':>9}{'kl':>9}",
+        *(row(name, r) for name, r in report["results"].items())])
 
 
 def add_parser(targets) -> None:
     """Register ``logitless bench grade``."""
     defaults = GradeBenchConfig()
-    parser = targets.add_parser(
-        "grade", help="GRADE: legacy GumbelTrainer vs GumbelTrainerMemoryEfficient, peak memory and step time in "
-                      "fresh processes",
-        description="GRADE training steps of the legacy GumbelTrainer and of GumbelTrainerMemoryEfficient on the "
-                    "same model (--model): the same prompts, reward (the "
-                    "capitalized-word fraction), seed and config, each in a fresh process. After one unmeasured "
-                    "warm-up step, reports the peak memory growth, the median step time and the mean reward and "
-                    "KL of the measured steps.")
+    parser = benchmark_parser(
+        targets, "grade",
+        "GRADE: legacy GumbelTrainer vs GumbelTrainerMemoryEfficient, peak memory and step time in "
+        "fresh processes",
+        "GRADE training steps of the legacy GumbelTrainer and of GumbelTrainerMemoryEfficient on the "
+        "same model (--model): the same prompts, reward (the "
+        "capitalized-word fraction), seed and config, each in a fresh process. After one unmeasured "
+        "warm-up step, reports the peak memory growth, the median step time and the mean reward and "
+        "KL of the measured steps.")
     parser.add_argument("--steps", type=int, default=defaults.steps,
                         help="measured optimizer steps, after one warm-up step (default: %(default)s)")
     parser.add_argument("--batch-size", dest="batch_size", type=int, default=defaults.batch_size,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from logitless.bench.options import require_writable, write_report
+from logitless.bench.options import benchmark_parser, require_writable, write_report
 
 PROMPTS = ["Once upon a time", "The weather today is", "My favourite food is", "Yesterday I went to"]
 METHODS = ("gumbel", "ste", "grpo")
@@ -60,13 +60,13 @@ def format_table(report: dict) -> str:
 
 def add_parser(targets) -> None:
     defaults = GradeVarianceConfig()
-    parser = targets.add_parser(
-        "grade-variance",
-        help="variance and bias of the GRADE, GRADE-STE and GRPO gradient estimators at fixed weights",
-        description="At the embedded tiny Qwen2's initial weights, each method's gradient of -reward (the "
-                    "capitalized-word fraction, kl_coef 0) on independent minibatches: their relative variance "
-                    "and their cosines, one by one and averaged, with the true gradient (exact for one-token "
-                    "completions, otherwise a REINFORCE estimate over --reference-samples).")
+    parser = benchmark_parser(
+        targets, "grade-variance",
+        "variance and bias of the GRADE, GRADE-STE and GRPO gradient estimators at fixed weights",
+        "At the embedded tiny Qwen2's initial weights, each method's gradient of -reward (the "
+        "capitalized-word fraction, kl_coef 0) on independent minibatches: their relative variance "
+        "and their cosines, one by one and averaged, with the true gradient (exact for one-token "
+        "completions, otherwise a REINFORCE estimate over --reference-samples).")
     meaning = {"minibatches": "independent minibatches per method", "batch_size": "rollouts per minibatch",
                "max_new_tokens": "tokens per rollout (1: the reference gradient is exact)",
                "gumbel_topk": "tokens kept per step by GRADE", "tau": "Gumbel-softmax temperature",

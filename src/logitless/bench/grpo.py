@@ -4,7 +4,7 @@ Same model (an embedded one: the tiny Qwen2 by default, or random weights at Qwe
 with the real 151,936-token Qwen vocabulary; or a local model directory), same prompts, same config,
 each trainer in a fresh process: wall time of ``trainer.train()``, the part of it spent in the loss
 and its backward (the rest is generation and rewards, the same work for both), and the peak memory
-beyond what the process held once the trainer was built (`bench.memory.PeakMemory`: resident memory
+beyond what the process held once the trainer was built (`logitless.memory.PeakMemory`: resident memory
 on a CPU, allocated CUDA memory on a GPU). Setups: ``default`` (GRPOConfig's defaults: loss_type
 dapo, no KL), ``lora`` (LoRA r=8 on the attention projections) and
 ``cispo`` (a non-default loss type with a KL term, so a reference pass too).
@@ -51,7 +51,7 @@ def run_worker(worker: str, model_dir: str, config: GRPOBenchConfig) -> dict:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from logitless.bench.memory import PeakMemory, synchronize
+    from logitless.memory import PeakMemory, synchronize
     from logitless.models import load_tokenizer
     from logitless.trl import GRPOTrainerWithLogits
 

@@ -26,10 +26,16 @@ distillation use it. Implementations:
 * gemm                  the four bare matmuls (both heads' logits, grad hidden, grad weight)
 * logitless             fused_linear_kl
 
-Each runs in a fresh subprocess (`bench.lmhead_steps`, where the implementations are): one warm-up step, a steady-state step whose peak memory beyond the
-inputs is measured (`bench.memory.PeakMemory`), the same with the gradient outputs counted, then
-timed repeats (the median is reported). Gradients go to a temporary safetensors file and are
-compared with the materialized path's in the parent.
+Each runs in a fresh subprocess (`bench.lmhead_steps`, where the implementations are): one warm-up step, a
+steady-state step whose peak memory beyond the inputs is measured (`logitless.memory.PeakMemory`), the same with
+the gradient outputs counted, then timed repeats (the median is reported). Gradients go to a temporary safetensors
+file and are compared with the materialized path's in the parent.
+
+``block_tokens`` (``--block-tokens N [N ...]``): logitless runs once per value, its tokens per row chunk
+(``BlockSizes.tokens``), as the rows ``logitless@N``: the curve of time and memory against the chunk from which
+the CPU default is chosen. Each logitless row reports the chunk it ran (``chunk_tokens``) and the logits it held
+at once (``logits_mb``). ``busy`` (``--busy N``): every implementation runs with N busy processes beside it
+(`bench.busy`), as on a shared machine.
 """
 
 from __future__ import annotations
@@ -37,11 +43,13 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from logitless.bench.options import (add_device_option, add_report_options, add_shape_options, choices_metavar,
-                                     require_device, require_positive, require_writable, write_report)
+from logitless.bench.busy import busy_processes
+from logitless.bench.options import (add_device_option, add_report_options, add_shape_options, benchmark_parser,
+                                     choices_metavar, require_device, require_positive, require_writable,
+                                     write_report)
 from logitless.bench.ratios import add_ratios, format_ratio, ratio
 from logitless.bench.worker import run_worker_process
 
@@ -50,9 +58,20 @@ KL_IMPLEMENTATIONS = ("materialized", "materialized_minimal", "gemm", "logitless
 LOSSES = {"grpo": "GRPO loss", "kl": "KL(p || q)"}
 DTYPES = ("float32", "bfloat16")
 
+SUMMARY = ("a loss (GRPO, or the KL between two heads) fwd+bwd through the LM head: time, peak memory, "
+           "accuracy")
+DESCRIPTION = ("A loss forward and backward through the LM head, from final hidden states and the output "
+               "embedding, for each implementation in a fresh process on the same seeded inputs: time per "
+               "step (median of --repeats), peak memory beyond the inputs, and the loss and gradient "
+               "differences from the materialized path. --loss grpo: TRL's GRPO loss (loss_type grpo, beta "
+               "0.04, old and reference log-probs); --loss kl: the exact KL(p || q) between the trained head "
+               "and a fixed one (a reference model's, a teacher's) over the full vocabulary. Peers that are "
+               "not installed are skipped.")
+
 
 @dataclass
 class Shape:
+    block_tokens: int | None = None  # logitless's tokens per row chunk (BlockSizes.tokens); None: its default
     batch: int = 2
     seq: int = 512
     hidden: int = 512
@@ -61,7 +80,6 @@ class Shape:
     device: str = "cpu"
     masked_fraction: float = 0.0  # the end of each completion that is padding
     loss: str = "grpo"  # a key of LOSSES
-    block_tokens: int | None = None  # logitless's tokens per row chunk (BlockSizes.tokens); None: its default
 
     @property
     def tokens(self) -> int:
@@ -78,23 +96,37 @@ def _spawn(implementation: str, shape: Shape, repeats: int, grads_path: str) -> 
                                                          "--repeats", str(repeats), "--grads", grads_path])
 
 
-def run(shape: Shape, implementations=IMPLEMENTATIONS, repeats: int = 3, progress: bool = True) -> dict:
-    """Run each implementation in its own process; ratios are to ``materialized`` and ``materialized_minimal``."""
-    import torch
-    from safetensors.torch import load_file
-    from tqdm.auto import tqdm
-
+def _runs(shape: Shape, implementations, block_tokens) -> dict[str, tuple[str, Shape]]:
+    """Row name -> (implementation, shape): the yardsticks first, logitless once per ``block_tokens`` value."""
     from logitless.bench.lmhead_steps import STEPS, available
 
     chosen = [name for name in implementations if name in STEPS[shape.loss] and available(name)]
     for yardstick in ("materialized_minimal", "materialized"):
         if yardstick not in chosen:
             chosen.insert(0, yardstick)
+    runs = {}
+    for name in chosen:
+        if name == "logitless" and block_tokens:
+            runs.update({f"logitless@{tokens}": (name, replace(shape, block_tokens=tokens)) for tokens in block_tokens})
+        else:
+            runs[name] = (name, shape)
+    return runs
+
+
+def run(shape: Shape, implementations=IMPLEMENTATIONS, repeats: int = 3, progress: bool = True,
+        block_tokens: tuple[int, ...] = (), busy: int = 0) -> dict:
+    """Run each implementation in its own process (with ``busy`` busy processes beside them); ratios are to
+    ``materialized`` and ``materialized_minimal``."""
+    import torch
+    from safetensors.torch import load_file
+    from tqdm.auto import tqdm
+
     results = {}
     flops = 2 * shape.head_matmuls * shape.tokens * shape.hidden * shape.vocab  # the head's matmuls, valid tokens
-    with tempfile.TemporaryDirectory() as scratch:
-        for name in tqdm(chosen, desc="bench lmhead", disable=not progress):
-            results[name] = _spawn(name, shape, repeats, str(Path(scratch) / f"{name}.safetensors"))
+    with tempfile.TemporaryDirectory() as scratch, busy_processes(busy):
+        for name, (implementation, run_shape) in tqdm(_runs(shape, implementations, block_tokens).items(),
+                                                      desc="bench lmhead", disable=not progress):
+            results[name] = _spawn(implementation, run_shape, repeats, str(Path(scratch) / f"{name}.safetensors"))
         reference = load_file(str(Path(scratch) / "materialized.safetensors"))
         for name, result in results.items():
             if name == "gemm":  # no loss: its gradients are not the loss's
@@ -106,7 +138,7 @@ def run(shape: Shape, implementations=IMPLEMENTATIONS, repeats: int = 3, progres
             result["tokens_per_s"] = shape.tokens / result["time_s"]
             result["tflops"] = flops / result["time_s"] / 1e12
     add_report_ratios(results)
-    return {"shape": asdict(shape), "tokens": shape.tokens, "flops": flops, "repeats": repeats,
+    return {"shape": asdict(shape), "tokens": shape.tokens, "flops": flops, "repeats": repeats, "busy": busy,
             "torch": torch.__version__, "results": results}
 
 
@@ -127,7 +159,7 @@ def _number(value, width: int, spec: str) -> str:
 
 def format_table(report: dict) -> str:
     lines = [f"{LOSSES[report['shape']['loss']]} fwd+bwd through the LM head, {report['tokens']} valid tokens, "
-             f"shape {report['shape']}",
+             f"shape {report['shape']}" + (f", {report['busy']} busy processes beside it" if report.get("busy") else ""),
              f"{'impl':<21}{'time s':>8}{'x mat':>7}{'x min':>7}{'tok/s':>8}{'bound':>7}{'peak MB':>9}{'x mat':>7}"
              f"{'x min':>7}{'loss diff':>11}{'max|dgrad|':>12}"]
     for name, r in report["results"].items():
@@ -139,6 +171,9 @@ def format_table(report: dict) -> str:
     materialized = "with the entropy metric" if report["shape"]["loss"] == "grpo" else "F.kl_div"
     lines.append(f"x mat / x min: ratio to materialized ({materialized}) / to materialized_minimal; "
                  "bound: the bare matmuls' time over this one's")
+    chunks = [(name, r) for name, r in report["results"].items() if "chunk_tokens" in r]
+    lines += [f"{name}: {r['chunk_tokens']} tokens per row chunk, {r['logits_mb']:.0f} MB of logits held at once"
+              for name, r in chunks]
     return "\n".join(lines)
 
 
@@ -146,29 +181,21 @@ def plot(report: dict, path: str | Path) -> Path:
     from logitless.plots import ratio_bar_panels
 
     names = list(report["results"])
-    colors = ["#dd8452" if n == "logitless" else "#999999" if n.startswith("materialized") or n == "gemm"
+    colors = ["#dd8452" if n.startswith("logitless") else "#999999" if n.startswith("materialized") or n == "gemm"
               else "#4c72b0" for n in names]
     panels = [("time_s", "time_ratio_minimal", 1.0, "time per step (s, median)", 2),
               ("peak_mb", "peak_ratio_minimal", 1.0, "peak memory beyond inputs (MB)", 2)]
     s = report["shape"]
     title = (f"{LOSSES[s['loss']]} fwd+bwd, B={s['batch']} T={s['seq']} H={s['hidden']} V={s['vocab']} "
-             f"{s['dtype']} {s['device']}, {report['tokens']} valid tokens\nlabels: x materialized_minimal")
+             f"{s['dtype']} {s['device']}, {report['tokens']} valid tokens"
+             + (f", {report['busy']} busy processes beside it" if report.get("busy") else "") + "\nlabels: x materialized_minimal")
     return ratio_bar_panels(report["results"], panels, colors, title, path, rotate_names=True)
 
 
 def add_parser(targets) -> None:
     """Register ``logitless bench lmhead`` on the ``bench`` subparsers."""
     defaults = Shape()
-    parser = targets.add_parser(
-        "lmhead", help="a loss (GRPO, or the KL between two heads) fwd+bwd through the LM head: time, peak memory, "
-                       "accuracy",
-        description="A loss forward and backward through the LM head, from final hidden states and the output "
-                    "embedding, for each implementation in a fresh process on the same seeded inputs: time per "
-                    "step (median of --repeats), peak memory beyond the inputs, and the loss and gradient "
-                    "differences from the materialized path. --loss grpo: TRL's GRPO loss (loss_type grpo, beta "
-                    "0.04, old and reference log-probs); --loss kl: the exact KL(p || q) between the trained head "
-                    "and a fixed one (a reference model's, a teacher's) over the full vocabulary. Peers that are "
-                    "not installed are skipped.")
+    parser = benchmark_parser(targets, "lmhead", SUMMARY, DESCRIPTION)
     add_shape_options(parser, defaults, DTYPES, vocab_help="vocabulary size; Qwen2/2.5's is 151936, Qwen3.5's 248320")
     add_device_option(parser)
     parser.add_argument("--masked-fraction", dest="masked_fraction", type=float, default=defaults.masked_fraction,
@@ -177,9 +204,13 @@ def add_parser(targets) -> None:
     parser.add_argument("--loss", default=defaults.loss, metavar=choices_metavar(LOSSES),
                         help="the loss: grpo, or kl (whose implementations are "
                              f"{', '.join(KL_IMPLEMENTATIONS)}) (default: %(default)s)")
-    parser.add_argument("--block-tokens", dest="block_tokens", type=int, default=None,
-                        help="tokens per row chunk of logitless's blocks (BlockSizes.tokens): more is faster on a "
-                             "CPU and keeps more logits (default: the per-device default)")
+    parser.add_argument("--block-tokens", dest="block_tokens", type=int, nargs="+", default=[], metavar="N",
+                        help="tokens per row chunk of logitless's blocks (BlockSizes.tokens); several values run "
+                             "logitless once per value, the rows logitless@N: the curve of time and logits held "
+                             "against the chunk (default: the per-device default)")
+    parser.add_argument("--busy", type=int, default=0, metavar="N",
+                        help="run every implementation with N processes keeping a core busy beside it, as on a "
+                             "shared machine (default: %(default)s)")
     parser.add_argument("--impl", nargs="+", default=list(IMPLEMENTATIONS), metavar=choices_metavar(IMPLEMENTATIONS),
                         help="implementations to compare (both materialized yardsticks always run; peers not "
                              "installed, or without the chosen loss, are skipped) (default: all)")
@@ -188,7 +219,12 @@ def add_parser(targets) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    require_positive(args, ("batch", "seq", "hidden", "vocab", "repeats", "block_tokens"))
+    require_positive(args, ("batch", "seq", "hidden", "vocab", "repeats"))
+    for tokens in args.block_tokens:
+        if tokens < 1:
+            raise SystemExit(f"--block-tokens: must be >= 1, got {tokens}")
+    if args.busy < 0:
+        raise SystemExit(f"--busy: must be >= 0, got {args.busy}")
     if args.dtype not in DTYPES:
         raise SystemExit(f"--dtype: expected one of {sorted(DTYPES)}, got {args.dtype!r}")
     if args.loss not in LOSSES:
@@ -200,7 +236,7 @@ def run_cli(args: argparse.Namespace) -> int:
         raise SystemExit(f"--impl: unknown {unknown}; choose from {list(IMPLEMENTATIONS)}")
     require_device(args)
     require_writable(args)
-    shape = Shape(args.batch, args.seq, args.hidden, args.vocab, args.dtype, args.device, args.masked_fraction,
-                  args.loss, args.block_tokens)
-    report = run(shape, args.impl, repeats=args.repeats)
+    shape = Shape(batch=args.batch, seq=args.seq, hidden=args.hidden, vocab=args.vocab, dtype=args.dtype,
+                  device=args.device, masked_fraction=args.masked_fraction, loss=args.loss)
+    report = run(shape, args.impl, repeats=args.repeats, block_tokens=tuple(args.block_tokens), busy=args.busy)
     return write_report(report, args, format_table, plot)

@@ -36,7 +36,7 @@ def make_inputs(shape: Shape) -> dict:
                   weight=randn(shape.vocab, shape.hidden, scale=0.02).requires_grad_(),
                   completion_ids=ids, completion_mask=mask,
                   advantages=torch.randn(shape.batch, generator=generator).to(device),
-                  old_logprobs=base + 0.05 * per_token[0], ref_logprobs=base + 0.05 * per_token[1],
+                  old_log_probs=base + 0.05 * per_token[0], ref_log_probs=base + 0.05 * per_token[1],
                   block_sizes=BlockSizes(tokens=shape.block_tokens))
     if shape.loss == "kl":  # the fixed head: a reference model or a teacher
         inputs.update(hidden_q=randn(shape.batch, shape.seq, shape.hidden, scale=0.5),
@@ -48,7 +48,7 @@ def _grpo_from_log_probs(log_probs, inputs):
     """TRL's GRPO loss (grpo normalization) on (B, T) log-probs: the same code for every implementation."""
     from logitless.ops.grpo import token_objective, token_weights
 
-    parts = token_objective(log_probs, inputs["advantages"][:, None], inputs["old_logprobs"], inputs["ref_logprobs"],
+    parts = token_objective(log_probs, inputs["advantages"][:, None], inputs["old_log_probs"], inputs["ref_log_probs"],
                             SETTINGS)
     weights = token_weights(inputs["completion_mask"].bool(), SETTINGS)
     return (parts[0] * weights).sum()
@@ -123,8 +123,8 @@ def step_liger(inputs):
     module = LigerFusedLinearGRPOLoss(beta=SETTINGS.beta, compiled=inputs["hidden"].is_cuda, use_ref_model=True,
                                       loss_type=SETTINGS.loss_type, temperature=TEMPERATURE)
     loss, _ = module(inputs["hidden"], inputs["weight"], inputs["completion_ids"], inputs["completion_mask"],
-                     inputs["advantages"], ref_per_token_logps=inputs["ref_logprobs"],
-                     old_per_token_logps=inputs["old_logprobs"])
+                     inputs["advantages"], ref_per_token_logps=inputs["ref_log_probs"],
+                     old_per_token_logps=inputs["old_log_probs"])
     return loss
 
 
@@ -148,8 +148,8 @@ def step_logitless(inputs):
     from logitless.ops.fused import fused_grpo_loss
 
     loss, _ = fused_grpo_loss(inputs["hidden"], inputs["weight"], inputs["completion_ids"], inputs["completion_mask"],
-                              inputs["advantages"], old_logprobs=inputs["old_logprobs"],
-                              ref_logprobs=inputs["ref_logprobs"], settings=SETTINGS, temperature=TEMPERATURE,
+                              inputs["advantages"], old_log_probs=inputs["old_log_probs"],
+                              ref_log_probs=inputs["ref_log_probs"], settings=SETTINGS, temperature=TEMPERATURE,
                               block_sizes=inputs["block_sizes"])
     return loss
 
@@ -206,7 +206,7 @@ def available(implementation: str) -> bool:
 
 def run_worker(implementation: str, shape: Shape, repeats: int, grads_path: str | None) -> dict:
     """One implementation in this (fresh) process: warm-up, measured step, timed repeats."""
-    from logitless.bench.memory import PeakMemory, synchronize
+    from logitless.memory import PeakMemory, synchronize
 
     inputs = make_inputs(shape)
     device = inputs["hidden"].device
@@ -240,8 +240,22 @@ def run_worker(implementation: str, shape: Shape, repeats: int, grads_path: str 
 
         save_file({"hidden": inputs["hidden"].grad.float().cpu().contiguous(),
                    "weight": inputs["weight"].grad.float().cpu().contiguous()}, grads_path)
-    return {"time_s": statistics.median(times), "times_s": times, "peak_mb": peak.megabytes,
-            "peak_with_grads_mb": peak_with_grads.megabytes, "loss": loss.item()}
+    result = {"time_s": statistics.median(times), "times_s": times, "peak_mb": peak.megabytes,
+              "peak_with_grads_mb": peak_with_grads.megabytes, "loss": loss.item()}
+    return {**result, **_blocks_held(shape, inputs)} if implementation == "logitless" else result
+
+
+def _blocks_held(shape: Shape, inputs: dict) -> dict:
+    """logitless's tokens per row chunk, and the fp32 logits it holds at once (MB): a row chunk's whole row in one
+    pass, one block of each head in two."""
+    from logitless.ops.blocks import plan_blocks
+    from logitless.ops.head import LinearHead
+
+    weight = inputs["weight"]
+    plan = plan_blocks(shape.tokens, LinearHead(weight), weight.device, inputs["block_sizes"],
+                       loss_known=shape.loss == "grpo")
+    columns = shape.vocab if plan.single_pass else plan.sizes.vocab * (2 if shape.loss == "kl" else 1)
+    return {"chunk_tokens": plan.sizes.tokens, "logits_mb": plan.sizes.tokens * columns * 4 / 2**20}
 
 
 def _main() -> int:

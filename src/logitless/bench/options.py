@@ -90,6 +90,11 @@ def choices_metavar(choices) -> str:
     return "{" + ",".join(choices) + "}"
 
 
+def benchmark_parser(targets, name: str, summary: str, description: str) -> argparse.ArgumentParser:
+    """``logitless bench NAME``'s parser: ``summary`` in the list of benchmarks, ``description`` in its --help."""
+    return targets.add_parser(name, help=summary, description=description)
+
+
 def add_shape_options(parser, defaults, dtypes, vocab_help: str = "vocabulary size") -> None:
     """--batch/-B, --seq/-T, --hidden/-H, --vocab/-V and --dtype of a benchmark's problem, defaulting to the
     fields of the same names of ``defaults``."""

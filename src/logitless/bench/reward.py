@@ -5,7 +5,7 @@ The same GRPO steps (GRPOTrainerWithLogits, a warm-started tiny Qwen2 policy tha
 
 * logits    the reward declares ``completion_logits`` and reads P(correct | model) from the rows the
             trainer hands it (hidden states kept from generation);
-* fallback  the reward does not declare it, so P(correct | model) is recomputed the older way: one
+* fallback  the reward does not declare it, so P(correct | model) is recomputed by the fallback: one
             more teacher-forced policy forward per completion, with (T, V) logits.
 
 Reported per implementation: seconds spent inside the reward function, policy forward passes made
@@ -29,6 +29,9 @@ VARIANTS = ("fallback", "logits")
 
 @dataclass
 class RewardBenchConfig:
+    """GRPO steps of ``completions`` completions of ``completion_length`` tokens, ``num_generations`` per prompt,
+    from a policy warm-started for ``warm_start_steps`` SFT steps."""
+
     completions: int = 16
     completion_length: int = 32
     num_generations: int = 4
@@ -43,10 +46,11 @@ def run_worker(variant: str, policy_dir: str, config: RewardBenchConfig) -> dict
     import torch
     from trl import GRPOConfig
 
-    from logitless.bench.memory import PeakMemory
+    from logitless.memory import PeakMemory
     from logitless.models import load_model_and_tokenizer
     from logitless.multichoice.data import synthetic_multichoice, to_trl_dataset
-    from logitless.multichoice.reward import MultichoiceJudge, multichoice_judge_reward
+    from logitless.multichoice.judge import MultichoiceJudge
+    from logitless.multichoice.reward import multichoice_judge_reward
     from logitless.trl import GRPOTrainerWithLogits
 
     policy, tokenizer = load_model_and_tokenizer(policy_dir)

@@ -7,7 +7,7 @@ import time
 
 def timed(function, seconds: list[float], device):
     """``function`` that adds its wall time to ``seconds[0]``, the work it queued on ``device`` included."""
-    from logitless.bench.memory import synchronize
+    from logitless.memory import synchronize
 
     def timed_call(*args, **kwargs):
         synchronize(device)

@@ -14,7 +14,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 import logitless.trl
-from logitless.bench.memory import PeakMemory, synchronize
+from logitless.memory import PeakMemory, synchronize
 from logitless.bench.timing import timed
 from logitless.bench.trainers import IMPLEMENTATIONS, TRAINERS, TRLBenchConfig
 from logitless.bench.worker import worker_main

@@ -22,7 +22,7 @@ from logitless.grade.soft_tokens import PromptBatch, SoftTokens
 from logitless.grade.trainer import TrainerBase
 from logitless.hf import final_hidden_states
 from logitless.losses import group_normalized_advantages
-from logitless.ops.fused import fused_grpo_loss, head_logprobs
+from logitless.ops.fused import fused_grpo_loss, fused_linear_logprobs
 from logitless.ops.grpo_settings import GRPOSettings
 
 BASELINE_SETTINGS = GRPOSettings(loss_type="grpo", beta=0.0, epsilon_low=0.2, epsilon_high=0.2)
@@ -53,10 +53,9 @@ class GRPOBaseline(TrainerBase):
         kl, log_ratio = self._kl(hidden.detach(), input_ids, attention, completion_ids)
         shaped = rewards - config.kl_coef * log_ratio  # (B,)
         advantages, _ = group_normalized_advantages(shaped, group, advantage_eps=1e-6, normalize_by_std=True)
-        head = self.policy.head
-        loss, _ = fused_grpo_loss(hidden, head.weight, completion_ids, torch.ones_like(completion_ids),
-                                  advantages.to(hidden.device), bias=head.bias, settings=BASELINE_SETTINGS,
-                                  temperature=head.temperature, softcap=head.softcap, logit_scale=head.scale)
+        loss, _ = fused_grpo_loss(hidden, completion_ids=completion_ids, completion_mask=torch.ones_like(completion_ids),
+                                  advantages=advantages.to(hidden.device), head=self.policy.head,
+                                  settings=BASELINE_SETTINGS)
         (loss / config.gradient_accumulation_steps).backward()
         return {"reward": float(rewards.mean()), "kl": float(kl.mean()), "loss": float(loss.detach())}
 
@@ -67,6 +66,6 @@ class GRPOBaseline(TrainerBase):
         steps = completion_ids.shape[1]
         reference_hidden = final_hidden_states(self.reference.model, input_ids, attention)[:, -steps:]
         kl = self.policy.kl_to(policy_hidden, self.reference, reference_hidden).sum(dim=1)
-        log_probs = head_logprobs(self.policy.head, policy_hidden, completion_ids)
-        reference_log_probs = head_logprobs(self.reference.head, reference_hidden, completion_ids)
+        log_probs = fused_linear_logprobs(policy_hidden, targets=completion_ids, head=self.policy.head)
+        reference_log_probs = fused_linear_logprobs(reference_hidden, targets=completion_ids, head=self.reference.head)
         return kl, (log_probs - reference_log_probs).sum(dim=1)

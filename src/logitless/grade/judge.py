@@ -19,7 +19,7 @@ from logitless._checks import check_choice
 from logitless.grade.parts import CausalLMParts
 from logitless.grade.rewards import RewardInputs, SoftReward, frozen, sequence_inputs
 from logitless.grade.soft_tokens import PromptBatch
-from logitless.multichoice.reward import MultichoiceJudge
+from logitless.multichoice.judge import MultichoiceJudge
 
 
 class MultichoiceJudgeReward(SoftReward):

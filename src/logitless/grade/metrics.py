@@ -2,23 +2,10 @@
 
 from __future__ import annotations
 
-import resource
-
-import torch
-
 # Every step of every method logs exactly these keys (None where a quantity does not apply).
 METRIC_NAMES = ("step", "reward", "kl", "loss", "grad_norm", "tau", "topk_tail_mass", "max_soft_weight", "step_s",
                 "peak_mb", "skipped")  # skipped: the step's loss or gradient was not finite (on_nonfinite="skip")
-
-
-def peak_mb(device: torch.device) -> float:
-    """The process's peak memory so far, MB: CUDA max_memory_allocated, else the peak resident set (ru_maxrss).
-
-    Never reset here, so a benchmark measuring around the trainer is not disturbed.
-    """
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KB
+# peak_mb: the step's peak memory beyond what the process held when it started (`logitless.memory.PeakMemory`)
 
 
 def step_metrics(**values) -> dict:

@@ -11,7 +11,7 @@ from logitless.grade.soft_tokens import TokenEmbedding
 from logitless.hf import lm_head_of, model_body
 from logitless.ops.blocks import BlockSizes
 from logitless.ops.head import LinearHead
-from logitless.ops.kl import heads_kl
+from logitless.ops.kl import fused_linear_kl
 
 
 @dataclass
@@ -60,7 +60,5 @@ class CausalLMParts:
     def kl_to(self, hidden: torch.Tensor, reference: CausalLMParts, reference_hidden: torch.Tensor,
               block_sizes: BlockSizes | None = None) -> torch.Tensor:
         """Per-row exact KL(self || reference) of the next-token distributions: (..., H), (..., H_ref) -> (...) fp32."""
-        leading = hidden.shape[:-1]
-        kl = heads_kl(hidden.reshape(-1, hidden.shape[-1]), self.head,
-                      reference_hidden.reshape(-1, reference_hidden.shape[-1]), reference.head, block_sizes=block_sizes)
-        return kl.reshape(leading)
+        return fused_linear_kl(hidden, hidden_q=reference_hidden, head_p=self.head, head_q=reference.head,
+                               block_sizes=block_sizes)

@@ -8,14 +8,14 @@ position, `TokenEmbedding.of_soft`) and of an optional fixed suffix; the model i
 * `TokenSetReward`: the fraction of generated tokens in a set (some words, or every capitalized word).
 * `SequenceClassifierReward`: a Hugging Face sequence classifier's logit for one label.
 * `TokenLogProbReward`: a causal LM's log-probability of one token after the completion (and a suffix
-  such as "\\nWas this answer helpful?"), e.g. " yes".
+  such as "\\nWas this answer helpful?"), e.g. " yes", read by the head's fused log-prob op (no (B, V)
+  log-softmax).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +23,7 @@ from logitless._checks import check_strings
 from logitless.grade.parts import CausalLMParts
 from logitless.grade.soft_tokens import PromptBatch, SoftTokens, TokenEmbedding
 from logitless.hf import position_ids_for
+from logitless.ops.fused import fused_linear_logprobs
 
 
 @dataclass
@@ -155,4 +156,5 @@ class TokenLogProbReward(SoftReward):
     def __call__(self, inputs: RewardInputs) -> torch.Tensor:
         batch = sequence_inputs(self.parts.embedding, inputs.prompt, inputs.completion, self.suffix_ids)
         hidden = self.parts.body(**batch, use_cache=False).last_hidden_state[:, -1]  # (B, H)
-        return torch.log_softmax(self.parts.logits(hidden), dim=-1)[:, self.token_id]
+        token = torch.full(hidden.shape[:1], self.token_id, dtype=torch.long, device=hidden.device)  # (B,)
+        return fused_linear_logprobs(hidden, targets=token, head=self.parts.head)  # (B,)

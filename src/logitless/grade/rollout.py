@@ -4,7 +4,8 @@ and hard sampling for the GRPO baseline.
 At each of the T steps, from the policy's final hidden state h (B, H):
 
 1. under no_grad, the full logits z (B, V) pick the k tokens with the largest z + g (g the step's
-   Gumbel noise) and give the metrics (the relaxed sample's mass outside those k);
+   Gumbel noise), and in the same pass over that buffer give the metric of the relaxed sample's mass
+   outside those k (`perturbed_topk_and_tail_mass`: no (B, V) softmax);
 2. with a graph, only those k logits are recomputed, ``h @ W[idx].T``, and relaxed:
    ``w = softmax((z_idx + g_idx) / tau)`` (straight-through one-hot for STE);
 3. the two models' final hidden states are kept (B, H each, the policy's in the graph); after the
@@ -15,7 +16,8 @@ At each of the T steps, from the policy's final hidden state h (B, H):
    weights, detached, through the reference's own embedding are the reference's next input: the
    reference reads the same prefix as the policy (the legacy trainer uses the same convention).
 
-No (B, T, V) tensor and no (B, V) tensor with a graph exist.
+No (B, T, V) tensor and no (B, V) tensor with a graph exist; the step's logits (B, V) are the only (B, V)
+buffer besides its noise.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from logitless.grade.parts import CausalLMParts
 from logitless.grade.soft_tokens import PromptBatch, SoftTokens
 from logitless.grade.steppers import CachedStepper
 from logitless.ops.blocks import BlockSizes
-from logitless.ops.gumbel import gumbel_noise, perturbed_topk, relaxed_weights
+from logitless.ops.gumbel import gumbel_noise, perturbed_topk_and_tail_mass, relaxed_weights
 
 
 # The rollout's KL takes 64 tokens per row chunk: each chunk streams both LM heads once and holds a few
@@ -77,10 +79,8 @@ def sparse_rollout(policy: CausalLMParts, reference: CausalLMParts, prompt: Prom
     for t in range(steps):
         step_noise = noise.at(t)  # (B, V)
         with torch.no_grad():
-            logits = policy.logits(hidden)  # (B, V), no graph
-            step_indices = perturbed_topk(logits, step_noise, k)  # (B, k)
-            kept_mass = torch.softmax((logits + step_noise) / tau, dim=-1).gather(-1, step_indices).sum(-1)  # (B,)
-            tail_mass = tail_mass + (1.0 - kept_mass).clamp(min=0).mean()  # a tensor: no device sync per step
+            step_indices, step_tail_mass = perturbed_topk_and_tail_mass(policy.logits(hidden), step_noise, k, tau)
+            tail_mass = tail_mass + step_tail_mass.mean()  # a tensor: no device sync per step
         step_weights = relaxed_weights(policy.selected_logits(hidden, step_indices)
                                        + step_noise.gather(-1, step_indices), tau, hard)  # (B, k)
         hiddens.append(hidden)

@@ -24,11 +24,12 @@ import torch
 from logitless.grade.config import GradeConfig
 from logitless.grade.legacy import dense_rollout
 from logitless.grade.lora import base_of, with_lora
-from logitless.grade.metrics import peak_mb, step_metrics
+from logitless.grade.metrics import step_metrics
 from logitless.grade.parts import CausalLMParts
 from logitless.grade.rewards import RewardInputs, SoftReward
 from logitless.grade.rollout import NoiseStream, Rollout, sample_tokens, sparse_rollout
 from logitless.grade.soft_tokens import PromptBatch, SoftTokens, as_records
+from logitless.memory import PeakMemory
 from logitless.nonfinite import check_step
 from logitless.ops.gumbel import check_topk
 
@@ -77,26 +78,28 @@ class TrainerBase:
         if len(records) != expected:
             raise ValueError(f"prompts: expected batch_size * gradient_accumulation_steps = {expected}, "
                              f"got {len(records)}")
-        started = time.perf_counter()
-        self.model.train()
-        sums = {}
-        for micro in range(config.gradient_accumulation_steps):
-            rows = slice(micro * config.batch_size, (micro + 1) * config.batch_size)
-            prompt = PromptBatch.from_records(records[rows], self.tokenizer, self.device)
-            generator = microbatch_generator(config.seed, self.step, micro, self.device)
-            parts = self.microbatch(prompt, None if noise is None else noise[rows], generator)
-            for name, value in parts.items():
-                sums[name] = sums.get(name, 0.0) + value / config.gradient_accumulation_steps
-        applied = check_step(self.step + 1, self.model, [sums["loss"]], policy=config.on_nonfinite,
-                             advice="Lower learning_rate, or set on_nonfinite='skip' to skip such steps.")
-        grad_norm = float("nan")
-        if applied:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, config.max_grad_norm))
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with PeakMemory(self.device) as peak:
+            started = time.perf_counter()
+            self.model.train()
+            sums = {}
+            for micro in range(config.gradient_accumulation_steps):
+                rows = slice(micro * config.batch_size, (micro + 1) * config.batch_size)
+                prompt = PromptBatch.from_records(records[rows], self.tokenizer, self.device)
+                generator = microbatch_generator(config.seed, self.step, micro, self.device)
+                parts = self.microbatch(prompt, None if noise is None else noise[rows], generator)
+                for name, value in parts.items():
+                    sums[name] = sums.get(name, 0.0) + value / config.gradient_accumulation_steps
+            applied = check_step(self.step + 1, self.model, [sums["loss"]], policy=config.on_nonfinite,
+                                 advice="Lower learning_rate, or set on_nonfinite='skip' to skip such steps.")
+            grad_norm = float("nan")
+            if applied:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, config.max_grad_norm))
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            step_s = time.perf_counter() - started
         self.step += 1
-        return step_metrics(step=self.step, grad_norm=grad_norm, step_s=time.perf_counter() - started,
-                            peak_mb=peak_mb(self.device), skipped=not applied, **sums)
+        return step_metrics(step=self.step, grad_norm=grad_norm, step_s=step_s, peak_mb=peak.megabytes,
+                            skipped=not applied, **sums)
 
     def microbatch(self, prompt: PromptBatch, noise, generator) -> dict:
         """Forward and backward of one microbatch; returns its metrics (means over its rollouts)."""

@@ -8,15 +8,11 @@ such as `grpo_settings` loads without PyTorch.
 
 from logitless._lazy import exports
 
-_EXPORTS = {
-    **dict.fromkeys(("BlockSizes", "default_block_sizes"), "logitless.ops.blocks"),
-    **dict.fromkeys(("fused_grpo_loss", "fused_linear_cross_entropy", "fused_linear_logprobs"), "logitless.ops.fused"),
-    "GRPOSettings": "logitless.ops.grpo_settings",
-    "gumbel_softmax_topk": "logitless.ops.gumbel",
-    "LinearHead": "logitless.ops.head",
-    "fused_linear_kl": "logitless.ops.kl",
-    "fused_linear_jsd": "logitless.ops.jsd",
-    "compute_entropy": "logitless.ops.reference",
-}
+_EXPORTS = {name: f"logitless.ops.{module}" for module, names in (
+    ("blocks", ("BlockSizes", "default_block_sizes")),
+    ("fused", ("fused_grpo_loss", "fused_linear_cross_entropy", "fused_linear_logprobs")),
+    ("grpo_settings", ("GRPOSettings",)), ("gumbel", ("gumbel_softmax_topk",)), ("head", ("LinearHead",)),
+    ("kl", ("fused_linear_kl",)), ("jsd", ("fused_linear_jsd",)), ("reference", ("compute_entropy",)),
+) for name in names}
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = exports(__name__, _EXPORTS)

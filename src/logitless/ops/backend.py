@@ -1,6 +1,6 @@
 """Which implementation of an op runs (``impl``), and for the block engine, which block kernels: Triton or PyTorch.
 
-``impl`` is one of `IMPLS`: "reference" materializes the logits (`ops/reference.py`), "chunked" runs
+``impl`` is one of `logitless._keywords.IMPLS`: "reference" materializes the logits (`ops/reference.py`), "chunked" runs
 the PyTorch block math (`ops/chunks.py`, `ops/kl_blocks.py` for the KL, `ops/jsd_blocks.py` for the
 generalized JSD), "triton" the Triton kernels of `ops/triton.py`, and "auto" picks: Triton for fp32
 block logits on CUDA when triton works, PyTorch everywhere else. ``LOGITLESS_TRITON`` sets what "auto"
@@ -15,11 +15,10 @@ from types import ModuleType
 
 import torch
 
-from logitless._checks import check_choice
+from logitless._keywords import IMPLS, check_impl
 from logitless.ops import chunks
 
-IMPLS = ("auto", "reference", "chunked", "triton")
-BLOCK_IMPLS = ("auto", "chunked", "triton")  # the implementations that run the block engine
+BLOCK_IMPLS = tuple(impl for impl in IMPLS if impl != "reference")  # the implementations that run the block engine
 
 
 def chunk_kernels(device: torch.device, stat_dtype: torch.dtype, impl: str = "auto",
@@ -27,7 +26,7 @@ def chunk_kernels(device: torch.device, stat_dtype: torch.dtype, impl: str = "au
     """The block math for blocks of this device and dtype under ``impl``: the module ``pytorch`` (`chunks` for the
     softmax accumulator, `kl_blocks` for the KL's, `jsd_blocks` for the JSD's) or `triton`, which has every kernel
     those modules have."""
-    check_choice("impl", impl, BLOCK_IMPLS)
+    check_impl(impl, BLOCK_IMPLS)
     if impl == "chunked":
         return pytorch
     if impl == "triton":

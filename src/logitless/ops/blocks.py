@@ -6,11 +6,14 @@ Per-device defaults (`default_block_sizes`), sized by the bytes of one block's f
 * Two passes: a block holds up to 16 MB on a CPU (its last-level cache holds tens of MB) and 256 MB
   on a GPU (which wants matmuls of thousands of rows and columns). All tokens go in one row chunk
   when that leaves blocks at least 256 vocabulary entries wide; otherwise fewer tokens per chunk.
-* One pass (CPU, fp32 weights, a loss known at forward time): a row chunk keeps the logits of up to
-  192 tokens, or of as many as 112 MB holds where that is more (193 tokens at a 151k vocabulary, 917
-  at 32k), folded in blocks of 4096 vocabulary entries; fewer tokens make thinner, slower matmuls,
-  and 192 tokens' logits stay under a tenth of what a materialized step holds for 1024 tokens. The
-  tokens are split into chunks of equal size, so that no small last chunk runs thin matmuls.
+* One pass (CPU, fp32 weights, a loss known at forward time): a row chunk keeps the logits of as many
+  tokens as `CHUNK_BYTES` holds (386 tokens at a 151k vocabulary, 236 at 248k, 1835 at 32k), folded
+  in blocks of 4096 vocabulary entries, which the block workers share out (`workers.py`). The budget is
+  in bytes, not tokens, because what a chunk costs is its logits, and it comes from a measured curve
+  (docs/BENCHMARKS.md, `logitless bench lmhead --block-tokens ...`): fewer tokens per chunk make thinner
+  matmuls and more chunks, each summing into the weight's gradient once more; this budget is the least
+  memory at which the step reached 0.9 of the bare matmuls' speed on a 2-core CPU. The tokens are split
+  into chunks of equal size, so that no small last chunk runs thin matmuls.
 """
 
 from __future__ import annotations
@@ -24,8 +27,7 @@ from logitless.ops.head import LinearHead, stat_dtype
 
 BLOCK_BYTES = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}  # two passes: one block's logits
 MIN_VOCAB_BLOCK = 256  # blocks narrower than this make thin matmuls: take fewer tokens per chunk instead
-CHUNK_BYTES = 112 * 2**20  # one pass: a row chunk keeps this many bytes of logits...
-CHUNK_TOKENS = 192  # ...or this many tokens' logits where that is more
+CHUNK_BYTES = 224 * 2**20  # one pass: a row chunk keeps at most this many bytes of logits
 SINGLE_PASS_VOCAB_BLOCK = 4096
 SINGLE_PASS_DEVICES = ("cpu",)  # measured faster there; GPUs keep the two passes, as TRL's head does
 
@@ -47,18 +49,12 @@ class BlockSizes:
         _positive_int_or_none("block_sizes.vocab", self.vocab)
 
     @classmethod
-    def of(cls, block_sizes: BlockSizes | None = None, chunk_size: int | None = None,
-           vocab_block_size: int | None = None) -> BlockSizes:
-        """A public op's block keywords as one BlockSizes: ``block_sizes``, or the equivalent ``chunk_size``
-        (tokens) and ``vocab_block_size`` (vocabulary), not both ways at once."""
-        _positive_int_or_none("chunk_size", chunk_size)
-        _positive_int_or_none("vocab_block_size", vocab_block_size)
+    def of(cls, block_sizes: BlockSizes | None) -> BlockSizes:
+        """An op's ``block_sizes`` argument: a BlockSizes, or None for every default."""
         if block_sizes is None:
-            return cls(chunk_size, vocab_block_size)
+            return cls()
         if not isinstance(block_sizes, BlockSizes):
             raise TypeError(f"block_sizes: expected a BlockSizes, got {type(block_sizes).__name__}")
-        if chunk_size is not None or vocab_block_size is not None:
-            raise ValueError("block_sizes: given together with chunk_size or vocab_block_size; pass one of the two")
         return block_sizes
 
     def or_defaults(self, defaults: BlockSizes) -> BlockSizes:
@@ -73,7 +69,7 @@ def default_block_sizes(device: torch.device | str, dtype: torch.dtype, *, num_t
     device_type = torch.device(device).type
     logit_bytes = torch.finfo(stat_dtype(dtype)).bits // 8
     if single_pass:
-        most = max(CHUNK_TOKENS, CHUNK_BYTES // (logit_bytes * vocab_size))
+        most = max(1, CHUNK_BYTES // (logit_bytes * vocab_size))
         num_chunks = max(1, -(-num_tokens // most))
         tokens = tokens or -(-num_tokens // num_chunks)  # chunks of equal size
         vocab = SINGLE_PASS_VOCAB_BLOCK

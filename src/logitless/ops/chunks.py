@@ -84,6 +84,21 @@ class OnlineSoftmax:
         self.shift = new_shift
         return new_shift, factor
 
+    def merge(self, other: OnlineSoftmax) -> None:
+        """Fold in ``other``: the sums of the same rows over other blocks (measured from its own shift)."""
+        shift, _ = self.rescale(other.max)
+        factor = torch.where(other.total > 0, torch.exp(other.shift - shift), 0.0)  # other's sums to this shift
+        if self.weighted is not None:
+            self.weighted = self.weighted + factor * (other.weighted + (other.shift - shift) * other.total)
+        if self.square_total is not None:
+            self.square_total = self.square_total + factor.square() * other.square_total
+        self.total = self.total + factor * other.total
+        if self.logit_sum is not None:
+            self.logit_sum = self.logit_sum + other.logit_sum
+        if self.max_before_target is not None:
+            self.max_before_target = torch.maximum(self.max_before_target, other.max_before_target)
+        self.target_logit = torch.maximum(self.target_logit, other.target_logit)  # -inf where a state has none
+
     def lse(self) -> torch.Tensor:
         """log sum exp(z) (n,)."""
         return self.shift + self.total.log()

@@ -12,10 +12,12 @@ an `Accumulator`, plugged into one of two schedules, both exact:
   an fp32 dW accumulator as large as 2.5 GB to be summed over row chunks.
 
 * One pass, `one_pass`, for a loss that is a sum of per-token terms known at forward time
-  (cross-entropy, GRPO): each row chunk's logits are kept (a budget of tens of MB) while its blocks
-  are folded into the statistics; the loss's gradient with respect to them follows, then each block
-  becomes its gradient and feeds dW (summed in place into an fp32 weight's gradient) and dh. Three
-  matmuls, each of a cache-friendly shape.
+  (cross-entropy, GRPO): each row chunk's logits are kept, an (n, V) matrix within a budget of bytes
+  (`blocks.CHUNK_BYTES`), while its blocks are folded into the statistics; the loss's gradient with
+  respect to them follows, then each block becomes its gradient in place and feeds its rows of dW
+  (summed in place into an fp32 weight's gradient), and dh is one matmul of the whole chunk's gradient.
+  Three matmuls. On a CPU the blocks of each step run on worker threads (`workers.py`), each block with
+  statistics of its own, merged in block order.
 
 An op may read several heads' logits (the KL reads two); gradients flow to the first head and its hidden
 states only. Pass 1 may sweep each row chunk's blocks twice, for statistics whose sums need numbers only
@@ -34,6 +36,7 @@ from logitless.ops.blocks import BlockPlan
 from logitless.ops.head import LinearHead, stat_dtype
 from logitless.ops.input_grads import InputGrads
 from logitless.ops.scratch import Scratch
+from logitless.ops.workers import BlockWorkers
 
 
 class Sweep(Protocol):
@@ -49,6 +52,10 @@ class Sweep(Protocol):
 
 class Accumulator(Sweep, Protocol):
     """A `Sweep`, and a block's logits gradient from the statistics."""
+
+    def merge(self, other) -> None:
+        """Fold in ``other``, an accumulator of the same rows that swept other blocks (the one-pass schedule sweeps
+        each block with an accumulator of its own)."""
 
     def block_grad(self, start: int, block, stats: NamedTuple, row_grads: NamedTuple) -> torch.Tensor:
         """d loss / d (hidden @ W.T + b) of the first head for one block (n, c), which is consumed: ``block``
@@ -159,41 +166,57 @@ def two_pass_grads(heads: Sequence[LinearHead], hiddens: Sequence[torch.Tensor],
 
 
 def one_pass(head: LinearHead, hidden: torch.Tensor, plan: BlockPlan, new_accumulator: NewAccumulator,
-             chunk_loss: ChunkLoss, needs: tuple[bool, bool, bool]):
+             chunk_loss: ChunkLoss, needs: tuple[bool, bool, bool], workers: BlockWorkers | None = None):
     """One pass: (loss (), every token's statistics (N,), (grad_hidden, grad_weight, grad_bias)).
 
-    Each chunk's blocks are kept, one (n, c) after another in one buffer reused from chunk to chunk, from
-    `Accumulator.update` to `Accumulator.block_grad`; ``chunk_loss`` gives the chunk's loss and its
-    per-row gradients from the chunk's statistics.
+    A row chunk's logits are kept as one (n, V) matrix, in a buffer reused from chunk to chunk: each vocabulary
+    block's columns are written by its matmul and folded into statistics of its own (a fresh `Sweep` per block,
+    from `Accumulator.update` to `Accumulator.block_grad`), which are then merged in block order; ``chunk_loss``
+    gives the chunk's loss and its per-row gradients; each block becomes its logits gradient in place and its
+    rows of dW; dh is one matmul of the whole (n, V) gradient. With ``workers`` (`workers.py`) the blocks of
+    each step are shared out among threads; the results do not depend on which thread takes which block.
     """
     num_rows, dtype, vocab_size = hidden.shape[0], stat_dtype(hidden.dtype), head.vocab_size
     grads = InputGrads(head, hidden, needs, _num_chunks(num_rows, plan))
     blocks = list(vocab_blocks(vocab_size, plan))
+    run = workers.map if workers is not None else (lambda fn, items: [fn(item) for item in items])
     loss = torch.zeros((), dtype=dtype, device=hidden.device)
     parts = []
-    kept = None  # (n * V,): the chunk's blocks
+    kept = None  # (n * V,): the chunk's logits, then their gradient
     for rows in row_chunks(num_rows, plan):
         chunk_hidden = compute_operand(hidden[rows])
         num_chunk_rows = chunk_hidden.shape[0]
         if kept is None or kept.shape[0] < num_chunk_rows * vocab_size:
             kept = torch.empty(num_chunk_rows * vocab_size, dtype=dtype, device=hidden.device)
-        accumulator = new_accumulator(rows)
-        kept_blocks = []
-        for start, columns in blocks:
-            width = min(plan.sizes.vocab, vocab_size - start)
-            block_buffer = kept[start * num_chunk_rows: (start + width) * num_chunk_rows]
-            logits = head.logits(chunk_hidden, columns, out=block_buffer.view(num_chunk_rows, width))  # (n, c)
-            kept_blocks.append(accumulator.update(start, [logits]))
+        chunk_logits = kept[: num_chunk_rows * vocab_size].view(num_chunk_rows, vocab_size)  # (n, V)
+
+        def sweep(block, rows=rows, chunk_hidden=chunk_hidden, chunk_logits=chunk_logits):
+            start, columns = block
+            accumulator = new_accumulator(rows)
+            logits = head.logits(chunk_hidden, columns, out=chunk_logits[:, columns])  # (n, c)
+            return accumulator, accumulator.update(start, [logits])
+
+        swept = run(sweep, blocks)
+        accumulator = swept[0][0]
+        for other, _ in swept[1:]:
+            accumulator.merge(other)
         chunk_stats = accumulator.finish()
         parts.append(chunk_stats)
         chunk_loss_value, chunk_grads = chunk_loss(rows, chunk_stats)
         loss += chunk_loss_value
         if chunk_grads is None:
             continue
-        hidden_sum = grads.hidden_sum(chunk_hidden)
-        for (start, columns), block in zip(blocks, kept_blocks):
-            block_grad = accumulator.block_grad(start, block, chunk_stats, chunk_grads)
-            grads.add_block(columns, block_grad, chunk_hidden, hidden_sum, head.weight[columns])
-        grads.finish_chunk(rows, hidden_sum)
+
+        def backprop(item, chunk_hidden=chunk_hidden, chunk_logits=chunk_logits, chunk_stats=chunk_stats,
+                     chunk_grads=chunk_grads):
+            (start, columns), (block_accumulator, block) = item
+            block_grad = block_accumulator.block_grad(start, block, chunk_stats, chunk_grads)  # (n, c)
+            columns_grad = chunk_logits[:, columns]
+            if block_grad.data_ptr() != columns_grad.data_ptr():
+                columns_grad.copy_(block_grad)
+            grads.add_weight_block(columns, columns_grad, chunk_hidden)
+
+        run(backprop, zip(blocks, swept))
+        grads.add_chunk(rows, chunk_logits, head.weight)
     stats = _concat(parts) if parts else new_accumulator(slice(0, 0)).finish()
     return loss, stats, grads.result(head) if any(needs) else (None, None, None)

@@ -23,16 +23,18 @@ from types import ModuleType
 import torch
 
 from logitless._checks import check_choice, check_head_shapes, check_strings
+from logitless._keywords import HEAD_PARTS, check_impl, checked_keywords
 from logitless._tensor_checks import check_mask, check_tensor, check_token_ids
 from logitless.ops import chunks, reference
-from logitless.ops.backend import IMPLS, chunk_kernels
+from logitless.ops.backend import chunk_kernels
 from logitless.ops.blocks import BlockPlan, BlockSizes, plan_blocks
 from logitless.ops.chunks import TOKEN_EXTRAS, TokenStats, stat_grads
 from logitless.ops.engine import ChunkLoss, one_pass, refuse_second_derivative, two_pass_grads, two_pass_stats
 from logitless.ops.grpo import check_grpo_inputs, grpo_metrics, grpo_token_loss
-from logitless.ops.grpo_settings import GRPOSettings
-from logitless.ops.head import LinearHead, stat_dtype
+from logitless.ops.grpo_settings import GRPO_OPTIONS, GRPOSettings
+from logitless.ops.head import LinearHead, op_head, stat_dtype
 from logitless.ops.softmax import softmax_accumulators
+from logitless.ops.workers import block_workers
 
 # token_loss(rows, log_probs, entropy, mean_log_prob) -> the loss summed over the chunk's tokens
 # (``rows``: the chunk's slice of all tokens; statistics not asked for are None)
@@ -118,7 +120,8 @@ def _one_pass_loss(hidden, targets, head: LinearHead, plan: BlockPlan, token_los
     accumulators = softmax_accumulators(head, targets, chunks, dtype, need_entropy=need_entropy,
                                         need_mean_log_prob=need_mean_log_prob,
                                         keep="logits" if head.softcap is not None else "weights")
-    return one_pass(head, hidden, plan, accumulators, _chunk_loss(head, token_loss, needs, dtype), needs)
+    workers = block_workers(hidden.device, -(-head.vocab_size // plan.sizes.vocab))
+    return one_pass(head, hidden, plan, accumulators, _chunk_loss(head, token_loss, needs, dtype), needs, workers)
 
 
 def _chunk_loss(head: LinearHead, token_loss: TokenLoss, needs: tuple[bool, bool, bool], dtype) -> ChunkLoss:
@@ -143,22 +146,25 @@ def _chunk_loss(head: LinearHead, token_loss: TokenLoss, needs: tuple[bool, bool
     return chunk_loss
 
 
-def linear_token_stats(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, *, need_entropy: bool = True,
-                       need_mean_log_prob: bool = False, extras: tuple[str, ...] = (), chunk_size: int | None = None,
-                       vocab_block_size: int | None = None, block_sizes: BlockSizes | None = None,
-                       impl: str = "auto"):
+@checked_keywords(wholes={"head": HEAD_PARTS})
+def linear_token_stats(hidden: torch.Tensor, weight: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+                       *, head: LinearHead | None = None, bias: torch.Tensor | None = None, temperature: float = 1.0,
+                       softcap: float | None = None, logit_scale: float = 1.0, need_entropy: bool = True,
+                       need_mean_log_prob: bool = False, extras: tuple[str, ...] = (),
+                       block_sizes: BlockSizes | None = None, impl: str = "auto"):
     """(log_probs, entropy, mean_log_prob), each (N,), of flat hidden (N, H) and targets (N,); differentiable.
 
-    ``extras``: names among `TOKEN_EXTRAS`, statistics computed in the same pass over the blocks, without gradient:
-    ``"log_sum_sq_probs"`` log sum_v p_v^2, ``"mean_logits"`` the mean of the V logits (-inf where one is -inf),
-    ``"is_top1"`` (bool) whether the target is the first argmax of the logits, as ``torch.argmax`` picks it.
-    With any, a fourth item follows: a dict of them by name. ``impl``: "auto", "chunked" or "triton" (see
-    `backend.py`)."""
+    The head as in `fused_linear_logprobs` (``weight`` and its options, or ``head=``). ``extras``: names among
+    `TOKEN_EXTRAS`, statistics computed in the same pass over the blocks, without gradient: ``"log_sum_sq_probs"``
+    log sum_v p_v^2, ``"mean_logits"`` the mean of the V logits (-inf where one is -inf), ``"is_top1"`` (bool)
+    whether the target is the first argmax of the logits, as ``torch.argmax`` picks it. With any, a fourth item
+    follows: a dict of them by name. ``impl``: "auto", "chunked" or "triton" (see `backend.py`)."""
+    head = op_head(head, weight, bias, temperature, softcap, logit_scale)
     for index, name in enumerate(check_strings("extras", extras)):
         check_choice(f"extras[{index}]", name, TOKEN_EXTRAS)
     extras = tuple(dict.fromkeys(extras))
     kernels = chunk_kernels(hidden.device, stat_dtype(hidden.dtype), impl)
-    plan = plan_blocks(hidden.shape[0], head, hidden.device, BlockSizes.of(block_sizes, chunk_size, vocab_block_size))
+    plan = plan_blocks(hidden.shape[0], head, hidden.device, BlockSizes.of(block_sizes))
     log_probs, entropy, mean_log_prob, *extra_values = LinearTokenStats.apply(
         hidden, head.weight, head.bias, targets, head, plan, kernels, need_entropy, need_mean_log_prob, extras)
     if not extras:
@@ -167,9 +173,8 @@ def linear_token_stats(head: LinearHead, hidden: torch.Tensor, targets: torch.Te
 
 
 def linear_loss(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, token_loss: TokenLoss, *,
-                need_entropy: bool = False, need_mean_log_prob: bool = False, chunk_size: int | None = None,
-                vocab_block_size: int | None = None, block_sizes: BlockSizes | None = None, impl: str = "auto",
-                loss_inputs: tuple = ()):
+                need_entropy: bool = False, need_mean_log_prob: bool = False, block_sizes: BlockSizes = BlockSizes(),
+                impl: str = "auto", loss_inputs: tuple = ()):
     """(loss, log_probs (N,), entropy (N,) or None) of a loss summed over per-token terms of the statistics.
 
     ``token_loss(rows, log_probs, entropy, mean_log_prob)`` is the loss summed over the tokens ``rows``; it
@@ -184,7 +189,7 @@ def linear_loss(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, t
     needs = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
                   for t in (hidden, head.weight, head.bias))
     inputs_need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in loss_inputs)
-    plan = plan_blocks(hidden.shape[0], head, hidden.device, BlockSizes.of(block_sizes, chunk_size, vocab_block_size),
+    plan = plan_blocks(hidden.shape[0], head, hidden.device, block_sizes,
                        loss_known=any(needs) and impl != "triton" and not inputs_need_grad)
     if plan.single_pass:
         loss, log_probs, entropy = LinearLoss.apply(hidden, head.weight, head.bias, targets, head, plan, token_loss,
@@ -221,67 +226,63 @@ def _scatter_rows(values: torch.Tensor, kept: torch.Tensor | None, shape: torch.
     return full.index_copy(0, kept, values).reshape(shape)
 
 
-def head_logprobs(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, *, return_entropy: bool = False,
-                  mask: torch.Tensor | None = None, block_sizes: BlockSizes = BlockSizes(), impl: str = "auto"):
-    """`fused_linear_logprobs` of a `LinearHead`: hidden (N, H) or (B, T, H), targets (N,) or (B, T)."""
-    check_choice("impl", impl, IMPLS)
-    flat_hidden, flat_targets, kept = _linear_inputs(head, hidden, targets, mask)
-    if impl == "reference":  # the materialized (K, V) logits of the kept tokens
-        log_probs, entropy = reference.logprobs_from_logits(head.logits(flat_hidden), flat_targets, 1.0,
-                                                            return_entropy)
-    else:
-        log_probs, entropy, _ = linear_token_stats(head, flat_hidden, flat_targets, need_entropy=return_entropy,
-                                                   block_sizes=block_sizes, impl=impl)
-    log_probs = _scatter_rows(log_probs, kept, targets.shape)
-    return (log_probs, _scatter_rows(entropy, kept, targets.shape)) if return_entropy else log_probs
-
-
-def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                          bias: torch.Tensor | None = None, temperature: float = 1.0, return_entropy: bool = False,
-                          chunk_size: int | None = None, mask: torch.Tensor | None = None,
-                          softcap: float | None = None, logit_scale: float = 1.0,
-                          vocab_block_size: int | None = None, block_sizes: BlockSizes | None = None,
+@checked_keywords(wholes={"head": HEAD_PARTS})
+def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+                          *, head: LinearHead | None = None, bias: torch.Tensor | None = None, temperature: float = 1.0,
+                          softcap: float | None = None, logit_scale: float = 1.0, mask: torch.Tensor | None = None,
+                          return_token_entropy: bool = False, block_sizes: BlockSizes | None = None,
                           impl: str = "auto"):
     """log softmax(logits)[targets] with ``logits = cap(logit_scale * (hidden @ weight.T + bias)) / temperature``,
     without the (N, V) logits.
 
-    hidden (N, H) or (B, T, H); weight (V, H); targets (N,) or (B, T). Returns log-probs with the
-    shape of ``targets`` (fp32; fp64 for fp64 inputs), and with ``return_entropy`` also the entropy:
-    ``(log_probs, entropy)``. Both are differentiable. Tokens where ``mask`` is 0 are skipped before
-    the matmul and get 0. ``softcap`` c soft-caps the logits to ``c * tanh(x / c)`` (Gemma 2's
-    ``final_logit_softcapping``); None leaves them as they are. ``block_sizes`` (a `BlockSizes`; or
-    the equivalent ``chunk_size``, tokens per row chunk, and ``vocab_block_size``, vocabulary entries per
-    block) overrides the per-device block sizes. ``impl`` is "auto" | "reference" (the materialized
-    logits) | "chunked" (PyTorch blocks) | "triton" (Triton kernels on the blocks).
+    hidden (N, H) or (B, T, H); weight (V, H); targets (N,) or (B, T). The head is given in parts (``weight``,
+    ``bias``, ``temperature``, ``softcap``, ``logit_scale``) or whole (``head=LinearHead(...)``, without the
+    parts). Returns log-probs with the shape of ``targets`` (fp32; fp64 for fp64 inputs), and with
+    ``return_token_entropy`` also the entropy: ``(log_probs, entropy)``. Both are differentiable. Tokens where
+    ``mask`` is 0 are skipped before the matmul and get 0. ``softcap`` c soft-caps the logits to
+    ``c * tanh(x / c)`` (Gemma 2's ``final_logit_softcapping``); None leaves them as they are. ``block_sizes`` (a
+    `BlockSizes`: tokens per row chunk, vocabulary entries per block) overrides the per-device block sizes.
+    ``impl`` is "auto" | "reference" (the materialized logits) | "chunked" (PyTorch blocks) | "triton" (Triton
+    kernels on the blocks).
     """
-    sizes = BlockSizes.of(block_sizes, chunk_size, vocab_block_size)
-    return head_logprobs(LinearHead(weight, bias, temperature, softcap, logit_scale), hidden, targets,
-                         return_entropy=return_entropy, mask=mask, block_sizes=sizes, impl=impl)
+    head = op_head(head, weight, bias, temperature, softcap, logit_scale)
+    check_impl(impl)
+    sizes = BlockSizes.of(block_sizes)
+    flat_hidden, flat_targets, kept = _linear_inputs(head, hidden, targets, mask)
+    if impl == "reference":  # the materialized (K, V) logits of the kept tokens
+        log_probs, entropy = reference.logprobs_from_logits(head.logits(flat_hidden), flat_targets,
+                                                            return_token_entropy=return_token_entropy)
+    else:
+        log_probs, entropy, _ = linear_token_stats(flat_hidden, targets=flat_targets, head=head,
+                                                   need_entropy=return_token_entropy, block_sizes=sizes, impl=impl)
+    log_probs = _scatter_rows(log_probs, kept, targets.shape)
+    return (log_probs, _scatter_rows(entropy, kept, targets.shape)) if return_token_entropy else log_probs
 
 
-def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                               bias: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
-                               label_smoothing: float = 0.0, temperature: float = 1.0,
-                               chunk_size: int | None = None, softcap: float | None = None,
-                               logit_scale: float = 1.0, vocab_block_size: int | None = None,
-                               block_sizes: BlockSizes | None = None, impl: str = "auto") -> torch.Tensor:
+@checked_keywords(wholes={"head": HEAD_PARTS})
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor | None = None,
+                               targets: torch.Tensor | None = None, *, head: LinearHead | None = None,
+                               bias: torch.Tensor | None = None, temperature: float = 1.0, softcap: float | None = None,
+                               logit_scale: float = 1.0, ignore_index: int = -100, reduction: str = "mean",
+                               label_smoothing: float = 0.0, block_sizes: BlockSizes | None = None,
+                               impl: str = "auto") -> torch.Tensor:
     """Cross-entropy of the head's logits against ``targets``, as F.cross_entropy computes it, in fp32.
 
     ``reduction`` is none | mean | sum; "mean" averages over the tokens not equal to ``ignore_index``
     (NaN when there are none, with zero gradients, like PyTorch). Ignored tokens never reach the matmul.
-    Head options, ``block_sizes`` and ``impl`` as in `fused_linear_logprobs`.
+    The head (in parts or ``head=``), ``block_sizes`` and ``impl`` as in `fused_linear_logprobs`.
     """
+    head = op_head(head, weight, bias, temperature, softcap, logit_scale)
     check_choice("reduction", reduction, ("none", "mean", "sum"))
-    check_choice("impl", impl, IMPLS)
+    check_impl(impl)
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
             or not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing: expected a number in [0, 1], got {label_smoothing!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index: expected an int, got {ignore_index!r}")
-    sizes = BlockSizes.of(block_sizes, chunk_size, vocab_block_size)
+    sizes = BlockSizes.of(block_sizes)
     check_tensor("targets", targets, integer=True)
     keep = targets != ignore_index
-    head = LinearHead(weight, bias, temperature, softcap, logit_scale)
     flat_hidden, flat_targets, kept = _linear_inputs(head, hidden, targets, keep)
     if impl == "reference":
         logits = head.logits(hidden.reshape(-1, hidden.shape[-1]))  # (N, V)
@@ -289,9 +290,9 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
                                        label_smoothing=label_smoothing)
         return loss.reshape(targets.shape) if reduction == "none" else loss
     if reduction == "none":
-        log_probs, _, mean_log_prob = linear_token_stats(head, flat_hidden, flat_targets, need_entropy=False,
-                                                         need_mean_log_prob=label_smoothing > 0, block_sizes=sizes,
-                                                         impl=impl)
+        log_probs, _, mean_log_prob = linear_token_stats(flat_hidden, targets=flat_targets, head=head,
+                                                         need_entropy=False, need_mean_log_prob=label_smoothing > 0,
+                                                         block_sizes=sizes, impl=impl)
         return _scatter_rows(_cross_entropy_terms(log_probs, mean_log_prob, label_smoothing), kept, targets.shape)
     num_tokens = flat_targets.shape[0]
     scale = 1.0 / num_tokens if reduction == "mean" and num_tokens else 1.0
@@ -313,44 +314,45 @@ def _cross_entropy_terms(log_probs, mean_log_prob, label_smoothing: float):
     return -(1.0 - label_smoothing) * log_probs - label_smoothing * mean_log_prob
 
 
-def fused_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.Tensor,
-                    completion_mask: torch.Tensor, advantages: torch.Tensor, *, bias: torch.Tensor | None = None,
-                    old_logprobs: torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None,
-                    settings: GRPOSettings | None = None, num_items_in_batch: float | None = None,
-                    temperature: float = 1.0, softcap: float | None = None, logit_scale: float = 1.0,
-                    chunk_size: int | None = None, vocab_block_size: int | None = None,
-                    block_sizes: BlockSizes | None = None, impl: str = "auto",
-                    **options) -> tuple[torch.Tensor, dict[str, float]]:
+@checked_keywords(options=GRPO_OPTIONS, wholes={"head": HEAD_PARTS})
+def fused_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor | None = None,
+                    completion_ids: torch.Tensor | None = None, completion_mask: torch.Tensor | None = None,
+                    advantages: torch.Tensor | None = None, *, head: LinearHead | None = None,
+                    bias: torch.Tensor | None = None, temperature: float = 1.0, softcap: float | None = None,
+                    logit_scale: float = 1.0, old_log_probs: torch.Tensor | None = None,
+                    ref_log_probs: torch.Tensor | None = None, settings: GRPOSettings | None = None,
+                    num_items_in_batch: float | None = None, block_sizes: BlockSizes | None = None,
+                    impl: str = "auto", **options) -> tuple[torch.Tensor, dict[str, float]]:
     """The GRPO loss of TRL's GRPOTrainer, from hidden states (B, T, H) and the LM head, without logits.
 
-    ``completion_ids``/``completion_mask``/``old_logprobs``/``ref_logprobs`` are (B, T); ``advantages``
+    ``completion_ids``/``completion_mask``/``old_log_probs``/``ref_log_probs`` are (B, T); ``advantages``
     (B,), (B, 1) or (B, T) per token. ``settings`` (a `GRPOSettings`: loss type, beta, epsilons, ...) holds
     the loss's options; each may also be given as a keyword of its field's name (``beta=0.04``), alone or
-    agreeing with ``settings``. ``beta > 0`` adds the k3 KL to ``ref_logprobs``. ``num_items_in_batch``
-    is dapo's normalizer (default: the mask's token count). Head options, ``block_sizes`` and ``impl``
-    as in `fused_linear_logprobs`.
-    Returns (loss, metrics) with TRL's metric names: kl (when ref_logprobs is given),
+    agreeing with ``settings``. ``beta > 0`` adds the k3 KL to ``ref_log_probs``. ``num_items_in_batch``
+    is dapo's normalizer (default: the mask's token count). The head (in parts or ``head=``), ``block_sizes``
+    and ``impl`` as in `fused_linear_logprobs`.
+    Returns (loss, metrics) with TRL's metric names: kl (when ref_log_probs is given),
     clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean, entropy (means over tokens),
     clip_ratio/low_min and clip_ratio/high_max (extremes over sequences of their clipped fractions).
     """
-    check_choice("impl", impl, IMPLS)
-    sizes = BlockSizes.of(block_sizes, chunk_size, vocab_block_size)
+    head = op_head(head, weight, bias, temperature, softcap, logit_scale)
+    check_impl(impl)
+    sizes = BlockSizes.of(block_sizes)
     check_tensor("hidden", hidden, ndim=3, floating=True)
     settings = GRPOSettings.of(settings, options)
-    batch = check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs, ref_logprobs, settings,
+    batch = check_grpo_inputs(completion_ids, completion_mask, advantages, old_log_probs, ref_log_probs, settings,
                               num_items_in_batch)
-    head = LinearHead(weight, bias, temperature, softcap, logit_scale)
     flat_hidden, flat_ids, _ = _linear_inputs(head, hidden, completion_ids, batch.keep, targets_name="completion_ids")
     if impl == "reference":
-        return reference.grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, bias=bias,
-                                   old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, settings=settings,
-                                   num_items_in_batch=num_items_in_batch, temperature=temperature, softcap=softcap,
-                                   logit_scale=logit_scale)
+        return reference.grpo_loss(hidden, completion_ids=completion_ids, completion_mask=completion_mask,
+                                   advantages=advantages, head=head,
+                                   old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, settings=settings,
+                                   num_items_in_batch=num_items_in_batch)
 
     def token_loss(rows, log_probs, _entropy, _mean_log_prob):
         return grpo_token_loss(log_probs, batch, rows)
 
     loss, log_probs, entropy = linear_loss(head, flat_hidden, flat_ids, token_loss, need_entropy=True,
                                            block_sizes=sizes, impl=impl,
-                                           loss_inputs=(advantages, old_logprobs, ref_logprobs))  # (K,) stats
-    return loss, grpo_metrics(log_probs, entropy, batch, has_kl=ref_logprobs is not None)
+                                           loss_inputs=(advantages, old_log_probs, ref_log_probs))  # (K,) stats
+    return loss, grpo_metrics(log_probs, entropy, batch, has_kl=ref_log_probs is not None)

@@ -1,7 +1,8 @@
 """The GRPO objective on per-token log-probs, normalized the way TRL's GRPOTrainer does it.
 
-Shared by `fused_grpo_loss` and the materialized oracle in `reference.py`: both hand `grpo_token_loss`
-and `grpo_metrics` the kept tokens' log-probs and entropies, and differ only in how they computed them. Per token (TRL 1.x, ``importance_sampling_level="token"``):
+`fused_grpo_loss` hands `grpo_token_loss` and `grpo_metrics` the kept tokens' log-probs and entropies (its
+oracle, `reference.grpo_loss`, is TRL's code transcribed apart, on (B, T) tensors). Per token (TRL 1.x,
+``importance_sampling_level="token"``):
 
     r      = exp(logp - old_logp)                     (old_logp = logp.detach() when not given)
     loss   = -min(min(r, delta) * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
@@ -100,8 +101,8 @@ def _per_token(advantages: torch.Tensor, length: int) -> torch.Tensor:
     return (advantages[:, None] if advantages.dim() == 1 else advantages).expand(advantages.shape[0], length)
 
 
-def check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs, ref_logprobs, settings: GRPOSettings,
-                      num_items_in_batch) -> GRPOBatch:
+def check_grpo_inputs(completion_ids, completion_mask, advantages, old_log_probs, ref_log_probs,
+                      settings: GRPOSettings, num_items_in_batch) -> GRPOBatch:
     check_tensor("completion_ids", completion_ids, ndim=2, integer=True)
     keep = check_mask("completion_mask", completion_mask, "completion_ids", completion_ids)
     check_tensor("advantages", advantages, ndim=(1, 2), floating=True)
@@ -114,18 +115,18 @@ def check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs,
         return values.reshape(-1)[kept]
 
     per_token = {}
-    for name, value in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
+    for name, value in (("old_log_probs", old_log_probs), ("ref_log_probs", ref_log_probs)):
         if value is not None:
             check_tensor(name, value, floating=True)
             check_same_shape(name, value, "completion_ids", completion_ids)
             per_token[name] = per_kept_token(value)
             if bool(torch.isnan(per_token[name]).any() | torch.isposinf(per_token[name]).any()):
                 raise ValueError(f"{name}: NaN or +inf at a token of completion_mask (log-probabilities are <= 0)")
-    check_grpo_options(settings, ref_logprobs is not None, num_items_in_batch)
+    check_grpo_options(settings, ref_log_probs is not None, num_items_in_batch, ref_name="ref_log_probs")
     weights = token_weights(keep, settings, num_items_in_batch)
     return GRPOBatch(keep, kept, torch.div(kept, length, rounding_mode="floor"),
                      per_kept_token(_per_token(advantages.float(), length)),
-                     per_token.get("old_logprobs"), per_token.get("ref_logprobs"),
+                     per_token.get("old_log_probs"), per_token.get("ref_log_probs"),
                      per_kept_token(weights.to(completion_ids.device)), settings)
 
 

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from logitless._checks import check_choice, check_finite_number, check_positive_int
+from logitless._keywords import unknown_keyword
 
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 IMPORTANCE_SAMPLING_LEVELS = ("token",)  # TRL's "sequence" (GSPO) ratios are not computed by these ops
@@ -24,7 +25,7 @@ class GRPOSettings:
     * ``loss_type``: how per-token losses are normalized: "grpo" (mean over sequences of each sequence's
       token mean), "bnpo" (mean over the batch's tokens), "dr_grpo" (sum / (B * max_completion_length)),
       "dapo" (sum / num_items_in_batch).
-    * ``beta``: weight of the k3 KL to the reference policy (>= 0; > 0 needs ``ref_logprobs``).
+    * ``beta``: weight of the k3 KL to the reference policy (>= 0; > 0 needs ``ref_log_probs``).
     * ``epsilon_low``, ``epsilon_high``: the ratio is clipped to [1 - epsilon_low, 1 + epsilon_high].
     * ``delta``: upper cap of the unclipped ratio (TRL's two-sided clipping), or None for no cap.
     * ``use_bias_correction_kl``: multiply the KL by the importance ratio.
@@ -93,7 +94,7 @@ class GRPOSettings:
         fields = {field.name for field in dataclasses.fields(cls)}
         for name in options:
             if name not in fields:
-                raise TypeError(f"{name}: not an option of the GRPO loss; the options are {sorted(fields)}")
+                raise unknown_keyword("GRPOSettings", name, fields)
         if settings is None:
             return cls(**options)
         if not isinstance(settings, GRPOSettings):
@@ -103,3 +104,6 @@ class GRPOSettings:
                 raise ValueError(f"{name}: {value!r} disagrees with settings.{name} = {getattr(settings, name)!r}; "
                                  f"give it once")
         return settings
+
+
+GRPO_OPTIONS = tuple(field.name for field in dataclasses.fields(GRPOSettings))  # what a GRPO op's **options may hold

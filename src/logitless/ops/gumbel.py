@@ -70,6 +70,21 @@ def perturbed_topk(logits: torch.Tensor, noise: torch.Tensor, k: int) -> torch.T
         return (logits.detach() + noise).topk(k, dim=-1, sorted=True).indices
 
 
+def perturbed_topk_and_tail_mass(logits: torch.Tensor, noise: torch.Tensor, k: int,
+                                 tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices (B, k) of the k largest ``logits + noise``, largest first; the relaxed sample's mass outside them
+    (B,), ``1 - sum_kept softmax((z + g) / tau)``), without gradient. ``logits`` (B, V), a buffer of their own
+    that nothing reads again, are consumed: the sample's normalizer is summed in place over them, in the pass
+    that finds the k largest (no (B, V) softmax, no copy of the perturbed logits)."""
+    with torch.no_grad():
+        perturbed = logits.add_(noise)  # (B, V): z + g
+        top = perturbed.topk(k, dim=-1, sorted=True)
+        largest = top.values[:, :1]  # (B, 1)
+        total = perturbed.sub_(largest).div_(tau).exp_().sum(dim=-1)  # (B,): sum over V of exp((z + g - max) / tau)
+        kept = top.values.sub(largest).div_(tau).exp_().sum(dim=-1)  # (B,): the same over the k kept
+        return top.indices, (1.0 - kept / total).clamp_(min=0.0)
+
+
 def check_topk(k, vocab_size: int, name: str = "k") -> int:
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab_size:
         raise ValueError(f"{name}: expected an int in [1, {vocab_size}] (the vocabulary size), got {k!r}")

@@ -1,18 +1,20 @@
 """LinearHead: the one definition of an LM head's logits, shared by every op.
 
-    logits = cap(scale * (hidden @ weight.T + bias)) / temperature        (fp32)
+    logits = cap(logit_scale * (hidden @ weight.T + bias)) / temperature        (fp32)
 
 ``cap(x) = softcap * tanh(x / softcap)`` is the soft cap of Gemma 2/3n, nanochat and Mistral Large 4
-(the identity without a softcap); ``scale`` is a model's logit multiplier (Cohere's ``logit_scale``,
+(the identity without a softcap); ``logit_scale`` is a model's logit multiplier (Cohere's ``logit_scale``,
 Granite's ``1 / logits_scaling``); ``temperature`` divides the logits exactly as in sampling, in the
 policy, old, reference and reward paths alike. The block engine, the materialized oracles,
 `CompletionLogits` and the multiple-choice judge all compute logits through `LinearHead.logits`;
-the engine's accumulators send gradients back through `logit_factor` and `softcap_slope_`.
+the engine's accumulators send gradients back through `logit_factor` and `softcap_slope_`. Every public op
+takes a head whole (``head=LinearHead(...)``) or in parts (``weight, bias=, temperature=, softcap=,
+logit_scale=``); `op_head` turns either into the one the op reads.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 import torch
 
@@ -48,13 +50,15 @@ def matmul_stat(left: torch.Tensor, right: torch.Tensor, *, add_to: torch.Tensor
 
 @dataclass(frozen=True, eq=False)
 class LinearHead:
-    """An LM head: ``weight`` (V, H), optional ``bias`` (V,), and how its output becomes logits."""
+    """An LM head: ``weight`` (V, H), optional ``bias`` (V,), and how its output becomes logits (the fields after
+    ``weight`` are keyword-only)."""
 
     weight: torch.Tensor
+    _: KW_ONLY
     bias: torch.Tensor | None = None
     temperature: float = 1.0
     softcap: float | None = None
-    scale: float = 1.0
+    logit_scale: float = 1.0
 
     def __post_init__(self):
         check_tensor("weight", self.weight, ndim=2, floating=True)
@@ -67,7 +71,7 @@ class LinearHead:
                 raise ValueError("bias: contains NaN or +inf (only -inf, for vocabulary rows that can never be "
                                  "sampled, is allowed)")
         object.__setattr__(self, "temperature", check_positive_finite("temperature", self.temperature))
-        object.__setattr__(self, "scale", check_positive_finite("logit_scale", self.scale))
+        object.__setattr__(self, "logit_scale", check_positive_finite("logit_scale", self.logit_scale))
         if self.softcap is not None:
             object.__setattr__(self, "softcap", check_positive_finite("softcap", self.softcap))
 
@@ -116,8 +120,8 @@ class LinearHead:
 
     def finish_(self, raw: torch.Tensor) -> torch.Tensor:
         """``hidden @ weight.T + bias`` (already in stat_dtype) -> logits, in place where autograd allows."""
-        if self.scale != 1.0:
-            raw.mul_(self.scale)
+        if self.logit_scale != 1.0:
+            raw.mul_(self.logit_scale)
         if self.softcap is not None:
             if raw.requires_grad:  # the oracles differentiate through here; tanh keeps its output for backward
                 raw = torch.tanh(raw / self.softcap) * self.softcap
@@ -129,8 +133,8 @@ class LinearHead:
 
     @property
     def logit_factor(self) -> float:
-        """d logits / d (hidden @ weight.T + bias) without a soft cap: ``scale / temperature``."""
-        return self.scale / self.temperature
+        """d logits / d (hidden @ weight.T + bias) without a soft cap: ``logit_scale / temperature``."""
+        return self.logit_scale / self.temperature
 
     def softcap_slope_(self, grad: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """In place: multiply a logits gradient by the soft cap's slope ``1 - tanh^2 = 1 - (logits * T / c)^2``.
@@ -141,3 +145,24 @@ class LinearHead:
         if self.softcap is not None:
             grad.mul_(logits.mul_(self.temperature / self.softcap).square_().neg_().add_(1.0))
         return grad
+
+
+def op_head(head: LinearHead | None, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
+            temperature: float = 1.0, softcap: float | None = None, logit_scale: float = 1.0, *,
+            side: str = "") -> LinearHead:
+    """The head a public op reads: ``head`` (a `LinearHead`) when given, else one made of its parts. ``side`` is the
+    suffix of the op's argument names for an op that reads two heads (``"_p"`` for ``weight_p``, ``head_p``...), and
+    errors name the arguments with it. (`logitless._keywords.checked_keywords` refuses a head given both ways.)"""
+    if head is not None:
+        if not isinstance(head, LinearHead):
+            raise TypeError(f"head{side}: expected a LinearHead, got {type(head).__name__}")
+        return head
+    if weight is None:
+        raise TypeError(f"weight{side}: required (or the whole head as head{side}=LinearHead(...))")
+    try:
+        return LinearHead(weight, bias=bias, temperature=temperature, softcap=softcap, logit_scale=logit_scale)
+    except (TypeError, ValueError) as err:
+        field, _, rest = str(err).partition(": ")
+        if side and field in ("weight", "bias"):
+            raise type(err)(f"{field}{side}: {rest}") from None
+        raise

@@ -36,21 +36,35 @@ class InputGrads:
             return None
         return torch.zeros(chunk_hidden.shape, dtype=stat_dtype(chunk_hidden.dtype), device=chunk_hidden.device)
 
+    def add_weight_block(self, columns: slice, block_grad: torch.Tensor, chunk_hidden: torch.Tensor) -> None:
+        """One block's logits gradient (n, c) into dW[columns] (rows no other block writes)."""
+        if self.weight is None:
+            return
+        weight_rows = self.weight[columns]  # (c, H)
+        if not self.first_chunk:
+            matmul_stat(block_grad.T, chunk_hidden, add_to=weight_rows)
+        elif weight_rows.dtype == block_grad.dtype:
+            torch.mm(block_grad.T, chunk_hidden, out=weight_rows)
+        else:
+            weight_rows.copy_(matmul_stat(block_grad.T, chunk_hidden))  # one rounding to the weight's dtype
+
     def add_block(self, columns: slice, block_grad: torch.Tensor, chunk_hidden: torch.Tensor,
                   hidden_sum: torch.Tensor | None, weight_block: torch.Tensor) -> None:
         """One block's logits gradient (n, c) into dW[columns], db[columns] and the chunk's dh sum (n, H)."""
-        if self.weight is not None:
-            weight_rows = self.weight[columns]  # (c, H)
-            if not self.first_chunk:
-                matmul_stat(block_grad.T, chunk_hidden, add_to=weight_rows)
-            elif weight_rows.dtype == block_grad.dtype:
-                torch.mm(block_grad.T, chunk_hidden, out=weight_rows)
-            else:
-                weight_rows.copy_(matmul_stat(block_grad.T, chunk_hidden))  # one rounding to the weight's dtype
+        self.add_weight_block(columns, block_grad, chunk_hidden)
         if hidden_sum is not None:
             matmul_stat(block_grad, weight_block, add_to=hidden_sum)  # (n, H)
         if self.bias is not None:
             self.bias[columns] += block_grad.sum(dim=0)
+
+    def add_chunk(self, rows: slice, chunk_grad: torch.Tensor, weight: torch.Tensor) -> None:
+        """A whole row chunk's logits gradient (n, V), every block's dW rows added already: its dh (n, H), one
+        matmul, and its db."""
+        if self.needs_hidden:
+            self.hidden[rows] = matmul_stat(chunk_grad, weight)
+        if self.bias is not None:
+            self.bias += chunk_grad.sum(dim=0)
+        self.first_chunk = False
 
     def finish_chunk(self, rows: slice, hidden_sum: torch.Tensor | None) -> None:
         if hidden_sum is not None:

@@ -24,16 +24,16 @@ from typing import NamedTuple
 
 import torch
 
-from logitless._checks import check_choice
+from logitless._keywords import HEAD_PARTS, check_impl, checked_keywords
 from logitless.ops import jsd_blocks, reference
-from logitless.ops.backend import IMPLS, chunk_kernels
+from logitless.ops.backend import chunk_kernels
 from logitless.ops.blocks import BlockPlan, BlockSizes, plan_blocks
 from logitless.ops.engine import NewAccumulator, NextSweep, refuse_second_derivative, two_pass_grads, two_pass_stats
 from logitless.ops.head import LinearHead, stat_dtype
 from logitless.ops.jsd_blocks import JSDStats, MixtureSums, jsd_stats
 from logitless.ops.kl_blocks import KLStats, KLSums, kl_stats
 from logitless.ops.scratch import Scratch
-from logitless.ops.two_heads import check_same_vocabulary, check_side, fixed_head, kept_rows, scatter_kept, side_head
+from logitless.ops.two_heads import check_same_vocabulary, check_side, fixed_head, kept_rows, op_heads, scatter_kept
 
 
 class JSDGrads(NamedTuple):
@@ -142,19 +142,10 @@ def _check_beta(beta) -> float:
     return float(beta)
 
 
-def heads_jsd(hidden_s: torch.Tensor, head_s: LinearHead, hidden_t: torch.Tensor, head_t: LinearHead, *,
-              beta: float = 0.5, chunk_size: int | None = None, vocab_block_size: int | None = None,
-              block_sizes: BlockSizes | None = None, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """(divergence, the student's entropy), (N,) each, of flat hidden_s (N, H_s) and hidden_t (N, H_t) under two
-    `LinearHead`s (each with its own bias, logit scale, soft cap and temperature: TRL's DistillationTrainer gives
-    each model its own logit scale and soft cap). ``beta`` as in `fused_linear_jsd`. The divergence is
-    differentiable with respect to the student's hidden states, weight and bias; the entropy is not.
-
-    ``impl``: "reference" materializes the logits, "chunked" runs the PyTorch blocks, "triton" the Triton
-    kernels, "auto" picks as for the other fused ops (`backend.py`)."""
-    beta = _check_beta(beta)
-    check_choice("impl", impl, IMPLS)
-    sizes = BlockSizes.of(block_sizes, chunk_size, vocab_block_size)
+def _heads_jsd(hidden_s: torch.Tensor, head_s: LinearHead, hidden_t: torch.Tensor, head_t: LinearHead, beta: float,
+               block_sizes: BlockSizes, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(divergence (N,), the student's entropy (N,)) of flat hidden_s (N, H_s) and hidden_t (N, H_t) under two
+    `LinearHead`s; the divergence is differentiable on the student's side, the entropy is not."""
     check_same_vocabulary(head_s, head_t, ("s", "t"))
     fixed_t = fixed_head(head_t)
     if impl == "reference":
@@ -162,38 +153,43 @@ def heads_jsd(hidden_s: torch.Tensor, head_s: LinearHead, hidden_t: torch.Tensor
         log_p_t = torch.log_softmax(fixed_t.logits(hidden_t.detach()), dim=-1)
         return reference.generalized_jsd(log_p_s, log_p_t, beta), reference.entropy_from_log_probs(log_p_s).detach()
     kernels = chunk_kernels(hidden_s.device, stat_dtype(hidden_s.dtype), impl, pytorch=jsd_blocks)
-    plan = plan_blocks(hidden_s.shape[0], head_s, hidden_s.device, sizes)
+    plan = plan_blocks(hidden_s.shape[0], head_s, hidden_s.device, block_sizes)
     return LinearJSD.apply(hidden_s, head_s.weight, head_s.bias, hidden_t.detach(), head_s, fixed_t, beta, plan,
                            kernels)
 
 
-def fused_linear_jsd(hidden_s: torch.Tensor, weight_s: torch.Tensor, hidden_t: torch.Tensor, weight_t: torch.Tensor,
-                     *, beta: float = 0.5, bias_s: torch.Tensor | None = None, bias_t: torch.Tensor | None = None,
-                     temperature: float = 1.0, mask: torch.Tensor | None = None, chunk_size: int | None = None,
-                     vocab_block_size: int | None = None, softcap: float | None = None, logit_scale: float = 1.0,
-                     block_sizes: BlockSizes | None = None, impl: str = "auto", return_entropy: bool = False):
+@checked_keywords(wholes={"head_s": ("weight_s", "bias_s", *HEAD_PARTS[2:]),
+                          "head_t": ("weight_t", "bias_t", *HEAD_PARTS[2:])})
+def fused_linear_jsd(hidden_s: torch.Tensor, weight_s: torch.Tensor | None = None, hidden_t: torch.Tensor | None = None,
+                     weight_t: torch.Tensor | None = None, *, head_s: LinearHead | None = None,
+                     head_t: LinearHead | None = None, beta: float = 0.5, bias_s: torch.Tensor | None = None,
+                     bias_t: torch.Tensor | None = None, temperature: float = 1.0, softcap: float | None = None,
+                     logit_scale: float = 1.0, mask: torch.Tensor | None = None, return_token_entropy: bool = False,
+                     block_sizes: BlockSizes | None = None, impl: str = "auto"):
     """Per-token generalized JSD of a student's LM head from a teacher's over the full vocabulary, without (N, V)
     logits.
 
     hidden_s (..., H_s) with weight_s (V, H_s); hidden_t (..., H_t) with weight_t (V, H_t): the same leading
     dims and vocabulary, hidden sizes may differ. ``beta`` in [0, 1] picks the divergence as TRL's
     DistillationTrainer does: 0 the forward KL(p_t || p_s), 1 the reverse KL(p_s || p_t), otherwise
-    ``beta KL(p_t || m) + (1 - beta) KL(p_s || m)`` with the mixture ``m = (1 - beta) p_s + beta p_t``. Both
-    logits are ``cap(logit_scale * (hidden @ weight.T + bias)) / temperature`` with the same ``softcap``,
-    ``logit_scale`` and ``temperature``, as in `fused_linear_kl` (`heads_jsd` takes two heads that differ).
-    Returns the divergence with hidden's leading dims, fp32 (fp64 for fp64 input), and with ``return_entropy``
-    also the student's entropy (without gradient): ``(divergence, entropy)``. Tokens where ``mask`` is 0 are
-    skipped and get 0. Differentiable with respect to hidden_s, weight_s and bias_s; the teacher is a fixed
-    target and gets no gradient. ``block_sizes`` (or ``chunk_size`` and ``vocab_block_size``) and ``impl``
-    ("auto" | "reference" | "chunked" | "triton") as in `fused_linear_logprobs`.
+    ``beta KL(p_t || m) + (1 - beta) KL(p_s || m)`` with the mixture ``m = (1 - beta) p_s + beta p_t``. The heads
+    are given in parts (both logits ``cap(logit_scale * (hidden @ weight.T + bias)) / temperature`` with the same
+    ``softcap``, ``logit_scale`` and ``temperature``) or whole (``head_s=``, ``head_t=``, each with its own, as
+    TRL gives each model its own logit scale and soft cap), as in `fused_linear_kl`. Returns the divergence with
+    hidden's leading dims, fp32 (fp64 for fp64 input), and with ``return_token_entropy`` also the student's
+    entropy (without gradient): ``(divergence, entropy)``. Tokens where ``mask`` is 0 are skipped and get 0.
+    Differentiable with respect to hidden_s and the student's weight and bias; the teacher is a fixed target and
+    gets no gradient. ``block_sizes`` and ``impl`` ("auto" | "reference" | "chunked" | "triton") as in
+    `fused_linear_logprobs`.
     """
+    head_s, head_t = op_heads(("s", "t"), (head_s, head_t), (weight_s, weight_t), (bias_s, bias_t), temperature,
+                              softcap, logit_scale)
     beta = _check_beta(beta)
-    check_side("s", hidden_s, weight_s, bias_s)
-    check_side("t", hidden_t, weight_t, bias_t)
+    check_impl(impl)
+    sizes = BlockSizes.of(block_sizes)
+    check_side("s", hidden_s, head_s)
+    check_side("t", hidden_t, head_t)
     flat_s, flat_t, kept = kept_rows(hidden_s, hidden_t, mask, ("s", "t"))
-    head_s, head_t = (side_head(side, weight, bias, temperature, softcap, logit_scale)
-                      for side, weight, bias in (("s", weight_s, bias_s), ("t", weight_t, bias_t)))
-    divergence, entropy = heads_jsd(flat_s, head_s, flat_t, head_t, beta=beta, chunk_size=chunk_size,
-                                    vocab_block_size=vocab_block_size, block_sizes=block_sizes, impl=impl)
+    divergence, entropy = _heads_jsd(flat_s, head_s, flat_t, head_t, beta, sizes, impl)
     divergence = scatter_kept(divergence, kept, hidden_s.shape[:-1])
-    return (divergence, scatter_kept(entropy, kept, hidden_s.shape[:-1])) if return_entropy else divergence
+    return (divergence, scatter_kept(entropy, kept, hidden_s.shape[:-1])) if return_token_entropy else divergence

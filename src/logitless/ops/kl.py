@@ -25,15 +25,15 @@ from typing import NamedTuple
 
 import torch
 
-from logitless._checks import check_choice
+from logitless._keywords import HEAD_PARTS, check_impl, checked_keywords
 from logitless.ops import kl_blocks, reference
-from logitless.ops.backend import IMPLS, chunk_kernels
+from logitless.ops.backend import chunk_kernels
 from logitless.ops.blocks import BlockPlan, BlockSizes, plan_blocks
 from logitless.ops.engine import NewAccumulator, refuse_second_derivative, two_pass_grads, two_pass_stats
 from logitless.ops.head import LinearHead, stat_dtype
 from logitless.ops.kl_blocks import KLStats, KLSums, kl_stats
 from logitless.ops.scratch import Scratch
-from logitless.ops.two_heads import check_same_vocabulary, check_side, fixed_head, kept_rows, scatter_kept, side_head
+from logitless.ops.two_heads import check_same_vocabulary, check_side, fixed_head, kept_rows, op_heads, scatter_kept
 
 
 class KLGrads(NamedTuple):
@@ -93,48 +93,44 @@ class LinearKL(torch.autograd.Function):
         return (*grads, None, None, None, None, None)
 
 
-def heads_kl(hidden_p: torch.Tensor, head_p: LinearHead, hidden_q: torch.Tensor, head_q: LinearHead, *,
-             chunk_size: int | None = None, vocab_block_size: int | None = None,
-             block_sizes: BlockSizes | None = None, impl: str = "auto") -> torch.Tensor:
-    """KL(p || q) per token of flat hidden_p (N, H_p) and hidden_q (N, H_q) under two `LinearHead`s (each with its
-    own bias, logit scale, soft cap and temperature: e.g. `logitless.hf.lm_head_of` of two models).
-
-    ``impl``: "reference" materializes the logits, "chunked" runs the PyTorch blocks, "triton" the Triton
-    kernels, "auto" picks as for the other fused ops (`backend.py`)."""
-    check_choice("impl", impl, IMPLS)
-    sizes = BlockSizes.of(block_sizes, chunk_size, vocab_block_size)
+def _heads_kl(hidden_p: torch.Tensor, head_p: LinearHead, hidden_q: torch.Tensor, head_q: LinearHead,
+              block_sizes: BlockSizes, impl: str) -> torch.Tensor:
+    """KL(p || q) per token of flat hidden_p (N, H_p) and hidden_q (N, H_q) under two `LinearHead`s."""
     check_same_vocabulary(head_p, head_q, ("p", "q"))
     fixed_q = fixed_head(head_q)
     if impl == "reference":
         return reference.kl_from_log_probs(torch.log_softmax(head_p.logits(hidden_p), dim=-1),
                                            torch.log_softmax(fixed_q.logits(hidden_q.detach()), dim=-1))
     kernels = chunk_kernels(hidden_p.device, stat_dtype(hidden_p.dtype), impl, pytorch=kl_blocks)
-    plan = plan_blocks(hidden_p.shape[0], head_p, hidden_p.device, sizes)
+    plan = plan_blocks(hidden_p.shape[0], head_p, hidden_p.device, block_sizes)
     return LinearKL.apply(hidden_p, head_p.weight, head_p.bias, hidden_q.detach(), head_p, fixed_q, plan, kernels)
 
 
-def fused_linear_kl(hidden_p: torch.Tensor, weight_p: torch.Tensor, hidden_q: torch.Tensor, weight_q: torch.Tensor, *,
-                    bias_p: torch.Tensor | None = None, bias_q: torch.Tensor | None = None, temperature: float = 1.0,
-                    mask: torch.Tensor | None = None, chunk_size: int | None = None,
-                    vocab_block_size: int | None = None, softcap: float | None = None, logit_scale: float = 1.0,
-                    block_sizes: BlockSizes | None = None, impl: str = "auto") -> torch.Tensor:
+@checked_keywords(wholes={"head_p": ("weight_p", "bias_p", *HEAD_PARTS[2:]),
+                          "head_q": ("weight_q", "bias_q", *HEAD_PARTS[2:])})
+def fused_linear_kl(hidden_p: torch.Tensor, weight_p: torch.Tensor | None = None, hidden_q: torch.Tensor | None = None,
+                    weight_q: torch.Tensor | None = None, *, head_p: LinearHead | None = None,
+                    head_q: LinearHead | None = None, bias_p: torch.Tensor | None = None,
+                    bias_q: torch.Tensor | None = None, temperature: float = 1.0, softcap: float | None = None,
+                    logit_scale: float = 1.0, mask: torch.Tensor | None = None, block_sizes: BlockSizes | None = None,
+                    impl: str = "auto") -> torch.Tensor:
     """Per-token KL(p || q) of two LM heads over the full vocabulary, without (N, V) logits.
 
     hidden_p (..., H_p) with weight_p (V, H_p); hidden_q (..., H_q) with weight_q (V, H_q): the same
-    leading dims and vocabulary, hidden sizes may differ (a teacher and a student). Both logits are
-    made ``cap(logit_scale * (hidden @ weight.T + bias)) / temperature`` by the same ``softcap``,
-    ``logit_scale`` and ``temperature``, as in `fused_linear_logprobs`. Returns the KL with hidden's leading
-    dims, fp32 (fp64 for fp64 input); tokens where ``mask`` is 0 are skipped and get 0. Differentiable with
-    respect to hidden_p, weight_p and bias_p; the q side is a fixed target and gets no gradient.
-    ``block_sizes`` (or ``chunk_size`` and ``vocab_block_size``) and ``impl`` ("auto" | "reference" |
-    "chunked" | "triton") as in `fused_linear_logprobs`. For heads that differ in
-    their logit scale, soft cap or temperature, use `heads_kl`.
+    leading dims and vocabulary, hidden sizes may differ (a teacher and a student). Given in parts, both logits
+    are made ``cap(logit_scale * (hidden @ weight.T + bias)) / temperature`` by the same ``softcap``,
+    ``logit_scale`` and ``temperature``, as in `fused_linear_logprobs`; given whole (``head_p=``, ``head_q=``:
+    two `LinearHead`s, e.g. `logitless.hf.lm_head_of` of two models), each head has its own. Returns the KL with
+    hidden's leading dims, fp32 (fp64 for fp64 input); tokens where ``mask`` is 0 are skipped and get 0.
+    Differentiable with respect to hidden_p and p's weight and bias; the q side is a fixed target and gets no
+    gradient. ``block_sizes`` and ``impl`` ("auto" | "reference" | "chunked" | "triton") as in
+    `fused_linear_logprobs`.
     """
-    check_side("p", hidden_p, weight_p, bias_p)
-    check_side("q", hidden_q, weight_q, bias_q)
+    head_p, head_q = op_heads(("p", "q"), (head_p, head_q), (weight_p, weight_q), (bias_p, bias_q), temperature,
+                              softcap, logit_scale)
+    check_impl(impl)
+    sizes = BlockSizes.of(block_sizes)
+    check_side("p", hidden_p, head_p)
+    check_side("q", hidden_q, head_q)
     flat_p, flat_q, kept = kept_rows(hidden_p, hidden_q, mask, ("p", "q"))
-    head_p, head_q = (side_head(side, weight, bias, temperature, softcap, logit_scale)
-                      for side, weight, bias in (("p", weight_p, bias_p), ("q", weight_q, bias_q)))
-    kl = heads_kl(flat_p, head_p, flat_q, head_q, chunk_size=chunk_size, vocab_block_size=vocab_block_size,
-                  block_sizes=block_sizes, impl=impl)
-    return scatter_kept(kl, kept, hidden_p.shape[:-1])
+    return scatter_kept(_heads_kl(flat_p, head_p, flat_q, head_q, sizes, impl), kept, hidden_p.shape[:-1])

@@ -1,9 +1,12 @@
 """Materialized oracles: build the full logits and do the obvious thing.
 
-Small and obviously right on purpose. Every fused op is tested against these, and
-`get_response_log_probs(..., impl="materialized")` is built on them. All statistics are
-computed in fp32 whatever the input dtype, and -inf logits are exact:
-their probability is 0 and ``0 * log 0 = 0`` in the entropy and in its gradient.
+Small and obviously right on purpose, and written out from the formulas, sharing no code with the fused
+ops: `head_logits` computes a head's logits from its fields (not through `LinearHead.logits`), and
+`grpo_loss` is TRL's ``GRPOTrainer._compute_loss`` transcribed on (B, T, V) logits (not the op's
+normalization or metrics code). Every fused op is tested against these, and ``impl="reference"`` of the
+ops and of `get_response_log_probs` is built on them. All statistics are computed in fp32 (fp64 for fp64
+inputs) whatever the input dtype, and -inf logits are exact: their probability is 0 and ``0 * log 0 = 0``
+in the entropy and in its gradient.
 """
 
 from __future__ import annotations
@@ -13,9 +16,8 @@ import torch.nn.functional as F
 
 from logitless._checks import check_positive_finite
 from logitless._tensor_checks import check_tensor
-from logitless.ops.grpo import check_grpo_inputs, grpo_metrics, grpo_token_loss
 from logitless.ops.grpo_settings import GRPOSettings
-from logitless.ops.head import LinearHead, stat_dtype
+from logitless.ops.head import LinearHead, op_head, stat_dtype
 
 
 def entropy_from_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
@@ -69,28 +71,43 @@ def compute_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                         return_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         return_token_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / temperature)[target] and optionally the entropy; (..., V) -> (...)."""
     check_positive_finite("temperature", temperature)
     scaled = logits.to(stat_dtype(logits.dtype)) / temperature  # (..., V)
     log_probs_all = F.log_softmax(scaled, dim=-1)
     log_probs = log_probs_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
-    return log_probs, entropy_from_log_probs(log_probs_all) if return_entropy else None
+    return log_probs, entropy_from_log_probs(log_probs_all) if return_token_entropy else None
 
 
-def linear_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  softcap: float | None = None, temperature: float = 1.0, logit_scale: float = 1.0) -> torch.Tensor:
-    """The [..., V] logits of an LM head in fp32, by `LinearHead.logits` (the one definition)."""
-    head = LinearHead(weight, bias, temperature, softcap, logit_scale)
-    return head.logits(hidden.reshape(-1, hidden.shape[-1])).reshape(*hidden.shape[:-1], head.vocab_size)
+def head_logits(hidden: torch.Tensor, head: LinearHead) -> torch.Tensor:
+    """(..., H) -> (..., V): ``cap(logit_scale * (hidden @ weight.T + bias)) / temperature`` from the head's
+    fields, in fp32 (fp64 for fp64 inputs), ``cap(x) = softcap * tanh(x / softcap)``."""
+    dtype = stat_dtype(hidden.dtype)
+    raw = hidden.to(dtype) @ head.weight.to(dtype).T  # (..., V)
+    if head.bias is not None:
+        raw = raw + head.bias.to(dtype)
+    raw = raw * head.logit_scale
+    if head.softcap is not None:
+        raw = head.softcap * torch.tanh(raw / head.softcap)
+    return raw / head.temperature
 
 
-def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                    bias: torch.Tensor | None = None, temperature: float = 1.0, return_entropy: bool = False,
-                    softcap: float | None = None, logit_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Oracle for `fused_linear_logprobs`: materializes the (..., V) logits."""
-    logits = linear_logits(hidden, weight, bias, softcap, temperature, logit_scale)
-    return logprobs_from_logits(logits, targets, return_entropy=return_entropy)
+def linear_logits(hidden: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
+                  head: LinearHead | None = None, temperature: float = 1.0, softcap: float | None = None,
+                  logit_scale: float = 1.0) -> torch.Tensor:
+    """The (..., V) logits of an LM head given in parts or whole, as the ops take it."""
+    return head_logits(hidden, op_head(head, weight, bias, temperature, softcap, logit_scale))
+
+
+def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor | None = None, targets: torch.Tensor | None = None, *,
+                    head: LinearHead | None = None, bias: torch.Tensor | None = None, temperature: float = 1.0,
+                    softcap: float | None = None, logit_scale: float = 1.0,
+                    return_token_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Oracle for `fused_linear_logprobs`: materializes the (..., V) logits. Returns (log_probs, entropy or None)."""
+    logits = linear_logits(hidden, weight, bias, head=head, temperature=temperature, softcap=softcap,
+                           logit_scale=logit_scale)
+    return logprobs_from_logits(logits, targets, return_token_entropy=return_token_entropy)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
@@ -101,17 +118,87 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: 
                            label_smoothing=label_smoothing)
 
 
-def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
-              advantages: torch.Tensor, *, bias: torch.Tensor | None = None, old_logprobs=None, ref_logprobs=None,
-              settings: GRPOSettings | None = None, num_items_in_batch: float | None = None, temperature: float = 1.0,
-              softcap: float | None = None, logit_scale: float = 1.0,
-              **options) -> tuple[torch.Tensor, dict[str, float]]:
-    """Oracle for `fused_grpo_loss`: (B, T, V) logits -> log-probs -> TRL's GRPO loss and metrics."""
-    batch = check_grpo_inputs(completion_ids, completion_mask, advantages, old_logprobs, ref_logprobs,
-                              GRPOSettings.of(settings, options), num_items_in_batch)
-    # the (K, V) logits of the tokens completion_mask keeps (padding may hold any id, and any hidden state)
-    kept_hidden, kept_ids = hidden.reshape(-1, hidden.shape[-1])[batch.kept], completion_ids.reshape(-1)[batch.kept]
-    kept_log_probs, kept_entropy = linear_logprobs(kept_hidden, weight, kept_ids, bias=bias, temperature=temperature,
-                                                   return_entropy=True, softcap=softcap, logit_scale=logit_scale)
-    return grpo_token_loss(kept_log_probs, batch), grpo_metrics(kept_log_probs.detach(), kept_entropy.detach(), batch,
-                                                                has_kl=ref_logprobs is not None)
+def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor | None = None, completion_ids: torch.Tensor | None = None,
+              completion_mask: torch.Tensor | None = None, advantages: torch.Tensor | None = None, *,
+              head: LinearHead | None = None, bias: torch.Tensor | None = None, temperature: float = 1.0,
+              softcap: float | None = None, logit_scale: float = 1.0, old_log_probs: torch.Tensor | None = None,
+              ref_log_probs: torch.Tensor | None = None, settings: GRPOSettings | None = None,
+              num_items_in_batch: float | None = None, **options) -> tuple[torch.Tensor, dict[str, float]]:
+    """Oracle for `fused_grpo_loss` (the same arguments): TRL's ``GRPOTrainer._compute_loss`` and its metrics,
+    written out on the materialized (B, T, V) logits, for every option the op takes.
+
+    Per token, r = exp(logp - old) (old = logp without gradient when not given), the loss is
+    ``-min(min(r, delta) A, clip(r, 1 - epsilon_low, 1 + epsilon_high) A)`` plus ``beta`` times the k3 KL
+    ``exp(ref - logp) - (ref - logp) - 1`` (times r with ``use_bias_correction_kl``). Normalized as TRL
+    normalizes a micro-batch under gradient accumulation: grpo the mean over sequences of their masked token
+    means, bnpo the masked sum over the batch's token count, dr_grpo the masked sum over B *
+    max_completion_length (T when None), each divided by ``gradient_accumulation_steps``; dapo the masked sum
+    over ``num_items_in_batch`` (the tokens of the whole accumulated batch; this batch's when None). Positions
+    outside ``completion_mask`` may hold anything (any id, NaN hidden states or log-probs): they are replaced
+    before they are read. Assumes valid inputs (the op checks them).
+    """
+    head = op_head(head, weight, bias, temperature, softcap, logit_scale)
+    settings = GRPOSettings.of(settings, options)
+    keep = completion_mask.bool()  # (B, T)
+    dtype = stat_dtype(hidden.dtype)
+    mask = keep.to(dtype)
+    hidden = torch.where(keep[..., None], hidden, torch.zeros((), dtype=hidden.dtype))  # (B, T, H)
+    log_probs_all = F.log_softmax(head_logits(hidden, head), dim=-1)  # (B, T, V)
+    entropies = entropy_from_log_probs(log_probs_all)  # (B, T)
+
+    def at_tokens(values):  # (B, T) with the positions outside the mask zeroed, so that they are never read
+        return torch.where(keep, values.to(dtype), torch.zeros((), dtype=dtype))
+
+    per_token_logps = at_tokens(log_probs_all.gather(-1, completion_ids.masked_fill(~keep, 0)[..., None]).squeeze(-1))
+
+    advantages = advantages.to(dtype)
+    advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
+    old = per_token_logps.detach() if old_log_probs is None else at_tokens(old_log_probs)
+    coef_1 = torch.exp(per_token_logps - old)
+    if ref_log_probs is not None:
+        ref = at_tokens(ref_log_probs)
+        per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
+        if settings.use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
+    coef_2 = torch.clamp(coef_1, 1 - settings.epsilon_low, 1 + settings.epsilon_high)
+    if settings.delta is not None:
+        coef_1 = torch.clamp(coef_1, max=settings.delta)
+    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    if settings.beta != 0.0:
+        per_token_loss = per_token_loss + settings.beta * per_token_kl
+
+    batch, length = keep.shape
+    masked_sum = (per_token_loss * mask).sum()
+    if settings.loss_type == "grpo":
+        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / settings.gradient_accumulation_steps
+    elif settings.loss_type == "bnpo":
+        loss = masked_sum / mask.sum().clamp(min=1.0) / settings.gradient_accumulation_steps
+    elif settings.loss_type == "dr_grpo":
+        loss = masked_sum / (batch * (settings.max_completion_length or length)) / settings.gradient_accumulation_steps
+    else:  # dapo
+        normalizer = mask.sum() if num_items_in_batch is None else torch.tensor(float(num_items_in_batch), dtype=dtype)
+        loss = masked_sum / normalizer.clamp(min=1.0)
+
+    with torch.no_grad():
+        def global_masked_mean(values):
+            return ((values * mask).sum() / mask.sum().clamp(min=1.0)).item()
+
+        def masked_seq_mean(values):  # (B,): NaN for a sequence without tokens
+            return (values * mask).sum(-1) / mask.sum(-1)
+
+        def nan_extreme(values, extreme):
+            values = values[~torch.isnan(values)]
+            return extreme(values).item() if values.numel() else float("nan")
+
+        is_low_clipped = ((coef_1 < 1 - settings.epsilon_low) & (advantages < 0)).to(dtype)
+        is_high_clipped = ((coef_1 > 1 + settings.epsilon_high) & (advantages > 0)).to(dtype)
+        is_region_clipped = torch.maximum(is_low_clipped, is_high_clipped)
+        metrics = {"clip_ratio/low_mean": global_masked_mean(is_low_clipped),
+                   "clip_ratio/high_mean": global_masked_mean(is_high_clipped),
+                   "clip_ratio/region_mean": global_masked_mean(is_region_clipped),
+                   "entropy": global_masked_mean(entropies)}
+        if ref_log_probs is not None:
+            metrics["kl"] = global_masked_mean(per_token_kl)
+        metrics["clip_ratio/low_min"] = nan_extreme(masked_seq_mean(is_low_clipped), torch.min)
+        metrics["clip_ratio/high_max"] = nan_extreme(masked_seq_mean(is_high_clipped), torch.max)
+    return loss, metrics

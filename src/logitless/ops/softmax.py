@@ -49,6 +49,9 @@ class SoftmaxAccumulator:
                                     scratch=self.scratch)
         return KeptWeights(block, shift) if self.keep == "weights" else logits
 
+    def merge(self, other: SoftmaxAccumulator) -> None:
+        self.online.merge(other.online)
+
     def finish(self) -> TokenStats:
         return self.online.result(self.head.vocab_size)
 

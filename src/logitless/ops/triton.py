@@ -182,6 +182,15 @@ if triton is not None:
         return rows, cols, in_rows, in_rows[:, None] & (cols[None, :] < num_columns)
 
     @triton.jit
+    def _two_head_rows(first_ptr, second_ptr, num_rows, first_row_stride, second_row_stride,
+                       BLOCK_TOKENS: tl.constexpr):
+        """This program's rows of a two-head statistics kernel: (rows, rows in bounds, each head's row pointers)."""
+        rows = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+        wide_rows = rows.to(tl.int64)[:, None]
+        return (rows, rows < num_rows, first_ptr + wide_rows * first_row_stride,
+                second_ptr + wide_rows * second_row_stride)
+
+    @triton.jit
     def _update_stats_kernel(
         logits_ptr, num_rows, num_columns, row_stride,  # the block (n, c), fp32
         targets_ptr, start,  # (n,) target ids; the block's first column
@@ -298,10 +307,7 @@ if triton is not None:
         HAS_ENTROPY_P: tl.constexpr, HAS_ENTROPY_Q: tl.constexpr, HAS_GAP: tl.constexpr,
         BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
     ):
-        rows = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
-        in_rows = rows < num_rows
-        p_rows = p_ptr + rows.to(tl.int64)[:, None] * p_row_stride
-        q_rows = q_ptr + rows.to(tl.int64)[:, None] * q_row_stride
+        rows, in_rows, p_rows, q_rows = _two_head_rows(p_ptr, q_ptr, num_rows, p_row_stride, q_row_stride, BLOCK_TOKENS)
         cols = tl.arange(0, BLOCK_VOCAB)
 
         # pass over the block: each head's max
@@ -408,10 +414,7 @@ if triton is not None:
         log_student_weight, log_teacher_weight,  # log(1 - beta), log(beta)
         BLOCK_TOKENS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
     ):
-        rows = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
-        in_rows = rows < num_rows
-        s_rows = s_ptr + rows.to(tl.int64)[:, None] * s_row_stride
-        t_rows = t_ptr + rows.to(tl.int64)[:, None] * t_row_stride
+        rows, in_rows, s_rows, t_rows = _two_head_rows(s_ptr, t_ptr, num_rows, s_row_stride, t_row_stride, BLOCK_TOKENS)
         cols = tl.arange(0, BLOCK_VOCAB)
         lse_s = tl.load(lse_s_ptr + rows, mask=in_rows, other=0.0)
         lse_t = tl.load(lse_t_ptr + rows, mask=in_rows, other=0.0)

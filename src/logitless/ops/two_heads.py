@@ -1,40 +1,37 @@
-"""The inputs of the ops that read two LM heads (`fused_linear_kl`, `fused_linear_jsd`): each side's checks and
-`LinearHead`, the fixed side's head without gradient, and the tokens both sides keep. A side is named by the
+"""The inputs of the ops that read two LM heads (`fused_linear_kl`, `fused_linear_jsd`): each side's `LinearHead`
+(whole or in parts) and checks, the fixed side's head without gradient, and the tokens both sides keep. A side is named by the
 suffix of its arguments (``p`` and ``q``, ``s`` and ``t``), and so is every error (``weight_q: ...``)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from logitless._tensor_checks import check_mask, check_tensor
-from logitless.ops.head import LinearHead
+from logitless.ops.head import LinearHead, op_head
 
 
-def check_side(side: str, hidden, weight, bias) -> None:
-    """``hidden_SIDE`` (..., H), ``weight_SIDE`` (V, H) of the same dtype, ``bias_SIDE`` (V,) or None."""
+def op_heads(sides: tuple[str, str], heads: tuple, weights: tuple, biases: tuple, temperature: float,
+             softcap: float | None, logit_scale: float) -> tuple[LinearHead, LinearHead]:
+    """Both heads of a two-head op: given whole (``head_SIDE=LinearHead(...)``, each with its own temperature, soft
+    cap and logit scale) or in parts (``weight_SIDE``, ``bias_SIDE``, and the ``temperature``, ``softcap`` and
+    ``logit_scale`` both share); errors name the side's arguments."""
+    if (heads[0] is None) != (heads[1] is None):
+        given, missing = sides if heads[1] is None else sides[::-1]
+        raise TypeError(f"head_{missing}: required with head_{given} (give both heads whole, or both in parts)")
+    return tuple(op_head(head, weight, bias, temperature, softcap, logit_scale, side=f"_{side}")
+                 for side, head, weight, bias in zip(sides, heads, weights, biases))
+
+
+def check_side(side: str, hidden, head: LinearHead) -> None:
+    """``hidden_SIDE`` (..., H) of the dtype of the side's head (V, H)."""
     check_tensor(f"hidden_{side}", hidden, floating=True)
-    check_tensor(f"weight_{side}", weight, ndim=2, floating=True)
-    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"weight_{side}: hidden size {weight.shape[1]} does not match hidden_{side}'s last dim "
+    if hidden.dim() < 1 or hidden.shape[-1] != head.hidden_size:
+        raise ValueError(f"weight_{side}: hidden size {head.hidden_size} does not match hidden_{side}'s last dim "
                          f"(shape {tuple(hidden.shape)})")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight_{side}: dtype {weight.dtype} differs from hidden_{side}'s {hidden.dtype}")
-    if bias is not None:
-        check_tensor(f"bias_{side}", bias, ndim=1, floating=True)
-        if bias.shape[0] != weight.shape[0]:
-            raise ValueError(f"bias_{side}: length {bias.shape[0]} does not match weight_{side}'s "
-                             f"{weight.shape[0]} rows")
-
-
-def side_head(side: str, weight, bias, temperature, softcap, logit_scale) -> LinearHead:
-    """The ``side`` head; its errors name ``weight_SIDE`` and ``bias_SIDE``."""
-    try:
-        return LinearHead(weight, bias, temperature, softcap, logit_scale)
-    except (TypeError, ValueError) as err:
-        field, _, rest = str(err).partition(": ")
-        if field in ("weight", "bias"):
-            raise type(err)(f"{field}_{side}: {rest}") from None
-        raise
+    if head.weight.dtype != hidden.dtype:
+        raise TypeError(f"weight_{side}: dtype {head.weight.dtype} differs from hidden_{side}'s {hidden.dtype}")
 
 
 def check_same_vocabulary(head: LinearHead, other: LinearHead, sides: tuple[str, str]) -> None:
@@ -45,8 +42,7 @@ def check_same_vocabulary(head: LinearHead, other: LinearHead, sides: tuple[str,
 
 def fixed_head(head: LinearHead) -> LinearHead:
     """``head`` with its weight and bias detached: a fixed target (a reference, a teacher) gets no gradient."""
-    return LinearHead(head.weight.detach(), None if head.bias is None else head.bias.detach(), head.temperature,
-                      head.softcap, head.scale)
+    return dataclasses.replace(head, weight=head.weight.detach(), bias=None if head.bias is None else head.bias.detach())
 
 
 def kept_rows(hidden: torch.Tensor, other_hidden: torch.Tensor, mask, sides: tuple[str, str]):

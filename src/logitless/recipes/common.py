@@ -8,6 +8,8 @@ import argparse
 import dataclasses
 import os
 import socket
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -68,19 +70,41 @@ def resume_checkpoint(command: str, run_dir: Path, config) -> Path | None:
     return checkpoint
 
 
-def claim_run(command: str, config, outputs, result_options, fixed_options) -> tuple[RunDirectory, Path | None, dict]:
-    """Claim ``config.output_dir`` for ``logitless COMMAND`` (which writes ``outputs`` there) and record the run's
-    options, after the checks that need no model: (the run directory, the checkpoint to resume from or None, the
-    changes a resume was allowed to make). Raises ValueError naming the option at fault; writes only
-    ``logitless-run.json`` (and removes this run's earlier outputs when it starts over)."""
+@dataclass
+class RunPlan:
+    """What a recipe's ``prepare_*`` checked and claimed, before any model is loaded: its config, the run
+    directory, the checkpoint to resume from (None: from the start) and the options a resume was allowed to
+    change (name -> [before, now])."""
+
+    config: object
+    run: RunDirectory
+    checkpoint: Path | None
+    changes: dict[str, list]
+
+
+def check_model_sources(config) -> None:
+    """Every model the config names (its ``MODEL_OPTIONS`` that are set) can be loaded from where it says."""
+    for field in type(config).MODEL_OPTIONS:
+        if getattr(config, field) is not None:
+            check_model_source(field, getattr(config, field))
+
+
+def claim_run(command: str, config, outputs: tuple[str, ...], result_options, fixed_options,
+              before_start: Callable[[Path | None], None] | None = None) -> RunPlan:
+    """Claim ``config.output_dir`` for ``command``, find the checkpoint to resume from and record the config's
+    options (the data file by its identity), refusing a resume whose result options changed unless
+    ``allow_changed`` names them; ``before_start`` gets the checkpoint first (a check that depends on it). The
+    directory is released if anything fails."""
     run = RunDirectory.claim(config.output_dir, command, outputs=outputs, overwrite=config.overwrite)
     with run.released_on_error():
         checkpoint = resume_checkpoint(command, run.path, config)
+        if before_start is not None:
+            before_start(checkpoint)
         options = {**dataclasses.asdict(config), "data": file_identity(config.data)}
         changes = run.start(options, resume=checkpoint is not None, result_options=result_options,
                             fixed_options=fixed_options, allow_changed=config.allow_changed,
                             step=None if checkpoint is None else checkpoint_step(checkpoint))
-    return run, checkpoint, changes
+    return RunPlan(config, run, checkpoint, changes)
 
 
 def announce_start(command: str, checkpoint: Path | None, steps: int) -> None:

@@ -17,17 +17,18 @@ the weights of the uninterrupted run, and refuses options that would change the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from logitless.checkpoint import CHECKPOINT_STAGING, STEP_CHECKPOINT
 from logitless.plots import plot_curve
-from logitless.recipes.common import (NONFINITE_ADVICE, check_model_source, claim_run, load_model, plural,
+from logitless.recipes.common import (NONFINITE_ADVICE, RunPlan, check_model_sources, claim_run, load_model, plural,
                                       refuse_other_commands_data, run_recipe, skipped_note)
-from logitless.recipes.distill_options import BUILT_IN_PROMPTS, FIXED_OPTIONS, RESULT_OPTIONS, DistillConfig
+from logitless.recipes.distill_options import (BUILT_IN_PROMPTS, FIXED_OPTIONS, RESULT_OPTIONS, DistillConfig)
 from logitless.recipes.trl_runs import train_resumably
-from logitless.rundir import RunDirectory, remove_tree, write_json_atomically, write_text_atomically
+from logitless.rundir import remove_tree, write_json_atomically, write_text_atomically
 
 TEACHER = "teacher"  # the built-in teacher's directory in OUTPUT_DIR
 OUTPUTS = (STEP_CHECKPOINT, CHECKPOINT_STAGING, TEACHER, f".{TEACHER}.partial", "history.json", "divergence.png",
@@ -35,14 +36,10 @@ OUTPUTS = (STEP_CHECKPOINT, CHECKPOINT_STAGING, TEACHER, f".{TEACHER}.partial", 
 
 
 @dataclass
-class DistillPlan:
-    """What `prepare_distill` checked and claimed, before any model is loaded."""
+class DistillPlan(RunPlan):
+    """What `prepare_distill` checked and claimed, before any model is loaded: the prompts too."""
 
-    config: DistillConfig
-    prompts: list[str]
-    run: RunDirectory
-    checkpoint: Path | None  # to resume from
-    changes: dict[str, list]  # options a resume was allowed to change: name -> [before, now]
+    prompts: list[str] = dataclasses.field(default_factory=list)
 
 
 def load_prompts(config: DistillConfig) -> list[str]:
@@ -69,11 +66,8 @@ def prepare_distill(config: DistillConfig) -> DistillPlan:
     naming the option at fault; writes only ``logitless-run.json`` (and removes this run's earlier outputs when it
     starts over)."""
     prompts = load_prompts(config)
-    check_model_source("model", config.model)
-    if config.teacher is not None:
-        check_model_source("teacher", config.teacher)
-    run, checkpoint, changes = claim_run("distill", config, OUTPUTS, RESULT_OPTIONS, FIXED_OPTIONS)
-    return DistillPlan(config, prompts, run, checkpoint, changes)
+    check_model_sources(config)
+    return DistillPlan(**vars(claim_run("distill", config, OUTPUTS, RESULT_OPTIONS, FIXED_OPTIONS)), prompts=prompts)
 
 
 def teacher_directory(config: DistillConfig, run_dir: Path, progress: bool) -> str:

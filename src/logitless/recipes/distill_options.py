@@ -21,15 +21,17 @@ class DistillConfig(RecipeConfig):
     model: str = "tiny-qwen2-untied"  # the student
     teacher: str | None = None  # None: a teacher warm-started here (`teacher_steps` of SFT), in OUTPUT_DIR/teacher
     teacher_steps: int = 60
-    data: str | None = None  # jsonl of {"prompt": ...}; None: the built-in multiple-choice prompts
+    # the run: where, how long, how often saved
     output_dir: str = "runs/distill"
     steps: int = 20
+    save_every: int = 10
+    data: str | None = None  # jsonl of {"prompt": ...}; None: the built-in multiple-choice prompts
+    # a step
     prompts_per_step: int = 8
     max_completion_length: int = 16
     learning_rate: float = 1e-2
     beta: float = 0.5
     temperature: float = 1.0
-    save_every: int = 10
 
     MODEL_OPTIONS = ("model", "teacher")
 

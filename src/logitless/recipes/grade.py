@@ -11,6 +11,9 @@ resume with options that change the result is refused unless ``allow_changed`` n
 applied or saved (``on_nonfinite``). ``--method all`` runs the five methods one after another and adds
 OUTPUT_DIR/reward_by_method.png.
 
+This module prepares a run (every check, the run directory claimed) and runs its methods one after another;
+the prompts are `grade_prompts`', one method's run (load, resume, train, evaluate, save, plot) `grade_method`'s.
+
 The default needs nothing downloaded: the embedded tiny Qwen2 (random weights, the real 151,936-token
 vocabulary) learns to write capitalized words (" The", " Paris"): the reward is the fraction of its
 generated tokens that are one.
@@ -19,30 +22,16 @@ generated tokens that are one.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
-import random
-from dataclasses import dataclass
 from pathlib import Path
 
 from logitless.checkpoint import last_complete_checkpoint
-from logitless.grade import GRPOBaseline, GumbelTrainer, GumbelTrainerMemoryEfficient
-from logitless.recipes import interrupts
-from logitless.recipes.common import (announce_start, check_model_source, load_model, refuse_other_commands_data,
-                                      resume_checkpoint, run_recipe)
+from logitless.recipes.common import check_model_source, resume_checkpoint, run_recipe
+from logitless.recipes.grade_method import GradePlan, run_method, validation_curve
 from logitless.recipes.grade_options import FIXED_OPTIONS, METHODS, STEERING_OPTIONS, GradeRunConfig
+from logitless.recipes.grade_prompts import load_held_out_prompts, load_prompts
 from logitless.rundir import RunDirectory, file_identity, write_text_atomically
-
-# method -> the trainer that runs it (`grade_options.METHODS` has the settings each one fixes)
-TRAINERS = {"gumbel": GumbelTrainerMemoryEfficient, "ste": GumbelTrainerMemoryEfficient,
-            "gumbel_legacy": GumbelTrainer, "ste_legacy": GumbelTrainer, "grpo": GRPOBaseline}
-DEFAULT_PROMPTS = ["Once upon a time", "The weather today is", "My favourite food is", "Yesterday I went to",
-                   "The best way to learn is", "In the morning", "A good friend", "The city at night",
-                   "When I was young", "The meeting is about", "Dear diary,", "The recipe needs",
-                   "Our team will", "The old house", "Scientists found that", "Tomorrow we will"]
-EVAL_PROMPTS = ["Last summer we", "The library opens", "My brother said", "On the mountain", "The new teacher",
-                "After dinner", "The river was", "Every weekend I"]  # held out: never trained on
 
 
 def _recorded_options(run: GradeRunConfig) -> dict:
@@ -88,165 +77,6 @@ def check_methods(run: GradeRunConfig, methods: list[str]) -> None:
             single_token_ids(tokenizer, run.reward_words, "reward_words")
         else:
             single_token_ids(tokenizer, [run.reward_token], "reward_token")
-
-
-def step_prompts(records: list[dict], count: int, seed: int, step: int) -> list[dict]:
-    """The prompts of one optimizer step: a function of (seed, step) only, so a resumed run sees the same."""
-    rng = random.Random(f"{seed}:{step}")
-    return rng.sample(records, count) if count <= len(records) else rng.choices(records, k=count)
-
-
-def load_prompts(run: GradeRunConfig) -> list[dict]:
-    """The training prompts: ``data``, or the built-in ones; errors name ``data``."""
-    from logitless.multichoice.data import synthetic_multichoice
-
-    if run.data is not None:
-        return _read_prompts(run, "data")
-    if run.reward == "judge":
-        return synthetic_multichoice(count=64, seed=run.seed)
-    return [{"prompt": text} for text in DEFAULT_PROMPTS]
-
-
-def load_held_out_prompts(run: GradeRunConfig, training: list[dict]) -> list[dict]:
-    """The held-out prompts: ``eval_data``; without it, built-in ones none of ``training`` holds ([] when the
-    training prompts come from a file: then only ``eval_data`` names them). Errors name ``eval_data``."""
-    from logitless.multichoice.data import synthetic_multichoice
-
-    if run.eval_data is not None:
-        return _read_prompts(run, "eval_data")
-    if run.data is not None:
-        return []
-    if run.reward == "judge":  # another seed's draw, without the training questions
-        trained = {record["question"] for record in training}
-        return [record for record in synthetic_multichoice(count=64, seed=run.seed + 1)
-                if record["question"] not in trained][:16]
-    return [{"prompt": text} for text in EVAL_PROMPTS]
-
-
-def _read_prompts(run: GradeRunConfig, field: str) -> list[dict]:
-    """The records of the file that option ``field`` names: multiple-choice questions for the judge reward,
-    else {"prompt": ...} lines."""
-    from logitless.data import read_jsonl
-    from logitless.multichoice.data import load_multichoice
-
-    path = getattr(run, field)
-    refuse_other_commands_data(field, path, "grade", "grpo" if run.reward == "judge" else "grade")
-    if run.reward == "judge":
-        return load_multichoice(path, name=field)
-    records = []
-    for where, record in read_jsonl(path, field):
-        if not isinstance(record.get("prompt"), str):
-            raise ValueError(f"{field}: {where} has no 'prompt' string")
-        if not record["prompt"]:  # the policy would start its completion from nothing
-            raise ValueError(f"{field}: {where} has an empty 'prompt'")
-        records.append(record)
-    if not records:
-        raise ValueError(f"{field}: {path} holds no prompts")
-    return records
-
-
-def build_reward(run: GradeRunConfig, tokenizer, initial_policy):
-    """The reward the run trains on; model-based ones default to a frozen copy of the initial policy."""
-    from logitless import grade
-
-    if run.reward == "capitalized":
-        return grade.TokenSetReward.capitalized_words(tokenizer)
-    if run.reward == "words":
-        return grade.TokenSetReward.from_words(tokenizer, run.reward_words)
-    if run.reward == "classifier":
-        from transformers import AutoModelForSequenceClassification
-
-        return grade.SequenceClassifierReward(AutoModelForSequenceClassification.from_pretrained(run.reward_model))
-    model = load_model("reward_model", run.reward_model, 0)[0] if run.reward_model else copy.deepcopy(initial_policy)
-    if run.reward == "token":
-        return grade.TokenLogProbReward(model, tokenizer, token=run.reward_token, suffix=run.reward_suffix)
-    from logitless.multichoice.reward import MultichoiceJudge
-
-    return grade.MultichoiceJudgeReward(MultichoiceJudge(model, tokenizer))
-
-
-@dataclass
-class GradePlan:
-    """What `prepare_grade` checked and claimed, before any model is loaded."""
-
-    config: GradeRunConfig
-    records: list[dict]  # training prompts
-    eval_records: list[dict]  # held-out prompts ([]: no evaluation)
-    checkpoints: dict[str, Path | None]  # each method's checkpoint to resume from
-
-
-def run_method(plan: GradePlan, method: str, *, progress: bool = True) -> list[dict]:
-    """Train one method for ``steps`` optimizer steps, from its checkpoint in ``plan`` if any; returns the
-    metric rows (the trainer's, and ``val/reward_mean``: the held-out score at evaluation steps, else None)."""
-    from tqdm.auto import tqdm
-    from transformers.utils import logging as hf_logging
-
-    from logitless.checkpoint import load_checkpoint_state, save_checkpoint
-    from logitless.grade.lora import load_adapter
-
-    hf_logging.disable_progress_bar()
-    run = plan.config
-    directory, checkpoint = Path(run.output_dir) / method, plan.checkpoints[method]
-    reference, tokenizer = load_model("model", run.model, run.seed)
-    lora = run.lora_rank > 0  # a LoRA checkpoint holds the adapters only: loaded after wrapping
-    policy = (load_model("model", str(checkpoint), run.seed)[0] if checkpoint is not None and not lora
-              else copy.deepcopy(reference))
-    trainer = TRAINERS[method](policy, build_reward(run, tokenizer, reference), run.trainer_config(method),
-                            tokenizer=tokenizer, reference=reference)
-    history: list[dict] = []
-    if checkpoint is not None:
-        state = load_checkpoint_state(checkpoint, trainer.optimizer)
-        for group in trainer.optimizer.param_groups:  # the value now in force (equal, or a change that was allowed)
-            group["lr"] = run.learning_rate
-        trainer.step, history = state["step"], state["history"]
-        if lora:
-            load_adapter(trainer.model, checkpoint)
-    directory.mkdir(parents=True, exist_ok=True)
-    metrics_path = directory / "metrics.jsonl"  # rows past the checkpoint (from a crashed run) are dropped
-    write_text_atomically(metrics_path, "".join(json.dumps(row) + "\n" for row in history))
-    per_step = run.batch_size * run.gradient_accumulation_steps
-    reward_name = getattr(trainer.reward, "description", run.reward)
-    announce_start("grade", checkpoint, run.steps)
-    interrupts.track(f"logitless grade ({method})", directory, trainer.step, run.steps)
-    bar = tqdm(range(trainer.step, run.steps), initial=trainer.step, total=run.steps, desc=f"grade {method}",
-               unit="step", disable=not progress)
-    with metrics_path.open("a") as metrics_file:
-        for step in bar:
-            row = trainer.train_step(step_prompts(plan.records, per_step, run.seed, step))
-            evaluated = plan.eval_records and run.eval_every and (
-                trainer.step % run.eval_every == 0 or trainer.step == run.steps)
-            row[VALIDATION] = trainer.evaluate(plan.eval_records, seed=run.seed) if evaluated else None
-            history.append(row)
-            metrics_file.write(json.dumps(row) + "\n")
-            metrics_file.flush()
-            bar.set_postfix(reward=f"{row['reward']:.3f}", kl=f"{row['kl']:.3f}")
-            if trainer.step % run.save_every == 0 or trainer.step == run.steps:
-                save_checkpoint(directory, trainer.step, trainer.model, tokenizer, trainer.optimizer,
-                                {"step": trainer.step, "history": history}, keep=run.save_total_limit)
-                _plot_method(directory, method, reward_name, history)
-            interrupts.step_done(trainer.step)
-    bar.close()
-    _plot_method(directory, method, reward_name, history)
-    return history
-
-
-VALIDATION = "val/reward_mean"  # the metrics rows' held-out score (None at steps without an evaluation)
-
-
-def validation_curve(history: list[dict]) -> dict[int, float]:
-    """step -> held-out score, at the steps that were evaluated."""
-    return {row["step"]: row[VALIDATION] for row in history if row.get(VALIDATION) is not None}
-
-
-def _plot_method(directory: Path, method: str, reward: str, history: list[dict]) -> None:
-    from logitless.plots import plot_curve, plot_curves
-
-    curves = {"train (the rollouts trained on)": [row["reward"] for row in history]}
-    if validation_curve(history):
-        curves["held-out (sampled completions)"] = validation_curve(history)
-    plot_curves(curves, directory / "reward.png", title=f"{method}: reward ({reward})", ylabel="mean reward")
-    plot_curve([row["kl"] for row in history], directory / "kl.png", title=f"{method}: KL(policy || reference)",
-               ylabel="KL per rollout (nats)")
 
 
 def prepare_grade(run: GradeRunConfig) -> GradePlan:

@@ -15,6 +15,7 @@ stops the run before that step is applied or saved (``on_nonfinite="skip"`` skip
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,12 +25,12 @@ from transformers import TrainerCallback
 
 from logitless.checkpoint import CHECKPOINT_STAGING, STEP_CHECKPOINT
 from logitless.plots import plot_curves
-from logitless.recipes.common import (NONFINITE_ADVICE, check_model_source, claim_run, hub_reachable, load_model,
-                                      plural, refuse_other_commands_data, run_recipe, skipped_note)
+from logitless.recipes.common import (NONFINITE_ADVICE, RunPlan, check_model_sources, claim_run, hub_reachable,
+                                      load_model, plural, refuse_other_commands_data, run_recipe, skipped_note)
 from logitless.recipes.grpo_options import (FIXED_OPTIONS, RESULT_OPTIONS, SYNTHETIC_QUESTIONS,
                                             MultichoiceGRPOConfig)
 from logitless.recipes.trl_runs import train_resumably
-from logitless.rundir import RunDirectory, write_json_atomically, write_text_atomically
+from logitless.rundir import write_json_atomically, write_text_atomically
 from logitless.trl.nonfinite import NonFiniteGuard
 
 EQUAL_REWARD_STEPS = 2  # a warning when every completion of the first this many steps got the same reward
@@ -42,14 +43,10 @@ OUTPUTS = (STEP_CHECKPOINT, CHECKPOINT_STAGING, "history.json", "reward.png", "R
 
 
 @dataclass
-class GRPOPlan:
-    """What `prepare_grpo` checked and claimed, before any model is loaded."""
+class GRPOPlan(RunPlan):
+    """What `prepare_grpo` checked and claimed, before any model is loaded: the questions too."""
 
-    config: MultichoiceGRPOConfig
-    records: list[dict]
-    run: RunDirectory
-    checkpoint: Path | None  # to resume from
-    changes: dict[str, list]  # options a resume was allowed to change: name -> [before, now]
+    records: list[dict] = dataclasses.field(default_factory=list)
 
 
 def load_questions(config: MultichoiceGRPOConfig) -> list[dict]:
@@ -83,11 +80,8 @@ def prepare_grpo(config: MultichoiceGRPOConfig) -> GRPOPlan:
     ValueError naming the option at fault; writes only ``logitless-run.json`` (and removes this run's
     earlier outputs when it starts over)."""
     records = load_questions(config)
-    check_model_source("model", config.model)
-    if config.judge is not None:
-        check_model_source("judge", config.judge)
-    run, checkpoint, changes = claim_run("grpo", config, OUTPUTS, RESULT_OPTIONS, FIXED_OPTIONS)
-    return GRPOPlan(config, records, run, checkpoint, changes)
+    check_model_sources(config)
+    return GRPOPlan(**vars(claim_run("grpo", config, OUTPUTS, RESULT_OPTIONS, FIXED_OPTIONS)), records=records)
 
 
 def train_grpo_multichoice(config: MultichoiceGRPOConfig | GRPOPlan, *, progress: bool = True) -> dict:
@@ -96,7 +90,8 @@ def train_grpo_multichoice(config: MultichoiceGRPOConfig | GRPOPlan, *, progress
     from trl import GRPOConfig
 
     from logitless.multichoice.data import to_trl_dataset
-    from logitless.multichoice.reward import MultichoiceJudge, multichoice_judge_reward
+    from logitless.multichoice.judge import MultichoiceJudge
+    from logitless.multichoice.reward import multichoice_judge_reward
     from logitless.trl import GRPOTrainerWithLogits
 
     plan = config if isinstance(config, GRPOPlan) else prepare_grpo(config)

@@ -8,14 +8,16 @@ from dataclasses import dataclass
 
 from logitless._checks import check_choice, check_finite_numbers, check_generations, check_positive_ints
 from logitless._lazy import later
+from logitless.ops.grpo_settings import GRPO_LOSS_TYPES
 from logitless.recipes.config import MODEL_HELP, RUN_CONTROL_HELP, RecipeConfig, check_model_name
 from logitless.recipes.options import add_config_parser
 
 DESCRIPTION = "`logitless grpo`: GRPO on multiple-choice questions with the judge reward, logit-free, crash-safe."
 
-# TRL's loss types that need no other option (luspo needs sequence-level importance sampling); each one
-# runs TRL's loss code on the fused head's log-probs
-LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "vespo")
+# TRL's loss types, by TRL's names: those of `GRPOSettings` (the fused GRPO loss's and the JAX op's), then those
+# TRL's own loss code computes on the fused head's log-probs and GRPOSettings does not model yet; each of them
+# needs no other option (luspo, which needs sequence-level importance sampling, is not offered)
+LOSS_TYPES = GRPO_LOSS_TYPES + tuple(name for name in ("cispo", "sapo", "vespo") if name not in GRPO_LOSS_TYPES)
 SYNTHETIC_QUESTIONS = 256  # the default question set, the same whatever the number of steps
 
 

@@ -24,28 +24,25 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from logitless.checkpoint import (CHECKPOINT_STAGING, STEP_CHECKPOINT, checkpoint_step, last_complete_checkpoint,
+from logitless.checkpoint import (CHECKPOINT_STAGING, STEP_CHECKPOINT, last_complete_checkpoint,
                                   load_checkpoint_state, save_checkpoint)
 from logitless.data import arithmetic_sft_examples, iterate_batches, load_jsonl
 from logitless.plots import plot_curve
 from logitless.recipes import interrupts
-from logitless.recipes.common import (NONFINITE_ADVICE, announce_start, check_model_source, load_model, plural,
-                                      refuse_other_commands_data, resume_checkpoint, run_recipe, skipped_note)
+from logitless.recipes.common import (NONFINITE_ADVICE, RunPlan, announce_start, check_model_source, claim_run,
+                                      load_model, plural, refuse_other_commands_data, run_recipe, skipped_note)
 from logitless.recipes.sft_options import FIXED_OPTIONS, RESULT_OPTIONS, SFTConfig
-from logitless.rundir import RunDirectory, file_identity, write_json_atomically
+from logitless.rundir import write_json_atomically
 from logitless.sft import sft_step
 
 OUTPUTS = (STEP_CHECKPOINT, CHECKPOINT_STAGING, "history.json", "loss.png")
 
 
 @dataclass
-class SFTPlan:
-    """What `prepare_sft` checked and claimed, before any model is loaded."""
+class SFTPlan(RunPlan):
+    """What `prepare_sft` checked and claimed, before any model is loaded: the training pairs too."""
 
-    config: SFTConfig
-    examples: list[dict[str, str]]
-    run: RunDirectory
-    checkpoint: Path | None  # to resume from
+    examples: list[dict[str, str]] = dataclasses.field(default_factory=list)
 
 
 def load_examples(config: SFTConfig) -> list[dict[str, str]]:
@@ -66,26 +63,17 @@ def load_examples(config: SFTConfig) -> list[dict[str, str]]:
     return usable
 
 
-def _recorded_options(config: SFTConfig) -> dict:
-    options = dataclasses.asdict(config)
-    options["data"] = file_identity(config.data)
-    return options
-
-
 def prepare_sft(config: SFTConfig) -> SFTPlan:
     """Every check that needs no model: data, output directory, resume options. Raises ValueError
     naming the option at fault; writes only ``logitless-run.json`` (and removes this run's earlier
     outputs when it starts over)."""
     examples = load_examples(config)
-    run = RunDirectory.claim(config.output_dir, "sft", outputs=OUTPUTS, overwrite=config.overwrite)
-    with run.released_on_error():
-        checkpoint = resume_checkpoint("sft", run.path, config)
+    def check_model_unless_resuming(checkpoint):
         if checkpoint is None:  # a resume loads the checkpoint, not --model (which may be offline by now)
             check_model_source("model", config.model)
-        run.start(_recorded_options(config), resume=checkpoint is not None, result_options=RESULT_OPTIONS,
-                  fixed_options=FIXED_OPTIONS, allow_changed=config.allow_changed,
-                  step=None if checkpoint is None else checkpoint_step(checkpoint))
-    return SFTPlan(config, examples, run, checkpoint)
+
+    claimed = claim_run("sft", config, OUTPUTS, RESULT_OPTIONS, FIXED_OPTIONS, before_start=check_model_unless_resuming)
+    return SFTPlan(**vars(claimed), examples=examples)
 
 
 def train_sft(config: SFTConfig | SFTPlan, *, progress: bool = True) -> dict:

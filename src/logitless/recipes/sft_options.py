@@ -16,15 +16,17 @@ DESCRIPTION = "`logitless sft`: supervised fine-tuning on (prompt, response) pai
 
 @dataclass
 class SFTConfig(RecipeConfig):
-    data: str | None = None  # jsonl with prompt/response; None: the built-in arithmetic set
+    # the run: where, how long, how often saved
     output_dir: str = "runs/sft"
     steps: int = 40
+    save_every: int = 20
+    data: str | None = None  # jsonl with prompt/response; None: the built-in arithmetic set
+    # a step
     batch_size: int = 8
     gradient_accumulation_steps: int = 1
     learning_rate: float = 3e-3
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    save_every: int = 20
 
     def __post_init__(self):
         super().__post_init__()

@@ -4,7 +4,7 @@ TRL 1.16's DistillationTrainer computes its generalized JSD (``beta`` 0: forward
 1: reverse KL(student || teacher), otherwise the JSD with the mixture ``(1 - beta) p_student + beta
 p_teacher``; ``temperature``) from the student's and the teacher's final hidden states and heads, through
 one function, ``_chunked_divergence_loss``. `divergence_loss` has its signature and answers it with
-`logitless.ops.jsd.heads_jsd`: exact over the full vocabulary, no ``(B, T, V)`` tensor of either model,
+`logitless.ops.fused_linear_jsd` of the two heads: exact over the full vocabulary, no ``(B, T, V)`` tensor of either model,
 no gradient for the teacher, whose hidden size may differ from the student's.
 """
 
@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from trl import DistillationTrainer as TRLDistillationTrainer
 
 from logitless.ops.head import LinearHead
-from logitless.ops.jsd import heads_jsd
+from logitless.ops.jsd import fused_linear_jsd
 from logitless.trl.checkpoints import AtomicCheckpoints
 from logitless.trl.lm_head import gather_head_in_backward, zero3_gathered
 from logitless.trl.resume import ExactResume
@@ -52,11 +52,12 @@ def divergence_loss(student_hidden_states: torch.Tensor, teacher_hidden_states: 
     student_rows = student_hidden_states.reshape(-1, student_hidden_states.shape[-1])[valid]  # (N, H_s)
     teacher_rows = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1])[valid]  # (N, H_t)
     with zero3_gathered(student_weight, student_bias, teacher_weight, teacher_bias):
-        student_head = LinearHead(student_weight, student_bias, temperature, student_final_logit_softcapping,
-                                  student_logit_scale)
-        teacher_head = LinearHead(teacher_weight, teacher_bias, temperature, teacher_final_logit_softcapping,
-                                  teacher_logit_scale)
-        divergence, entropy = heads_jsd(student_rows, student_head, teacher_rows, teacher_head, beta=beta)
+        student_head = LinearHead(student_weight, bias=student_bias, temperature=temperature,
+                                  softcap=student_final_logit_softcapping, logit_scale=student_logit_scale)
+        teacher_head = LinearHead(teacher_weight, bias=teacher_bias, temperature=temperature,
+                                  softcap=teacher_final_logit_softcapping, logit_scale=teacher_logit_scale)
+        divergence, entropy = fused_linear_jsd(student_rows, hidden_t=teacher_rows, head_s=student_head,
+                                               head_t=teacher_head, beta=beta, return_token_entropy=True)
     if divergence.grad_fn is not None:
         gather_head_in_backward(divergence.grad_fn, student_head)
     count = valid.sum()

@@ -17,6 +17,7 @@ a second time.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 from collections.abc import Callable
@@ -118,7 +119,7 @@ def scoring_head(model, temperature: float, in_fp32: bool = False) -> LinearHead
         weight, bias = weight.float(), None if bias is None else bias.float()
     if weight is head.weight and bias is head.bias:
         return head
-    return LinearHead(weight, bias, head.temperature, head.softcap, head.scale)
+    return dataclasses.replace(head, weight=weight, bias=bias)
 
 
 def detached_head(model, temperature: float, in_fp32: bool = False) -> LinearHead:
@@ -129,8 +130,7 @@ def detached_head(model, temperature: float, in_fp32: bool = False) -> LinearHea
         weight, bias = head.weight, head.bias
         if is_deepspeed_zero3_enabled():  # the gathered rows are released when the context exits
             weight, bias = weight.clone(), None if bias is None else bias.clone()
-        return LinearHead(weight.detach(), None if bias is None else bias.detach(), head.temperature, head.softcap,
-                          head.scale)
+        return dataclasses.replace(head, weight=weight.detach(), bias=None if bias is None else bias.detach())
 
 
 def token_fields(head: LinearHead, hidden: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor,
@@ -146,8 +146,8 @@ def token_fields(head: LinearHead, hidden: torch.Tensor, labels: torch.Tensor, l
     kept_hidden = hidden.reshape(-1, hidden.shape[-1])[flat_mask]  # (K, H): only the scored positions
     kept_labels = labels.reshape(-1)[flat_mask]
     extras = tuple(name for name in COMPUTED_OUTPUTS[2:] if name in outputs)
-    log_probs, entropy, _, *asked = linear_token_stats(head, kept_hidden, kept_labels, need_entropy="entropy" in outputs,
-                                                       extras=extras)
+    log_probs, entropy, _, *asked = linear_token_stats(kept_hidden, targets=kept_labels, head=head,
+                                                       need_entropy="entropy" in outputs, extras=extras)
     if log_probs.grad_fn is not None:
         gather_head_in_backward(log_probs.grad_fn, head)
     kept = {"log_probs": log_probs, "entropy": entropy if "entropy" in outputs else None, **(asked[0] if asked else {})}

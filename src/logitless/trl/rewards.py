@@ -57,7 +57,7 @@ def completion_views(hidden: torch.Tensor, completion_ids_list: list[list[int]],
         mask[row, : len(completion)] = True
     with torch.no_grad():
         log_probs = torch.zeros(mask.shape, dtype=stat_dtype(hidden.dtype), device=hidden.device).masked_scatter(
-            mask, linear_token_stats(head, hidden[mask], ids[mask], need_entropy=False)[0])
+            mask, linear_token_stats(hidden[mask], targets=ids[mask], head=head, need_entropy=False)[0])
     views = [CompletionLogits(hidden[row, :length], head) for row, length in enumerate(lengths)]
     return views, [log_probs[row, :length] for row, length in enumerate(lengths)]
 
