@@ -166,13 +166,13 @@ def test_linear_head_fields_after_the_weight_are_keywords_named_as_the_ops_name_
 
 
 def test_one_loss_type_vocabulary_for_the_grpo_op_the_settings_and_the_recipe():
-    """`logitless grpo` offers GRPOSettings' loss types by their names (then those only TRL's loss code computes);
-    `logitless.losses` keeps its own policy-gradient family, documented as such."""
+    """`logitless grpo` offers GRPOSettings' loss types by their names (all but luspo, which needs a sequence-level
+    ratio); `logitless.losses` keeps its own policy-gradient family, documented as such."""
     from logitless.losses import LOSS_TYPES as POLICY_GRADIENT_LOSS_TYPES
     from logitless.ops.grpo_settings import GRPO_LOSS_TYPES
     from logitless.recipes.grpo_options import LOSS_TYPES
 
-    assert LOSS_TYPES[:len(GRPO_LOSS_TYPES)] == GRPO_LOSS_TYPES
+    assert LOSS_TYPES + ("luspo",) == GRPO_LOSS_TYPES
     assert not set(POLICY_GRADIENT_LOSS_TYPES) & set(LOSS_TYPES)
     losses_doc = (ROOT / "docs" / "losses.md").read_text()
     assert "a different family from the\n  `loss_type` of `fused_grpo_loss`" in losses_doc

@@ -89,7 +89,7 @@ def test_accumulating_micro_batches_gives_the_whole_batchs_loss_and_gradients(lo
 
 def test_metrics_values():
     batch = _batch(seed=2)
-    _, metrics, _ = _run(fused_grpo_loss, batch, beta=0.04, temperature=0.8)
+    _, metrics, _ = _run(fused_grpo_loss, batch, beta=0.04, temperature=0.8, use_bias_correction_kl=False)
     hidden, weight, bias = (batch[k].detach() for k in ("hidden", "weight", "bias"))
     logp_all = torch.log_softmax((hidden @ weight.T + bias) / 0.8, -1)
     logp = logp_all.gather(-1, batch["completion_ids"][..., None]).squeeze(-1)
@@ -175,7 +175,8 @@ def test_same_loss_as_liger(loss_type, beta):
     batch = _batch(seed=6)
     kwargs = dict(loss_type=loss_type, beta=beta, epsilon_low=0.2, epsilon_high=0.28, temperature=0.8,
                   max_completion_length=batch["completion_ids"].shape[1])
-    ours = _run(fused_grpo_loss, batch, **kwargs, num_items_in_batch=batch["completion_mask"].sum().item())
+    ours = _run(fused_grpo_loss, batch, **kwargs, num_items_in_batch=batch["completion_mask"].sum().item(),
+                use_bias_correction_kl=False)  # Liger's KL has no importance-ratio correction
     module = liger.LigerFusedLinearGRPOLoss(compiled=False, use_ref_model=beta != 0, chunk_size=1, **kwargs)
     liger_loss, liger_metrics = module(batch["hidden"], batch["weight"], batch["completion_ids"],
                                        batch["completion_mask"], batch["advantages"], bias=batch["bias"],

@@ -15,8 +15,14 @@ from test_grpo_loss import _batch, _run
     ("epsilon_low", -1, "settings.epsilon_low: expected a finite number >= 0, got -1"),
     ("epsilon_high", float("nan"), "settings.epsilon_high: expected a finite number >= 0"),
     ("delta", 0.0, "settings.delta: expected a finite number > 0"),
-    ("loss_type", "ppo", "settings.loss_type: expected one of 'grpo', 'bnpo', 'dr_grpo', 'dapo', got 'ppo'"),
-    ("importance_sampling_level", "sequence", "settings.importance_sampling_level: expected one of 'token'"),
+    ("loss_type", "ppo", "settings.loss_type: expected one of 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', "
+                         "'vespo', 'luspo', got 'ppo'"),
+    ("importance_sampling_level", "tokens", "settings.importance_sampling_level: expected one of 'token', 'sequence'"),
+    ("top_entropy_quantile", 1.5, "settings.top_entropy_quantile: expected a fraction in (0, 1], got 1.5"),
+    ("top_entropy_quantile", 0.0, "settings.top_entropy_quantile: expected a finite number > 0, got 0.0"),
+    ("off_policy_mask_threshold", float("inf"), "settings.off_policy_mask_threshold: expected a finite number"),
+    ("sapo_temperature_neg", 0, "settings.sapo_temperature_neg: expected a finite number > 0, got 0"),
+    ("entropy_coef", -0.1, "settings.entropy_coef: expected a finite number >= 0, got -0.1"),
     ("max_completion_length", 0, "settings.max_completion_length: expected a positive int, got 0"),
     ("gradient_accumulation_steps", 1.0, "settings.gradient_accumulation_steps: expected a positive int"),
     ("use_bias_correction_kl", 1, "settings.use_bias_correction_kl: expected a bool, got 1"),
@@ -46,7 +52,7 @@ def test_from_trl_reads_the_config_fields():
     assert GRPOSettings.from_trl(SimpleNamespace(epsilon=0.3, epsilon_high=None)) == GRPOSettings(
         epsilon_low=0.3, epsilon_high=0.3)
     with pytest.raises(ValueError, match="settings.importance_sampling_level"):
-        GRPOSettings.from_trl(SimpleNamespace(importance_sampling_level="sequence"))
+        GRPOSettings.from_trl(SimpleNamespace(importance_sampling_level="tokens"))
 
 
 def test_exported_everywhere():
@@ -76,19 +82,18 @@ def test_a_keyword_disagreeing_with_settings_or_unknown_is_named(op):
         _run(op, batch, settings=dict(beta=0.04))
 
 
-def test_from_trl_reads_a_real_grpo_config_and_refuses_what_it_does_not_model(tmp_path):
+def test_from_trl_reads_every_option_of_a_real_grpo_config(tmp_path):
     from trl import GRPOConfig
 
     def config(**options):
         return GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **options)
 
-    settings = GRPOSettings.from_trl(config(loss_type="bnpo", beta=0.04, epsilon=0.3, epsilon_high=0.28, delta=2.0,
-                                            max_completion_length=64, gradient_accumulation_steps=2))
-    assert settings == GRPOSettings(loss_type="bnpo", beta=0.04, epsilon_low=0.3, epsilon_high=0.28, delta=2.0,
-                                    use_bias_correction_kl=config().use_bias_correction_kl, max_completion_length=64,
-                                    gradient_accumulation_steps=2)
-    for option, value in (("top_entropy_quantile", 0.2), ("off_policy_mask_threshold", 0.5), ("entropy_coef", 0.01)):
-        with pytest.raises(ValueError, match=rf"^grpo_config.{option}: {value} is an option of TRL's loss"):
-            GRPOSettings.from_trl(config(**{option: value}))
-    with pytest.raises(ValueError, match="^settings.loss_type: expected one of"):
-        GRPOSettings.from_trl(config(loss_type="cispo"))
+    assert GRPOSettings.from_trl(config()) == GRPOSettings(loss_type=config().loss_type,
+                                                           max_completion_length=config().max_completion_length)
+    options = dict(loss_type="vespo", beta=0.04, delta=2.0, use_bias_correction_kl=False,
+                   importance_sampling_level="sequence", max_completion_length=64, gradient_accumulation_steps=2,
+                   top_entropy_quantile=0.2, off_policy_mask_threshold=0.5, entropy_coef=0.01,
+                   sapo_temperature_pos=0.9, sapo_temperature_neg=1.1, vespo_k_pos=1.0, vespo_lambda_pos=2.0,
+                   vespo_k_neg=4.0, vespo_lambda_neg=3.0)
+    settings = GRPOSettings.from_trl(config(epsilon=0.3, epsilon_high=0.28, **options))
+    assert settings == GRPOSettings(epsilon_low=0.3, epsilon_high=0.28, **options)

@@ -15,7 +15,6 @@ from jax_helpers import assert_close, pytorch
 
 import logitless
 from logitless.jax import BlockSizes, Head, fused_linear_jsd, fused_linear_kl
-from logitless.ops.kl import heads_kl
 
 B, T, H_S, H_T, V = 2, 5, 12, 20, 61
 BLOCKS = BlockSizes(vocab=16, tokens=4)
@@ -123,14 +122,16 @@ def test_teacher_gradient_is_the_plain_jax_one_and_is_computed_only_when_asked(o
     assert matmuls((0, 1)) < matmuls((0, 1, 2, 3))  # the teacher's dh and dW are not computed when not asked for
 
 
-def test_heads_given_whole_may_differ_as_pytorch_heads_kl_takes_them():
+def test_heads_given_whole_may_differ_as_in_pytorch():
     inputs = two_heads(seed=5)
     rows = (B * T, -1)
     th, tw = (torch.tensor(inputs[k].reshape(rows) if k.startswith("hidden") else inputs[k], requires_grad=True)
               for k in ("hidden_s", "weight_s"))
-    torch_heads = (logitless.ops.LinearHead(tw, None, 0.8, 5.0, 1.3),
-                   logitless.ops.LinearHead(torch.tensor(inputs["weight_t"]), torch.tensor(inputs["bias_t"]), 1.1))
-    expected = heads_kl(th, torch_heads[0], torch.tensor(inputs["hidden_t"].reshape(rows)), torch_heads[1])
+    torch_heads = (logitless.ops.LinearHead(tw, temperature=0.8, softcap=5.0, logit_scale=1.3),
+                   logitless.ops.LinearHead(torch.tensor(inputs["weight_t"]), bias=torch.tensor(inputs["bias_t"]),
+                                            temperature=1.1))
+    expected = logitless.ops.fused_linear_kl(th, hidden_q=torch.tensor(inputs["hidden_t"].reshape(rows)),
+                                             head_p=torch_heads[0], head_q=torch_heads[1])
     expected.sum().backward()
 
     def loss(hidden, head):

@@ -13,7 +13,6 @@ import torch
 from logitless._checks import check_choice, check_positive_finite, check_positive_int
 from logitless._tensor_checks import check_finite, check_mask, check_same_shape, check_tensor
 from logitless.masked import masked_mean, masked_normalize
-from logitless.ops.grpo import clipped_surrogate
 
 LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip")
 
@@ -90,8 +89,9 @@ def compute_grpo_clip_loss(advantages: torch.Tensor, policy_log_probs: torch.Ten
     check_tensor("old_log_probs", old_log_probs, floating=True)
     check_same_shape("old_log_probs", old_log_probs, "policy_log_probs", policy_log_probs)
     cliprange = check_positive_finite("cliprange", cliprange)
-    surrogate = clipped_surrogate(policy_log_probs - old_log_probs, advantages, cliprange, cliprange)
-    return surrogate.loss, {"clipped": surrogate.clipped}
+    ratio = torch.exp(policy_log_probs - old_log_probs)
+    unclipped, clipped = ratio * advantages, ratio.clamp(1.0 - cliprange, 1.0 + cliprange) * advantages
+    return -torch.minimum(unclipped, clipped), {"clipped": clipped < unclipped}
 
 
 def compute_policy_gradient_loss(policy_log_probs: torch.Tensor, loss_type: str,

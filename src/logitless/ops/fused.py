@@ -30,7 +30,7 @@ from logitless.ops.backend import chunk_kernels
 from logitless.ops.blocks import BlockPlan, BlockSizes, plan_blocks
 from logitless.ops.chunks import TOKEN_EXTRAS, TokenStats, stat_grads
 from logitless.ops.engine import ChunkLoss, one_pass, refuse_second_derivative, two_pass_grads, two_pass_stats
-from logitless.ops.grpo import check_grpo_inputs, grpo_metrics, grpo_token_loss
+from logitless.ops.grpo import check_grpo_inputs, grpo_objective, grpo_token_loss
 from logitless.ops.grpo_settings import GRPO_OPTIONS, GRPOSettings
 from logitless.ops.head import LinearHead, op_head, stat_dtype
 from logitless.ops.softmax import softmax_accumulators
@@ -320,20 +320,25 @@ def fused_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor | None = None,
                     advantages: torch.Tensor | None = None, *, head: LinearHead | None = None,
                     bias: torch.Tensor | None = None, temperature: float = 1.0, softcap: float | None = None,
                     logit_scale: float = 1.0, old_log_probs: torch.Tensor | None = None,
-                    ref_log_probs: torch.Tensor | None = None, settings: GRPOSettings | None = None,
+                    ref_log_probs: torch.Tensor | None = None, sampling_log_probs: torch.Tensor | None = None,
+                    importance_sampling_ratio: torch.Tensor | None = None, settings: GRPOSettings | None = None,
                     num_items_in_batch: float | None = None, block_sizes: BlockSizes | None = None,
                     impl: str = "auto", **options) -> tuple[torch.Tensor, dict[str, float]]:
-    """The GRPO loss of TRL's GRPOTrainer, from hidden states (B, T, H) and the LM head, without logits.
+    """The GRPO loss of TRL 1.16's GRPOTrainer, every loss type and option, from hidden states (B, T, H) and the
+    LM head, without logits.
 
     ``completion_ids``/``completion_mask``/``old_log_probs``/``ref_log_probs`` are (B, T); ``advantages``
-    (B,), (B, 1) or (B, T) per token. ``settings`` (a `GRPOSettings`: loss type, beta, epsilons, ...) holds
-    the loss's options; each may also be given as a keyword of its field's name (``beta=0.04``), alone or
-    agreeing with ``settings``. ``beta > 0`` adds the k3 KL to ``ref_log_probs``. ``num_items_in_batch``
-    is dapo's normalizer (default: the mask's token count). The head (in parts or ``head=``), ``block_sizes``
-    and ``impl`` as in `fused_linear_logprobs`.
-    Returns (loss, metrics) with TRL's metric names: kl (when ref_log_probs is given),
-    clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean, entropy (means over tokens),
-    clip_ratio/low_min and clip_ratio/high_max (extremes over sequences of their clipped fractions).
+    (B,), (B, 1) or (B, T) per token. ``settings`` (a `GRPOSettings`: loss type, beta, epsilons, importance
+    sampling level, entropy mask and bonus, off-policy mask...) holds the loss's options; each may also be given
+    as a keyword of its field's name (``beta=0.04``), alone or agreeing with ``settings``. ``beta > 0`` adds the
+    k3 KL to ``ref_log_probs``. ``sampling_log_probs`` (B, T): the sampler's log-probs, which the off-policy mask
+    compares with (default: ``old_log_probs``); ``importance_sampling_ratio`` (B, T) or (B, 1): a sampler's
+    correction (vLLM's in TRL) multiplying the policy term. ``num_items_in_batch`` is the normalizer of dapo,
+    cispo and vespo (default: the mask's token count). The head (in parts or ``head=``), ``block_sizes`` and
+    ``impl`` as in `fused_linear_logprobs`. The entropy carries its gradient (the entropy bonus).
+    Returns (loss, metrics) with TRL's metric names: kl (when ref_log_probs is given) and entropy (means over
+    tokens); for the clipped loss types clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean,
+    clip_ratio/low_min and clip_ratio/high_max; cispo_clip_ratio; vespo/phi_seq_mean.
     """
     head = op_head(head, weight, bias, temperature, softcap, logit_scale)
     check_impl(impl)
@@ -341,18 +346,31 @@ def fused_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor | None = None,
     check_tensor("hidden", hidden, ndim=3, floating=True)
     settings = GRPOSettings.of(settings, options)
     batch = check_grpo_inputs(completion_ids, completion_mask, advantages, old_log_probs, ref_log_probs, settings,
-                              num_items_in_batch)
-    flat_hidden, flat_ids, _ = _linear_inputs(head, hidden, completion_ids, batch.keep, targets_name="completion_ids")
+                              num_items_in_batch, sampling_log_probs, importance_sampling_ratio,
+                              stat_dtype(hidden.dtype))
+    tensors = dict(old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, sampling_log_probs=sampling_log_probs,
+                   importance_sampling_ratio=importance_sampling_ratio, num_items_in_batch=num_items_in_batch)
     if impl == "reference":
         return reference.grpo_loss(hidden, completion_ids=completion_ids, completion_mask=completion_mask,
-                                   advantages=advantages, head=head,
-                                   old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, settings=settings,
-                                   num_items_in_batch=num_items_in_batch)
+                                   advantages=advantages, head=head, settings=settings, **tensors)
+    flat_hidden, flat_ids, kept = _linear_inputs(head, hidden, completion_ids, batch.keep,
+                                                 targets_name="completion_ids")
 
-    def token_loss(rows, log_probs, _entropy, _mean_log_prob):
-        return grpo_token_loss(log_probs, batch, rows)
+    def per_token(values):  # (K,) -> (B, T)
+        return _scatter_rows(values, kept, completion_ids.shape)
 
-    loss, log_probs, entropy = linear_loss(head, flat_hidden, flat_ids, token_loss, need_entropy=True,
-                                           block_sizes=sizes, impl=impl,
-                                           loss_inputs=(advantages, old_log_probs, ref_log_probs))  # (K,) stats
-    return loss, grpo_metrics(log_probs, entropy, batch, has_kl=ref_log_probs is not None)
+    if settings.per_token and importance_sampling_ratio is None:  # each token's gradient known from its log-prob
+
+        def token_loss(rows, log_probs, _entropy, _mean_log_prob):
+            return grpo_token_loss(log_probs, batch, rows)
+
+        loss, log_probs, entropy = linear_loss(head, flat_hidden, flat_ids, token_loss, need_entropy=True,
+                                               block_sizes=sizes, impl=impl,
+                                               loss_inputs=(advantages, old_log_probs, ref_log_probs))  # (K,)
+        with torch.no_grad():
+            _, metrics = grpo_objective(per_token(log_probs), per_token(entropy), batch.keep, advantages, settings,
+                                        **tensors)
+        return loss, metrics
+    log_probs, entropy, _ = linear_token_stats(flat_hidden, targets=flat_ids, head=head, need_entropy=True,
+                                               block_sizes=sizes, impl=impl)  # (K,) each, differentiable
+    return grpo_objective(per_token(log_probs), per_token(entropy), batch.keep, advantages, settings, **tensors)

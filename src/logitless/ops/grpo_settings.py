@@ -12,27 +12,42 @@ from dataclasses import dataclass
 from logitless._checks import check_choice, check_finite_number, check_positive_int
 from logitless._keywords import unknown_keyword
 
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-IMPORTANCE_SAMPLING_LEVELS = ("token",)  # TRL's "sequence" (GSPO) ratios are not computed by these ops
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")  # TRL 1.16's
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
 @dataclass(frozen=True)
 class GRPOSettings:
-    """The options of TRL's GRPO loss (see `logitless.ops.grpo` for the formulas).
+    """The options of TRL 1.16's GRPO loss that are settings, not tensors, with TRL's names and defaults but for
+    ``loss_type`` (TRL's GRPOConfig defaults to "dapo") (see `logitless.ops.grpo` for the formulas).
 
     Fields:
 
-    * ``loss_type``: how per-token losses are normalized: "grpo" (mean over sequences of each sequence's
-      token mean), "bnpo" (mean over the batch's tokens), "dr_grpo" (sum / (B * max_completion_length)),
-      "dapo" (sum / num_items_in_batch).
+    * ``loss_type``: the objective and how its per-token terms are normalized. The clipped objective:
+      "grpo" (mean over sequences of each sequence's token mean), "bnpo" (mean over the batch's tokens),
+      "dr_grpo" (sum / (B * max_completion_length)), "dapo" (sum / num_items_in_batch), "luspo" (each sequence's
+      sum, averaged over sequences: a sequence's loss scaled by its length; meant for
+      ``importance_sampling_level="sequence"``). Others: "cispo" (the clipped ratio, without gradient, times
+      the log-prob; sum / num_items_in_batch), "sapo" (a sigmoid gate of temperature ``sapo_temperature_pos``
+      or ``sapo_temperature_neg`` instead of the clip; normalized as grpo), "vespo" (a Gamma weight of the
+      sequence's ratio, without gradient, times the log-prob; sum / num_items_in_batch).
     * ``beta``: weight of the k3 KL to the reference policy (>= 0; > 0 needs ``ref_log_probs``).
-    * ``epsilon_low``, ``epsilon_high``: the ratio is clipped to [1 - epsilon_low, 1 + epsilon_high].
+    * ``epsilon_low``, ``epsilon_high``: the ratio is clipped to [1 - epsilon_low, 1 + epsilon_high]
+      (cispo clips at ``epsilon_high`` from above only).
     * ``delta``: upper cap of the unclipped ratio (TRL's two-sided clipping), or None for no cap.
-    * ``use_bias_correction_kl``: multiply the KL by the importance ratio.
-    * ``importance_sampling_level``: "token" (one ratio per token; the only level computed).
+    * ``use_bias_correction_kl``: multiply the KL by the importance ratio (TRL 1.16's default, True).
+    * ``importance_sampling_level``: "token" (one ratio per token) or "sequence" (GSPO: one ratio per
+      sequence, exp of its tokens' mean log-ratio).
     * ``max_completion_length``: dr_grpo's normalizer; None takes the completions' length T.
-    * ``gradient_accumulation_steps``: grpo, bnpo and dr_grpo divide the loss by it (dapo's
-      ``num_items_in_batch`` already spans the accumulated batch).
+    * ``gradient_accumulation_steps``: grpo, bnpo, dr_grpo, sapo, luspo and the entropy bonus divide by it
+      (``num_items_in_batch``, the normalizer of dapo, cispo and vespo, already spans the accumulated batch).
+    * ``top_entropy_quantile``: < 1 keeps only the tokens whose entropy is in the top fraction of the batch's
+      (the policy term; the KL stays on every token).
+    * ``off_policy_mask_threshold``: drops the sequences with a negative advantage whose mean
+      ``sampling_log_probs - log_probs`` (the drift from the policy that sampled them) exceeds it; None: none.
+    * ``entropy_coef``: subtracts this times the mean entropy of the tokens the policy term acts on.
+    * ``vespo_k_pos``, ``vespo_lambda_pos``, ``vespo_k_neg``, ``vespo_lambda_neg``: vespo's Gamma weight
+      for advantages >= 0 and < 0.
     """
 
     loss_type: str = "grpo"
@@ -40,15 +55,26 @@ class GRPOSettings:
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
     delta: float | None = None
-    use_bias_correction_kl: bool = False
+    use_bias_correction_kl: bool = True
     importance_sampling_level: str = "token"
     max_completion_length: int | None = None
     gradient_accumulation_steps: int = 1
+    top_entropy_quantile: float = 1.0
+    off_policy_mask_threshold: float | None = None
+    entropy_coef: float = 0.0
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
 
     def __post_init__(self):
         check_choice("settings.loss_type", self.loss_type, GRPO_LOSS_TYPES)
-        for name in ("beta", "epsilon_low", "epsilon_high"):
+        for name in ("beta", "epsilon_low", "epsilon_high", "entropy_coef", "vespo_k_pos", "vespo_k_neg"):
             check_finite_number(f"settings.{name}", getattr(self, name), allow_zero=True)
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
+            check_finite_number(f"settings.{name}", getattr(self, name))
         if self.delta is not None:
             check_finite_number("settings.delta", self.delta)
         if not isinstance(self.use_bias_correction_kl, bool):
@@ -57,27 +83,31 @@ class GRPOSettings:
         if self.max_completion_length is not None:
             check_positive_int("settings.max_completion_length", self.max_completion_length)
         check_positive_int("settings.gradient_accumulation_steps", self.gradient_accumulation_steps)
+        check_finite_number("settings.top_entropy_quantile", self.top_entropy_quantile)
+        if self.top_entropy_quantile > 1:
+            raise ValueError(f"settings.top_entropy_quantile: expected a fraction in (0, 1], got "
+                             f"{self.top_entropy_quantile!r}")
+        if self.off_policy_mask_threshold is not None:
+            check_finite_number("settings.off_policy_mask_threshold", self.off_policy_mask_threshold, allow_zero=True)
+
+    @property
+    def per_token(self) -> bool:
+        """Whether each token's loss term depends on that token's log-prob alone (given the tensors passed in):
+        no sequence-level ratio, vespo weight, entropy quantile, off-policy mask or entropy bonus. Such a loss's
+        gradient is known as soon as a token's log-prob is, which the one-pass schedule needs."""
+        return (self.importance_sampling_level == "token" and self.loss_type != "vespo"
+                and self.top_entropy_quantile == 1.0 and self.off_policy_mask_threshold is None
+                and self.entropy_coef == 0.0)
 
     @classmethod
     def from_trl(cls, grpo_config) -> GRPOSettings:
         """The settings of a TRL ``GRPOConfig`` (read by attribute name; fields it lacks keep their defaults).
 
-        TRL's ``epsilon`` is the lower clip, and its ``epsilon_high`` defaults to ``epsilon``. An option of
-        TRL's loss that these settings do not model (an entropy mask or bonus, the off-policy mask, vLLM's
-        importance-sampling correction) is refused by name rather than dropped: `GRPOTrainerWithLogits`
-        runs such losses (TRL's loss code on fused log-probs).
+        TRL's ``epsilon`` is the lower clip, and its ``epsilon_high`` defaults to ``epsilon``. The tensors of
+        TRL's loss (the reference, old and sampling log-probs, vLLM's importance-sampling ratio) are the op's
+        arguments, not settings. TRL's adaptive entropy coefficient is the trainer's state: pass the coefficient
+        of the current step as ``entropy_coef``.
         """
-        unmodelled = {"top_entropy_quantile": getattr(grpo_config, "top_entropy_quantile", 1.0) != 1.0,
-                      "off_policy_mask_threshold": getattr(grpo_config, "off_policy_mask_threshold", None) is not None,
-                      "entropy_coef": getattr(grpo_config, "entropy_coef", 0.0) != 0.0,
-                      "vllm_importance_sampling_correction": bool(
-                          getattr(grpo_config, "use_vllm", False)
-                          and getattr(grpo_config, "vllm_importance_sampling_correction", False))}
-        for name, used in unmodelled.items():
-            if used:
-                raise ValueError(f"grpo_config.{name}: {getattr(grpo_config, name)!r} is an option of TRL's loss "
-                                 "that GRPOSettings does not model; GRPOTrainerWithLogits computes it (TRL's loss "
-                                 "on fused log-probs)")
         same_names = {field.name: getattr(grpo_config, field.name, field.default) for field in dataclasses.fields(cls)
                       if field.name not in ("epsilon_low", "epsilon_high")}
         epsilon_low = getattr(grpo_config, "epsilon", cls.epsilon_low)

@@ -11,6 +11,8 @@ in the entropy and in its gradient.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -122,83 +124,147 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor | None = None, completi
               completion_mask: torch.Tensor | None = None, advantages: torch.Tensor | None = None, *,
               head: LinearHead | None = None, bias: torch.Tensor | None = None, temperature: float = 1.0,
               softcap: float | None = None, logit_scale: float = 1.0, old_log_probs: torch.Tensor | None = None,
-              ref_log_probs: torch.Tensor | None = None, settings: GRPOSettings | None = None,
+              ref_log_probs: torch.Tensor | None = None, sampling_log_probs: torch.Tensor | None = None,
+              importance_sampling_ratio: torch.Tensor | None = None, settings: GRPOSettings | None = None,
               num_items_in_batch: float | None = None, **options) -> tuple[torch.Tensor, dict[str, float]]:
-    """Oracle for `fused_grpo_loss` (the same arguments): TRL's ``GRPOTrainer._compute_loss`` and its metrics,
-    written out on the materialized (B, T, V) logits, for every option the op takes.
+    """Oracle for `fused_grpo_loss` (the same arguments): TRL 1.16's ``GRPOTrainer._compute_loss`` and its
+    metrics, transcribed line by line on the materialized (B, T, V) logits, for every loss type and option.
 
-    Per token, r = exp(logp - old) (old = logp without gradient when not given), the loss is
-    ``-min(min(r, delta) A, clip(r, 1 - epsilon_low, 1 + epsilon_high) A)`` plus ``beta`` times the k3 KL
-    ``exp(ref - logp) - (ref - logp) - 1`` (times r with ``use_bias_correction_kl``). Normalized as TRL
-    normalizes a micro-batch under gradient accumulation: grpo the mean over sequences of their masked token
-    means, bnpo the masked sum over the batch's token count, dr_grpo the masked sum over B *
-    max_completion_length (T when None), each divided by ``gradient_accumulation_steps``; dapo the masked sum
-    over ``num_items_in_batch`` (the tokens of the whole accumulated batch; this batch's when None). Positions
-    outside ``completion_mask`` may hold anything (any id, NaN hidden states or log-probs): they are replaced
-    before they are read. Assumes valid inputs (the op checks them).
+    As TRL on one process: the micro-batch's loss under gradient accumulation (``gradient_accumulation_steps``
+    divides grpo, bnpo, dr_grpo, sapo, luspo and the entropy bonus; ``num_items_in_batch``, the tokens of the
+    whole accumulated batch, is the normalizer of dapo, cispo and vespo, this batch's when None). Positions
+    outside ``completion_mask`` may hold anything: they are replaced before they are read (an importance
+    ratio by 1, as TRL's sampler leaves it there). Assumes valid inputs (the op checks them).
     """
     head = op_head(head, weight, bias, temperature, softcap, logit_scale)
-    settings = GRPOSettings.of(settings, options)
+    s = GRPOSettings.of(settings, options)
     keep = completion_mask.bool()  # (B, T)
     dtype = stat_dtype(hidden.dtype)
     mask = keep.to(dtype)
     hidden = torch.where(keep[..., None], hidden, torch.zeros((), dtype=hidden.dtype))  # (B, T, H)
     log_probs_all = F.log_softmax(head_logits(hidden, head), dim=-1)  # (B, T, V)
-    entropies = entropy_from_log_probs(log_probs_all)  # (B, T)
 
-    def at_tokens(values):  # (B, T) with the positions outside the mask zeroed, so that they are never read
-        return torch.where(keep, values.to(dtype), torch.zeros((), dtype=dtype))
+    def at_tokens(values, fill=0.0):  # (B, T) with the positions outside the mask replaced, so never read
+        if values is None or values.shape[1] != keep.shape[1]:
+            return None if values is None else values.to(dtype)
+        return torch.where(keep, values.to(dtype), torch.tensor(fill, dtype=dtype))
 
+    entropies = at_tokens(entropy_from_log_probs(log_probs_all))
     per_token_logps = at_tokens(log_probs_all.gather(-1, completion_ids.masked_fill(~keep, 0)[..., None]).squeeze(-1))
+    is_ratio = at_tokens(importance_sampling_ratio, fill=1.0)
+
+    if s.top_entropy_quantile < 1.0:
+        local = entropies.detach()[keep].float()
+        if local.numel() == 0:
+            entropy_mask = torch.zeros_like(keep)
+        else:
+            entropy_threshold = torch.quantile(local, 1 - s.top_entropy_quantile)
+            entropy_mask = ((entropies.detach() * mask) >= entropy_threshold) & keep
+    else:
+        entropy_mask = None
 
     advantages = advantages.to(dtype)
-    advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
-    old = per_token_logps.detach() if old_log_probs is None else at_tokens(old_log_probs)
-    coef_1 = torch.exp(per_token_logps - old)
+    advantages = at_tokens(advantages.unsqueeze(1) if advantages.dim() == 1 else advantages)  # (B, 1) or (B, T)
+    old_per_token_logps = per_token_logps.detach() if old_log_probs is None else at_tokens(old_log_probs)
+    if s.off_policy_mask_threshold is not None:
+        sampling = old_per_token_logps if sampling_log_probs is None else at_tokens(sampling_log_probs)
+        kl_div = torch.nan_to_num(sampling - per_token_logps.detach(), nan=0.0)
+        avg_seq_kl = (kl_div * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+        off_policy_mask = ((advantages >= 0) | (avg_seq_kl <= s.off_policy_mask_threshold)).to(dtype)
+
+    log_ratio = per_token_logps - old_per_token_logps
+    if s.importance_sampling_level == "token":
+        log_importance_weights = log_ratio
+    else:
+        log_importance_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_importance_weights)
+
     if ref_log_probs is not None:
         ref = at_tokens(ref_log_probs)
         per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
-        if settings.use_bias_correction_kl:
+        if s.use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1
-    coef_2 = torch.clamp(coef_1, 1 - settings.epsilon_low, 1 + settings.epsilon_high)
-    if settings.delta is not None:
-        coef_1 = torch.clamp(coef_1, max=settings.delta)
-    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
-    if settings.beta != 0.0:
-        per_token_loss = per_token_loss + settings.beta * per_token_kl
 
-    batch, length = keep.shape
-    masked_sum = (per_token_loss * mask).sum()
-    if settings.loss_type == "grpo":
-        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / settings.gradient_accumulation_steps
-    elif settings.loss_type == "bnpo":
-        loss = masked_sum / mask.sum().clamp(min=1.0) / settings.gradient_accumulation_steps
-    elif settings.loss_type == "dr_grpo":
-        loss = masked_sum / (batch * (settings.max_completion_length or length)) / settings.gradient_accumulation_steps
-    else:  # dapo
+    if s.loss_type == "cispo":
+        clamped_ratios = torch.clamp(coef_1, max=s.epsilon_high).detach()
+        per_token_loss = -clamped_ratios * advantages * per_token_logps
+    elif s.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        coef_2 = torch.clamp(coef_1, 1 - s.epsilon_low, 1 + s.epsilon_high)
+        if s.delta is not None:
+            coef_1 = torch.clamp(coef_1, max=s.delta)
+        per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    elif s.loss_type == "sapo":
+        temperatures = torch.where(advantages > 0, s.sapo_temperature_pos, s.sapo_temperature_neg)
+        per_token_loss = -(torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures) * advantages
+    else:  # vespo
+        with torch.no_grad():
+            lower_clamp = math.log(1e-8)
+            seq_log_ratio = torch.sum(torch.clamp(log_ratio, -20.0, 20.0) * mask, dim=-1, keepdim=True)
+            if is_ratio is not None:
+                seq_log_ratio = seq_log_ratio + torch.sum(torch.clamp(torch.log(is_ratio), lower_clamp, 20.0),
+                                                          dim=-1, keepdim=True)
+            log_w_seq = torch.clamp(seq_log_ratio, lower_clamp, 20.0)
+            is_nonneg_adv = advantages >= 0
+            k_seq = torch.where(is_nonneg_adv, s.vespo_k_pos, s.vespo_k_neg)
+            lambda_seq = torch.where(is_nonneg_adv, s.vespo_lambda_pos, s.vespo_lambda_neg).clamp(min=1e-4)
+            phi_seq = torch.exp(lambda_seq + k_seq * log_w_seq - lambda_seq * torch.exp(log_w_seq))
+            phi_seq = phi_seq.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        per_token_loss = -phi_seq * advantages * per_token_logps
+
+    if s.off_policy_mask_threshold is not None:
+        per_token_loss = per_token_loss * off_policy_mask
+    if entropy_mask is not None:
+        per_token_loss = per_token_loss * entropy_mask
+    if is_ratio is not None and s.loss_type != "vespo":
+        per_token_loss = per_token_loss * is_ratio
+    if s.beta != 0.0:
+        per_token_loss = per_token_loss + s.beta * per_token_kl
+
+    accumulation = s.gradient_accumulation_steps
+    if s.loss_type in ("grpo", "sapo"):
+        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation
+    elif s.loss_type == "bnpo":
+        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0) / accumulation
+    elif s.loss_type == "dr_grpo":
+        length = s.max_completion_length or keep.shape[1]
+        loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * length) / accumulation
+    elif s.loss_type in ("cispo", "dapo", "vespo"):
         normalizer = mask.sum() if num_items_in_batch is None else torch.tensor(float(num_items_in_batch), dtype=dtype)
-        loss = masked_sum / normalizer.clamp(min=1.0)
+        loss = (per_token_loss * mask).sum() / normalizer.clamp(min=1.0)
+    else:  # luspo
+        loss = (per_token_loss * mask).sum(-1).mean() / accumulation
+    if s.entropy_coef != 0.0:
+        effective_mask = mask if entropy_mask is None else mask * entropy_mask
+        entropy_loss = (entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0) / accumulation
+        loss = loss - s.entropy_coef * entropy_loss
 
     with torch.no_grad():
-        def global_masked_mean(values):
-            return ((values * mask).sum() / mask.sum().clamp(min=1.0)).item()
+        def masked_seq_mean(x):  # (B,): NaN for a sequence without tokens
+            return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
 
-        def masked_seq_mean(values):  # (B,): NaN for a sequence without tokens
-            return (values * mask).sum(-1) / mask.sum(-1)
+        def global_masked_mean(x):
+            if x.shape[1] == 1:
+                return (x.sum() / max(x.shape[0], 1)).item()
+            return ((x * mask).sum() / mask.sum().clamp(min=1.0)).item()
 
         def nan_extreme(values, extreme):
             values = values[~torch.isnan(values)]
             return extreme(values).item() if values.numel() else float("nan")
 
-        is_low_clipped = ((coef_1 < 1 - settings.epsilon_low) & (advantages < 0)).to(dtype)
-        is_high_clipped = ((coef_1 > 1 + settings.epsilon_high) & (advantages > 0)).to(dtype)
-        is_region_clipped = torch.maximum(is_low_clipped, is_high_clipped)
-        metrics = {"clip_ratio/low_mean": global_masked_mean(is_low_clipped),
-                   "clip_ratio/high_mean": global_masked_mean(is_high_clipped),
-                   "clip_ratio/region_mean": global_masked_mean(is_region_clipped),
-                   "entropy": global_masked_mean(entropies)}
+        metrics = {}
         if ref_log_probs is not None:
             metrics["kl"] = global_masked_mean(per_token_kl)
-        metrics["clip_ratio/low_min"] = nan_extreme(masked_seq_mean(is_low_clipped), torch.min)
-        metrics["clip_ratio/high_max"] = nan_extreme(masked_seq_mean(is_high_clipped), torch.max)
+        metrics["entropy"] = global_masked_mean(entropies)
+        if s.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+            is_low_clipped = ((coef_1 < 1 - s.epsilon_low) & (advantages < 0)).to(dtype)
+            is_high_clipped = ((coef_1 > 1 + s.epsilon_high) & (advantages > 0)).to(dtype)
+            metrics["clip_ratio/low_mean"] = global_masked_mean(is_low_clipped)
+            metrics["clip_ratio/high_mean"] = global_masked_mean(is_high_clipped)
+            metrics["clip_ratio/region_mean"] = global_masked_mean(torch.maximum(is_low_clipped, is_high_clipped))
+            metrics["clip_ratio/low_min"] = nan_extreme(masked_seq_mean(is_low_clipped), torch.min)
+            metrics["clip_ratio/high_max"] = nan_extreme(masked_seq_mean(is_high_clipped), torch.max)
+        elif s.loss_type == "cispo":
+            metrics["cispo_clip_ratio"] = global_masked_mean(((coef_1 > s.epsilon_high) & (advantages > 0)).to(dtype))
+        elif s.loss_type == "vespo":
+            metrics["vespo/phi_seq_mean"] = global_masked_mean(phi_seq)
     return loss, metrics

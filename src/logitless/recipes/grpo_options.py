@@ -14,10 +14,9 @@ from logitless.recipes.options import add_config_parser
 
 DESCRIPTION = "`logitless grpo`: GRPO on multiple-choice questions with the judge reward, logit-free, crash-safe."
 
-# TRL's loss types, by TRL's names: those of `GRPOSettings` (the fused GRPO loss's and the JAX op's), then those
-# TRL's own loss code computes on the fused head's log-probs and GRPOSettings does not model yet; each of them
-# needs no other option (luspo, which needs sequence-level importance sampling, is not offered)
-LOSS_TYPES = GRPO_LOSS_TYPES + tuple(name for name in ("cispo", "sapo", "vespo") if name not in GRPO_LOSS_TYPES)
+# TRL's loss types, by TRL's names (those of `GRPOSettings`), each of which needs no other option: luspo, meant for
+# sequence-level importance sampling, is not offered
+LOSS_TYPES = tuple(name for name in GRPO_LOSS_TYPES if name != "luspo")
 SYNTHETIC_QUESTIONS = 256  # the default question set, the same whatever the number of steps
 
 
