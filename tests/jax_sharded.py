@@ -31,6 +31,14 @@ def grpo(hidden, weight, bias, targets, mask, advantages, old_log_probs, ref_log
                            ref_log_probs=ref_log_probs, beta=0.04, softcap=5.0)[0]
 
 
+def grpo_sequence(hidden, weight, bias, targets, mask, advantages, old_log_probs, ref_log_probs, **_):
+    """A GRPO loss whose terms need every token first (sequence-level ratios, the entropy bonus): the per-token
+    log-probs and entropies of the two passes, then the objective on them."""
+    return fused_grpo_loss(hidden, weight, targets, mask, advantages, bias=bias, old_log_probs=old_log_probs,
+                           ref_log_probs=ref_log_probs, beta=0.04, loss_type="sapo",
+                           importance_sampling_level="sequence", entropy_coef=0.01)[0]
+
+
 def jsd(hidden, weight, bias, mask, teacher_hidden, teacher_weight, **_):
     divergence = fused_linear_jsd(hidden, weight, teacher_hidden, teacher_weight, bias_s=bias, beta=0.3, mask=mask)
     return divergence.sum() / mask.sum()
@@ -44,6 +52,7 @@ MESHES = {  # name -> (devices, axis sizes, axis names, the token axis or None)
 LOSSES = {  # name -> (loss, the meshes it runs on)
     "cross_entropy": (cross_entropy, ("vocab over 2", "vocab over 4")),
     "grpo": (grpo, ("vocab over 4",)),
+    "grpo_sequence": (grpo_sequence, ("vocab over 4",)),
     "jsd": (jsd, ("tokens over 2, vocab over 2",)),
 }
 
@@ -67,7 +76,7 @@ def inputs() -> dict:
 def step(loss):
     """jit(value_and_grad) in hidden, weight and bias; the GRPO loss reads its ids where the mask keeps them."""
     def value(hidden, weight, bias, arrays):
-        arrays = dict(arrays, targets=jnp.where(arrays["mask"] > 0, arrays["targets"], 0)) if loss is grpo else arrays
+        arrays = dict(arrays, targets=jnp.where(arrays["mask"] > 0, arrays["targets"], 0)) if loss in (grpo, grpo_sequence) else arrays
         return loss(hidden, weight, bias, **arrays)
 
     return jax.jit(jax.value_and_grad(value, argnums=(0, 1, 2)))

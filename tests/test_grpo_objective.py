@@ -203,3 +203,19 @@ def test_one_pass_runs_exactly_the_per_token_settings(monkeypatch):
                         old_log_probs=tensors["old_log_probs"].float(),
                         ref_log_probs=tensors["ref_log_probs"].float() if settings.beta else None)
         assert bool(calls) == one_pass, options
+
+
+def test_a_bad_importance_ratio_or_sampling_log_prob_is_named():
+    hidden, weight, ids, mask, advantages, _ = _inputs(CASES[0], seed=0)
+
+    def call(**tensors):
+        return fused_grpo_loss(hidden, weight, ids, mask, advantages, **tensors)
+
+    with pytest.raises(ValueError, match=r"^importance_sampling_ratio: expected \(6, 7\) or \(6, 1\), got \(6, 3\)"):
+        call(importance_sampling_ratio=torch.ones(6, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="^importance_sampling_ratio: expected finite ratios >= 0"):
+        call(importance_sampling_ratio=torch.full((6, T), float("nan"), dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"^sampling_log_probs: NaN or \+inf at a token of completion_mask"):
+        call(sampling_log_probs=torch.full((6, T), float("inf"), dtype=torch.float64), off_policy_mask_threshold=0.1)
+    call(sampling_log_probs=torch.full((6, T), float("nan"), dtype=torch.float64),  # unscored tokens: allowed
+         off_policy_mask_threshold=0.1)

@@ -386,7 +386,7 @@ def _bad(**changes):
     (dict(beta=-1.0), ValueError, "beta: expected a finite number >= 0"),
     (dict(beta=float("nan")), ValueError, "beta: expected a finite number >= 0"),
     (dict(old_log_probs=np.full((B, T), np.nan, np.float32)), ValueError, "old_log_probs: NaN"),
-    (dict(old_logprobs=np.zeros((B, T), np.float32)), TypeError, "old_logprobs: not an option"),
+    (dict(old_logprobs=np.zeros((B, T), np.float32)), TypeError, "keyword `old_logprobs` is spelled `old_log_probs`"),
     (dict(temperature=0.0), ValueError, "temperature: expected a finite number > 0"),
     (dict(logit_scale=-2.0), ValueError, "logit_scale: expected a finite number > 0"),
     (dict(bias=np.zeros(V + 1, np.float32)), ValueError, "bias: length 62"),

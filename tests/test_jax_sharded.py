@@ -31,7 +31,7 @@ def test_the_vocabulary_is_sharded_over_two_and_four_devices(report):
     assert {result["shards"] for case in report["cases"].values() for result in case["meshes"].values()} == {2, 4}
 
 
-@pytest.mark.parametrize("loss", ["cross_entropy", "grpo", "jsd"])
+@pytest.mark.parametrize("loss", ["cross_entropy", "grpo", "grpo_sequence", "jsd"])
 def test_vocabulary_sharded_equals_one_device_and_gathers_no_weight(report, loss):
     case = report["cases"][loss]
     assert min(case["grad_scales"]) > 1e-5  # real gradients were compared
@@ -43,7 +43,7 @@ def test_vocabulary_sharded_equals_one_device_and_gathers_no_weight(report, loss
         assert result["all-reduce"] > 0, mesh  # the row statistics are combined across the vocabulary shards
 
 
-@pytest.mark.parametrize("loss", ["cross_entropy", "grpo", "jsd"])
+@pytest.mark.parametrize("loss", ["cross_entropy", "grpo", "grpo_sequence", "jsd"])
 def test_per_device_temporaries_are_the_unsharded_ones_divided_by_the_shards(report, loss):
     """Each device holds its share of a block: the temporaries (bf16 inputs, the two-pass schedule everywhere)
     divide by the shard count, plus the row statistics and dh's fp32 partial sum over the device's columns, which

@@ -26,7 +26,7 @@ from logitless.jax import reference
 from logitless.jax.checks import (check_array, check_finite, check_impl, check_mask, check_same_shape,
                                   check_token_ids, concrete, take_head)
 from logitless.jax.fused import TokenLoss
-from logitless.jax.grpo import GRPOData, GRPOTerms, grpo_metrics_of, token_weights
+from logitless.jax.grpo import GRPOData, GRPOTerms, grpo_objective, token_weights
 from logitless.jax.head import Head
 from logitless.jax.sharding import fused_loss, fused_stats
 from logitless.jax.softmax import SoftmaxAccumulator, SoftmaxStats
@@ -184,41 +184,57 @@ def fused_linear_cross_entropy(hidden, weight=None, targets=None, *, bias=None, 
     return total + jnp.where(count == 0, jnp.nan, 0.0) if reduction == "mean" else total
 
 
-def _check_grpo_arrays(completion_ids, keep, advantages, old_log_probs, ref_log_probs, settings: GRPOSettings,
-                       num_items_in_batch) -> jax.Array:
-    """The GRPO arguments that `_linear_inputs` does not see; returns the advantages as (B, 1) or (B, T) fp32."""
+def _check_grpo_arrays(completion_ids, keep, advantages, old_log_probs, ref_log_probs, sampling_log_probs,
+                       importance_sampling_ratio, settings: GRPOSettings, num_items_in_batch, dtype) -> jax.Array:
+    """The GRPO arguments that `_linear_inputs` does not see; returns the advantages as (B, 1) or (B, T) in
+    ``dtype``, the loss's."""
     advantages = check_array("advantages", advantages, ndim=(1, 2), floating=True)
     num_sequences, length = completion_ids.shape
     check_advantages_shape(advantages.shape, num_sequences, length)
     check_finite("advantages", advantages)
     kept = concrete(keep)
-    for name, value in (("old_log_probs", old_log_probs), ("ref_log_probs", ref_log_probs)):
+    for name, value in (("old_log_probs", old_log_probs), ("ref_log_probs", ref_log_probs),
+                        ("sampling_log_probs", sampling_log_probs)):
         if value is not None:
             check_same_shape(name, check_array(name, value, floating=True), "completion_ids", completion_ids)
             values = concrete(value)
-            if values is not None and kept is not None and not (values[kept] < np.inf).all():
+            unscored = None if values is None or kept is None else (
+                values[kept] == np.inf if name == "sampling_log_probs" else ~(values[kept] < np.inf))
+            if unscored is not None and unscored.any():  # a sampler may leave a token unscored (NaN)
                 raise ValueError(f"{name}: NaN or +inf at a token of completion_mask (log-probabilities are <= 0)")
+    if importance_sampling_ratio is not None:
+        ratios = check_array("importance_sampling_ratio", importance_sampling_ratio, ndim=2, floating=True)
+        if tuple(ratios.shape) not in ((num_sequences, length), (num_sequences, 1)):
+            raise ValueError(f"importance_sampling_ratio: expected ({num_sequences}, {length}) or "
+                             f"({num_sequences}, 1), got {tuple(ratios.shape)}")
+        values = concrete(ratios)
+        if values is not None and kept is not None:
+            values = values[kept] if values.shape[1] == length and length > 1 else values
+            if not (np.isfinite(values).all() and (values >= 0).all()):
+                raise ValueError("importance_sampling_ratio: expected finite ratios >= 0 at the tokens of "
+                                 "completion_mask")
     check_grpo_options(settings, ref_log_probs is not None,
                        None if num_items_in_batch is None else concrete(num_items_in_batch))
-    return advantages.reshape(num_sequences, -1).astype(jnp.float32)
+    return advantages.reshape(num_sequences, -1).astype(dtype)
 
 
 def fused_grpo_loss(hidden, weight=None, completion_ids=None, completion_mask=None, advantages=None, *, bias=None,
-                    old_log_probs=None, ref_log_probs=None, settings: GRPOSettings | None = None,
-                    num_items_in_batch=None, temperature: float = 1.0, softcap: float | None = None,
-                    logit_scale: float = 1.0, block_sizes: BlockSizes | None = None, impl: str = "auto",
-                    head: Head | None = None, **options) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The GRPO loss of TRL's GRPOTrainer from hidden states (B, T, H) and the LM head, without logits.
+                    old_log_probs=None, ref_log_probs=None, sampling_log_probs=None, importance_sampling_ratio=None,
+                    settings: GRPOSettings | None = None, num_items_in_batch=None, temperature: float = 1.0,
+                    softcap: float | None = None, logit_scale: float = 1.0, block_sizes: BlockSizes | None = None,
+                    impl: str = "auto", head: Head | None = None, **options) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The GRPO loss of TRL 1.16's GRPOTrainer, every loss type and option, from hidden states (B, T, H) and the LM
+    head, without logits.
 
     Arguments as `logitless.fused_grpo_loss` (PyTorch): ``completion_ids``/``completion_mask``/
-    ``old_log_probs``/``ref_log_probs`` (B, T); ``advantages`` (B,), (B, 1) or (B, T); ``settings``, a
-    `GRPOSettings` (or its fields as keywords: ``loss_type="dapo"``, ``beta=0.04``, ...); ``beta > 0``
-    adds the k3 KL to ``ref_log_probs``; ``old_log_probs`` None means on-policy (ratio 1, gradient of the
-    log-prob). Head options (``bias``, ``temperature``, ``softcap``, ``logit_scale``, or ``head``),
-    ``block_sizes`` and ``impl`` as in `fused_linear_logprobs`.
-    Returns (loss, metrics): a scalar and a dict of scalar arrays with TRL's names, kl (when
-    ref_log_probs is given), clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean,
-    entropy, clip_ratio/low_min, clip_ratio/high_max. Differentiate with ``jax.grad(..., has_aux=True)``.
+    ``old_log_probs``/``ref_log_probs``/``sampling_log_probs`` (B, T); ``advantages`` (B,), (B, 1) or (B, T);
+    ``importance_sampling_ratio`` (B, T) or (B, 1); ``settings``, a `GRPOSettings` (or its fields as keywords:
+    ``loss_type="dapo"``, ``beta=0.04``, ...); ``beta > 0`` adds the k3 KL to ``ref_log_probs``;
+    ``old_log_probs`` None means on-policy (ratio 1, gradient of the log-prob). Head options (``bias``,
+    ``temperature``, ``softcap``, ``logit_scale``, or ``head``), ``block_sizes`` and ``impl`` as in
+    `fused_linear_logprobs`.
+    Returns (loss, metrics): a scalar and a dict of scalar arrays with TRL's names (those of the PyTorch op).
+    Differentiate with ``jax.grad(..., has_aux=True)``.
     """
     hidden = check_array("hidden", hidden, ndim=3, floating=True)
     if completion_mask is None:  # the loss's normalizers count its tokens: it is not optional, as in PyTorch
@@ -228,11 +244,19 @@ def fused_grpo_loss(hidden, weight=None, completion_ids=None, completion_mask=No
                             mask_name="completion_mask")
     keep = inputs.keep.reshape(completion_ids.shape)
     settings = GRPOSettings.of(settings, options)
-    advantages = _check_grpo_arrays(completion_ids, keep, advantages, old_log_probs, ref_log_probs, settings,
-                                    num_items_in_batch)
-    data = GRPOData(jnp.broadcast_to(advantages, keep.shape), old_log_probs, ref_log_probs,
-                    token_weights(keep, settings, num_items_in_batch), keep.astype(jnp.float32))  # (B, T) each
-    loss, stats = _loss(inputs, impl, GRPOTerms(settings), jax.tree.map(lambda values: values.reshape(-1), data),
-                        need_entropy=True)
+    dtype = jnp.float64 if hidden.dtype == jnp.float64 else jnp.float32  # the statistics' (the log-probs')
+    advantages = _check_grpo_arrays(completion_ids, keep, advantages, old_log_probs, ref_log_probs,
+                                    sampling_log_probs, importance_sampling_ratio, settings, num_items_in_batch,
+                                    dtype)
+    tensors = dict(old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, sampling_log_probs=sampling_log_probs,
+                   importance_sampling_ratio=importance_sampling_ratio, num_items_in_batch=num_items_in_batch)
+    if settings.per_token and importance_sampling_ratio is None:  # each token's gradient known from its log-prob
+        data = GRPOData(jnp.broadcast_to(advantages, keep.shape), old_log_probs, ref_log_probs,
+                        token_weights(keep, settings, num_items_in_batch, dtype), keep.astype(dtype))  # (B, T) each
+        loss, stats = _loss(inputs, impl, GRPOTerms(settings), jax.tree.map(lambda values: values.reshape(-1), data),
+                            need_entropy=True)
+        log_probs, entropy = (values.reshape(completion_ids.shape) for values in (stats.log_probs, stats.entropy))
+        return loss, grpo_objective(log_probs, entropy, keep, advantages, settings, **tensors)[1]
+    stats = _token_stats(inputs, impl, need_entropy=True)  # (N,) each, differentiable
     log_probs, entropy = (values.reshape(completion_ids.shape) for values in (stats.log_probs, stats.entropy))
-    return loss, grpo_metrics_of(log_probs, entropy, data, settings)
+    return grpo_objective(log_probs, entropy, keep, advantages, settings, **tensors)
