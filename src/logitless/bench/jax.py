@@ -41,7 +41,7 @@ from logitless.ops.grpo_settings import GRPOSettings
 LOSSES = ("ce", "kl", "grpo")
 IMPLEMENTATIONS = ("plain", "seq_chunked", "logitless")
 DTYPES = ("float32", "bfloat16")
-SETTINGS = GRPOSettings(loss_type="grpo", beta=0.04)  # the GRPO loss every implementation computes
+SETTINGS = GRPOSettings(loss_type="grpo", beta=0.04, use_bias_correction_kl=False)  # every implementation's loss
 MEMORY_FIELDS = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes")
 SEQ_CHUNKS = 8
 

@@ -5,7 +5,8 @@ and weight. Every token is valid unless ``masked_fraction`` pads the end of each
 padded case). Two losses (``--loss``):
 
 ``grpo`` (the default): hidden (B, T, H), weight (V, H), completion ids, advantages, old and reference
-log-probs; TRL's GRPO loss (loss_type "grpo", beta 0.04). Implementations:
+log-probs; TRL's GRPO loss (loss_type "grpo", beta 0.04, the KL without
+TRL 1.16's ratio correction, which Liger lacks). Implementations:
 
 * materialized          logits -> log_softmax -> gather -> loss, plus the entropy metric under no_grad,
                         128 rows at a time, as TRL's classic path logs it: what a user writes
@@ -64,7 +65,8 @@ DESCRIPTION = ("A loss forward and backward through the LM head, from final hidd
                "embedding, for each implementation in a fresh process on the same seeded inputs: time per "
                "step (median of --repeats), peak memory beyond the inputs, and the loss and gradient "
                "differences from the materialized path. --loss grpo: TRL's GRPO loss (loss_type grpo, beta "
-               "0.04, old and reference log-probs); --loss kl: the exact KL(p || q) between the trained head "
+               "0.04 with the KL uncorrected by the ratio, as Liger computes it, old and reference log-probs); "
+               "--loss kl: the exact KL(p || q) between the trained head "
                "and a fixed one (a reference model's, a teacher's) over the full vocabulary. Peers that are "
                "not installed are skipped.")
 

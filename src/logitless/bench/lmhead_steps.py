@@ -16,7 +16,8 @@ from logitless.ops.blocks import BlockSizes
 from logitless.ops.grpo_settings import GRPOSettings
 
 TEMPERATURE = 1.0
-SETTINGS = GRPOSettings(loss_type="grpo", beta=0.04)  # the GRPO loss every implementation computes
+SETTINGS = GRPOSettings(loss_type="grpo", beta=0.04, use_bias_correction_kl=False)  # every implementation's loss:
+# Liger's has no importance-ratio correction of the KL
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
