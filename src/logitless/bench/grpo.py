@@ -18,7 +18,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-from logitless.bench.ratios import add_ratios, format_ratio
+from logitless.bench.ratios import add_ratios, trl_comparison_lines
 from logitless.bench.timing import timed
 from logitless.bench.worker import run_worker_process, worker_main
 from logitless.models import EMBEDDED_DEFAULT
@@ -132,14 +132,7 @@ def format_table(report: dict) -> str:
     c = report["config"]
     lines = [f"{c['steps']} GRPO steps, {c['completions']} completions x {c['completion_length']} tokens per step, "
              f"{c['model']} (vocabulary {report['vocab_size']}), {c['device']}, {c['dtype']}",
-             f"{'setup':<9}{'trainer':<11}{'wall s':>8}{'x TRL':>7}{'loss+bwd s':>12}{'x TRL':>7}{'peak MB':>9}"
-             f"{'x TRL':>7}  losses"]
-    for setup, results in report["results"].items():
-        for name, r in results.items():
-            lines.append(f"{setup:<9}{name:<11}{r['time_s']:>8.1f}{format_ratio(r['time_ratio'], 7)}"
-                         f"{r['loss_backward_s']:>12.1f}{format_ratio(r['loss_backward_ratio'], 7)}"
-                         f"{r['peak_mb']:>9.0f}{format_ratio(r['peak_ratio'], 7)}"
-                         f"  {', '.join(f'{x:.4f}' for x in r['losses'])}")
+             *trl_comparison_lines(report["results"], "time_s", "wall s", "setup", 1)]
     return "\n".join(lines)
 
 

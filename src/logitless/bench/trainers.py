@@ -22,7 +22,7 @@ from pathlib import Path
 
 from logitless.bench.options import (add_device_option, add_model_option, choices_metavar, require_device,
                                      require_model, require_positive, require_writable, write_report)
-from logitless.bench.ratios import add_ratios, format_ratio
+from logitless.bench.ratios import add_ratios, trl_comparison_lines
 from logitless.bench.worker import run_worker_process
 from logitless.models import EMBEDDED_DEFAULT
 
@@ -89,14 +89,7 @@ def format_table(report: dict) -> str:
     lines = [f"TRL trainers, {c['steps']} steps each (the first not timed), the fastest of {c['rounds']} rounds, "
              f"{c['model']} (vocabulary {report['vocab_size']}), {c['device']}; sft/dpo/kto: {c['batch']} x {c['seq']} "
              f"tokens; rloo/grpo/distill: {c['completions']} completions x {c['completion_length']} tokens",
-             f"{'trainer':<9}{'head':<11}{'step s':>8}{'x TRL':>7}{'loss+bwd s':>12}{'x TRL':>7}{'peak MB':>9}"
-             f"{'x TRL':>7}  losses"]
-    for name, results in report["results"].items():
-        for implementation, r in results.items():
-            lines.append(f"{name:<9}{implementation:<11}{r['step_s']:>8.2f}{format_ratio(r['time_ratio'], 7)}"
-                         f"{r['loss_backward_s']:>12.2f}{format_ratio(r['loss_backward_ratio'], 7)}"
-                         f"{r['peak_mb']:>9.0f}{format_ratio(r['peak_ratio'], 7)}"
-                         f"  {', '.join(f'{x:.4f}' for x in r['losses'])}")
+             *trl_comparison_lines(report["results"], "step_s", "step s", "trainer", 2)]
     lines.append("loss+bwd: the loss and its backward within a step, the part the head changes; the rest of an RLOO, "
                  "GRPO or distillation step is generation, the same for both")
     return "\n".join(lines)
