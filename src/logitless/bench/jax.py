@@ -34,8 +34,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from logitless.bench.options import (add_report_options, add_shape_options, choices_metavar, require_positive,
-                                     require_writable, write_report)
+from logitless.bench.options import (add_report_options, add_shape_options, benchmark_parser, choices_metavar,
+                                     require_positive, require_writable, write_report)
 from logitless.ops.grpo_settings import GRPOSettings
 
 LOSSES = ("ce", "kl", "grpo")
@@ -353,18 +353,20 @@ def _shape_option(text: str) -> Shape | None:
     return Shape(*map(int, parts[:4]), parts[4])
 
 
+SUMMARY = "JAX LM-head losses (ce, kl, grpo): plain JAX, sequence-chunked and logitless; memory and time"
+DESCRIPTION = ("Cross-entropy, the KL of two heads and the GRPO loss through the LM head in JAX, value and "
+               "gradients of hidden and weight under jax.jit, three ways: plain JAX (the whole logits), the "
+               "sequence-chunked baseline (full-vocabulary logits for one slice of the tokens at a time, "
+               "recomputed in backward) and logitless's fused ops. Reports each compiled program's memory "
+               "(compiled.memory_analysis()) at the compile shape (compiled only, nothing allocated) and at "
+               "the run shape, where the steps also run: step time (median of --repeats) and the loss and "
+               "gradient differences to plain JAX. Needs JAX (pip install 'logitless[jax]').")
+
+
 def add_parser(targets) -> None:
     """Register ``logitless bench jax`` on the ``bench`` subcommand's subparsers."""
     defaults = Shape()
-    parser = targets.add_parser(
-        "jax", help="JAX LM-head losses (ce, kl, grpo): plain JAX, sequence-chunked and logitless; memory and time",
-        description="Cross-entropy, the KL of two heads and the GRPO loss through the LM head in JAX, value and "
-                    "gradients of hidden and weight under jax.jit, three ways: plain JAX (the whole logits), the "
-                    "sequence-chunked baseline (full-vocabulary logits for one slice of the tokens at a time, "
-                    "recomputed in backward) and logitless's fused ops. Reports each compiled program's memory "
-                    "(compiled.memory_analysis()) at the compile shape (compiled only, nothing allocated) and at "
-                    "the run shape, where the steps also run: step time (median of --repeats) and the loss and "
-                    "gradient differences to plain JAX. Needs JAX (pip install 'logitless[jax]').")
+    parser = benchmark_parser(targets, "jax", SUMMARY, DESCRIPTION)
     parser.add_argument("--loss", nargs="+", default=list(LOSSES), metavar=choices_metavar(LOSSES),
                         help=f"the losses to measure (default: {' '.join(LOSSES)})")
     add_shape_options(parser, defaults, DTYPES)

@@ -20,8 +20,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from logitless.bench.options import (add_device_option, add_model_option, choices_metavar, require_device,
-                                     require_model, require_positive, require_writable, write_report)
+from logitless.bench.options import (add_device_option, add_model_option, benchmark_parser, choices_metavar,
+                                     require_device, require_model, require_positive, require_writable, write_report)
 from logitless.bench.ratios import add_ratios, trl_comparison_lines
 from logitless.bench.worker import run_worker_process
 from logitless.models import EMBEDDED_DEFAULT
@@ -95,14 +95,16 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+SUMMARY = "every TRL trainer (SFT, DPO, KTO, RLOO, GRPO, distillation): TRL's own head vs logitless's"
+DESCRIPTION = ("A few training steps of each TRL 1.16 trainer that scores tokens, stock TRL (its own fused LM "
+               "head) and logitless's drop-in of the same name, on the same model, data, config and steps, "
+               "each in a fresh process: the median step time after the first, the peak memory of the run, "
+               "and the logged losses.")
+
+
 def add_parser(targets) -> None:
     defaults = TRLBenchConfig()
-    parser = targets.add_parser(
-        "trl", help="every TRL trainer (SFT, DPO, KTO, RLOO, GRPO, distillation): TRL's own head vs logitless's",
-        description="A few training steps of each TRL 1.16 trainer that scores tokens, stock TRL (its own fused LM "
-                    "head) and logitless's drop-in of the same name, on the same model, data, config and steps, "
-                    "each in a fresh process: the median step time after the first, the peak memory of the run, "
-                    "and the logged losses.")
+    parser = benchmark_parser(targets, "trl", SUMMARY, DESCRIPTION)
     parser.add_argument("--trainers", nargs="+", default=list(TRAINERS), metavar=choices_metavar(TRAINERS),
                         help="which trainers to run (default: all)")
     parser.add_argument("--steps", type=int, default=defaults.steps,
