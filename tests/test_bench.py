@@ -28,16 +28,21 @@ def test_bench_lmhead_small_shape(tmp_path, capsys):
 def test_bench_lmhead_kl(tmp_path, capsys):
     out_json = tmp_path / "kl.json"
     assert main(["bench", "lmhead", "--loss", "kl", "-B", "2", "-T", "16", "-H", "8", "-V", "1009", "--repeats", "1",
-                 "--masked-fraction", "0.25", "--block-tokens", "5", "--json", str(out_json)]) == 0
+                 "--masked-fraction", "0.25", "--block-tokens", "5", "--profile", "--json", str(out_json)]) == 0
     report = json.loads(out_json.read_text())
     assert report["flops"] == 8 * 24 * 8 * 1009  # two heads' logits, grad hidden, grad weight
-    assert set(report["results"]) == {"materialized", "materialized_minimal", "gemm", "logitless@5"}
+    assert set(report["results"]) == {"materialized", "materialized_minimal", "gemm", "trl", "logitless@5"}
     assert report["results"]["logitless@5"]["chunk_tokens"] == 5
-    for name in ("materialized_minimal", "logitless@5"):  # the same KL and gradients as F.kl_div's path
+    for name in ("materialized_minimal", "trl", "logitless@5"):  # the same KL and gradients as F.kl_div's path
         result = report["results"][name]
         assert result["loss_diff"] < 1e-5 and result["max_abs_grad_diff"] < 1e-5, name
     assert report["results"]["materialized"]["loss"] > 0.01  # two different heads: a KL that can be wrong
-    assert capsys.readouterr().out.startswith("KL(p || q) fwd+bwd through the LM head")
+    out = capsys.readouterr().out
+    assert out.startswith("KL(p || q) fwd+bwd through the LM head")
+    # --profile: where each step's time goes, logitless's KL function among the operators of its step
+    assert all("Self CPU time total" in result["profile"] for result in report["results"].values())
+    assert "LinearKL" in report["results"]["logitless@5"]["profile"]
+    assert "where the time of logitless@5's step goes (torch.profiler)" in out
 
 
 def test_bench_lmhead_block_curve_with_a_busy_process_beside_it(tmp_path, capsys):

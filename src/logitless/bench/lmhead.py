@@ -25,18 +25,21 @@ distillation use it. Implementations:
 * materialized          both heads' logits -> log_softmax -> F.kl_div(log_target=True)
 * materialized_minimal  both heads' logits -> log_softmax -> sum p (log p - log q)
 * gemm                  the four bare matmuls (both heads' logits, grad hidden, grad weight)
+* trl                   TRL 1.16's ChunkedDivergenceFunction (beta 1.0, with the student entropy it returns), as
+                        its distillation trainer calls it
 * logitless             fused_linear_kl
 
 Each runs in a fresh subprocess (`bench.lmhead_steps`, where the implementations are): one warm-up step, a
 steady-state step whose peak memory beyond the inputs is measured (`logitless.memory.PeakMemory`), the same with
-the gradient outputs counted, then timed repeats (the median is reported). Gradients go to a temporary safetensors
+the gradient outputs counted, then timed repeats (the median is reported; on a GPU each is timed by CUDA events). Gradients go to a temporary safetensors
 file and are compared with the materialized path's in the parent.
 
 ``block_tokens`` (``--block-tokens N [N ...]``): logitless runs once per value, its tokens per row chunk
 (``BlockSizes.tokens``), as the rows ``logitless@N``: the curve of time and memory against the chunk from which
 the CPU default is chosen. Each logitless row reports the chunk it ran (``chunk_tokens``) and the logits it held
 at once (``logits_mb``). ``busy`` (``--busy N``): every implementation runs with N busy processes beside it
-(`bench.busy`), as on a shared machine.
+(`bench.busy`), as on a shared machine. ``profile`` (``--profile``): one more step of each under torch.profiler,
+whose table of the operators and kernels that took the most time is printed after the results.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from logitless.bench.ratios import add_ratios, format_ratio, ratio
 from logitless.bench.worker import run_worker_process
 
 IMPLEMENTATIONS = ("materialized", "materialized_minimal", "gemm", "torch_chunked", "liger", "trl", "logitless")
-KL_IMPLEMENTATIONS = ("materialized", "materialized_minimal", "gemm", "logitless")
+KL_IMPLEMENTATIONS = ("materialized", "materialized_minimal", "gemm", "trl", "logitless")
 LOSSES = {"grpo": "GRPO loss", "kl": "KL(p || q)"}
 DTYPES = ("float32", "bfloat16")
 
@@ -93,9 +96,10 @@ class Shape:
         return 4 if self.loss == "kl" else 3
 
 
-def _spawn(implementation: str, shape: Shape, repeats: int, grads_path: str) -> dict:
-    return run_worker_process("logitless.bench.lmhead_steps", ["--worker", implementation, "--shape", json.dumps(asdict(shape)),
-                                                         "--repeats", str(repeats), "--grads", grads_path])
+def _spawn(implementation: str, shape: Shape, repeats: int, grads_path: str, profile: bool) -> dict:
+    return run_worker_process("logitless.bench.lmhead_steps",
+                              ["--worker", implementation, "--shape", json.dumps(asdict(shape)), "--repeats",
+                               str(repeats), "--grads", grads_path, *(["--profile"] if profile else [])])
 
 
 def _runs(shape: Shape, implementations, block_tokens) -> dict[str, tuple[str, Shape]]:
@@ -116,9 +120,10 @@ def _runs(shape: Shape, implementations, block_tokens) -> dict[str, tuple[str, S
 
 
 def run(shape: Shape, implementations=IMPLEMENTATIONS, repeats: int = 3, progress: bool = True,
-        block_tokens: tuple[int, ...] = (), busy: int = 0) -> dict:
+        block_tokens: tuple[int, ...] = (), busy: int = 0, profile: bool = False) -> dict:
     """Run each implementation in its own process (with ``busy`` busy processes beside them); ratios are to
-    ``materialized`` and ``materialized_minimal``."""
+    ``materialized`` and ``materialized_minimal``. With ``profile``, each result holds torch.profiler's table of one
+    more step (``profile``)."""
     import torch
     from safetensors.torch import load_file
     from tqdm.auto import tqdm
@@ -128,7 +133,8 @@ def run(shape: Shape, implementations=IMPLEMENTATIONS, repeats: int = 3, progres
     with tempfile.TemporaryDirectory() as scratch, busy_processes(busy):
         for name, (implementation, run_shape) in tqdm(_runs(shape, implementations, block_tokens).items(),
                                                       desc="bench lmhead", disable=not progress):
-            results[name] = _spawn(implementation, run_shape, repeats, str(Path(scratch) / f"{name}.safetensors"))
+            results[name] = _spawn(implementation, run_shape, repeats, str(Path(scratch) / f"{name}.safetensors"),
+                                   profile)
         reference = load_file(str(Path(scratch) / "materialized.safetensors"))
         for name, result in results.items():
             if name == "gemm":  # no loss: its gradients are not the loss's
@@ -176,6 +182,8 @@ def format_table(report: dict) -> str:
     chunks = [(name, r) for name, r in report["results"].items() if "chunk_tokens" in r]
     lines += [f"{name}: {r['chunk_tokens']} tokens per row chunk, {r['logits_mb']:.0f} MB of logits held at once"
               for name, r in chunks]
+    lines += [f"\nwhere the time of {name}'s step goes (torch.profiler):\n{r['profile']}"
+              for name, r in report["results"].items() if r.get("profile")]
     return "\n".join(lines)
 
 
@@ -216,6 +224,9 @@ def add_parser(targets) -> None:
     parser.add_argument("--impl", nargs="+", default=list(IMPLEMENTATIONS), metavar=choices_metavar(IMPLEMENTATIONS),
                         help="implementations to compare (both materialized yardsticks always run; peers not "
                              "installed, or without the chosen loss, are skipped) (default: all)")
+    parser.add_argument("--profile", action="store_true",
+                        help="run one more step of each implementation under torch.profiler and print where its "
+                             "time goes (the operators and kernels with the most time of their own) (default: off)")
     add_report_options(parser)
     parser.set_defaults(handler=run_cli)
 
@@ -240,5 +251,6 @@ def run_cli(args: argparse.Namespace) -> int:
     require_writable(args)
     shape = Shape(batch=args.batch, seq=args.seq, hidden=args.hidden, vocab=args.vocab, dtype=args.dtype,
                   device=args.device, masked_fraction=args.masked_fraction, loss=args.loss)
-    report = run(shape, args.impl, repeats=args.repeats, block_tokens=tuple(args.block_tokens), busy=args.busy)
+    report = run(shape, args.impl, repeats=args.repeats, block_tokens=tuple(args.block_tokens), busy=args.busy,
+                 profile=args.profile)
     return write_report(report, args, format_table, plot)

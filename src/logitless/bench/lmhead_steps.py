@@ -177,6 +177,20 @@ def step_kl_materialized_minimal(inputs):
     return (kl * inputs["completion_mask"]).sum()
 
 
+def step_kl_trl(inputs):
+    """TRL 1.16's fused two-head divergence as its distillation trainer calls it on Triton devices (beta 1.0: the
+    reverse KL(student || teacher), the trained head being the student; the valid tokens only), with the student
+    entropy it returns."""
+    from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+    mask = inputs["completion_mask"].bool()
+    kl, entropy = ChunkedDivergenceFunction.apply(inputs["hidden"][mask], inputs["weight"], None,
+                                                  inputs["hidden_q"][mask], inputs["weight_q"], None, 1.0, TEMPERATURE)
+    with torch.no_grad():
+        entropy.mean()
+    return kl.sum()
+
+
 def step_kl_logitless(inputs):
     from logitless.ops.kl import fused_linear_kl
 
@@ -189,25 +203,27 @@ STEPS = {
     "grpo": {"materialized": step_materialized, "materialized_minimal": step_materialized_minimal, "gemm": step_gemm,
              "torch_chunked": step_torch_chunked, "liger": step_liger, "trl": step_trl, "logitless": step_logitless},
     "kl": {"materialized": step_kl_materialized, "materialized_minimal": step_kl_materialized_minimal,
-           "gemm": step_gemm, "logitless": step_kl_logitless},
+           "gemm": step_gemm, "trl": step_kl_trl, "logitless": step_kl_logitless},
 }
 
 
 def available(implementation: str) -> bool:
-    modules = {"liger": "liger_kernel.chunked_loss", "trl": "trl.kernels.chunked_logprob"}
-    if implementation in modules:
-        try:
-            __import__(modules[implementation])
-        except ImportError:
-            return False
+    modules = {"liger": ["liger_kernel.chunked_loss"],
+               "trl": ["trl.kernels.chunked_logprob", "trl.kernels.chunked_divergence"]}
+    try:
+        for module in modules.get(implementation, []):
+            __import__(module)
+    except ImportError:
+        return False
     if implementation == "torch_chunked":
         return hasattr(torch.nn, "LinearCrossEntropyOptions")
     return True
 
 
-def run_worker(implementation: str, shape: Shape, repeats: int, grads_path: str | None) -> dict:
+def run_worker(implementation: str, shape: Shape, repeats: int, grads_path: str | None,
+               profile: bool = False) -> dict:
     """One implementation in this (fresh) process: warm-up, measured step, timed repeats."""
-    from logitless.memory import PeakMemory, synchronize
+    from logitless.memory import PeakMemory
 
     inputs = make_inputs(shape)
     device = inputs["hidden"].device
@@ -229,13 +245,8 @@ def run_worker(implementation: str, shape: Shape, repeats: int, grads_path: str 
     inputs["hidden"].grad = inputs["weight"].grad = None
     with PeakMemory(device) as peak_with_grads:
         forward_backward()
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        started = time.perf_counter()
-        forward_backward()
-        synchronize(device)
-        times.append(time.perf_counter() - started)
+    times = [_seconds(forward_backward, device) for _ in range(repeats)]
+    profile_table = _profile(forward_backward, device) if profile else None
     if grads_path:
         from safetensors.torch import save_file
 
@@ -243,7 +254,35 @@ def run_worker(implementation: str, shape: Shape, repeats: int, grads_path: str 
                    "weight": inputs["weight"].grad.float().cpu().contiguous()}, grads_path)
     result = {"time_s": statistics.median(times), "times_s": times, "peak_mb": peak.megabytes,
               "peak_with_grads_mb": peak_with_grads.megabytes, "loss": loss.item()}
+    if profile_table is not None:
+        result["profile"] = profile_table
     return {**result, **_blocks_held(shape, inputs)} if implementation == "logitless" else result
+
+
+def _seconds(step, device: torch.device) -> float:
+    """Wall time of ``step``: between two CUDA events on a GPU, else between two syncs of the clock."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
+    started = time.perf_counter()
+    step()
+    return time.perf_counter() - started
+
+
+def _profile(step, device: torch.device, rows: int = 15) -> str:
+    """torch.profiler's table of one more ``step``: the ``rows`` operators and kernels that took the most time of
+    their own (on the GPU where the step ran on one)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as profiler:
+        step()
+    order = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return profiler.key_averages().table(sort_by=order, row_limit=rows)
 
 
 def _blocks_held(shape: Shape, inputs: dict) -> dict:
@@ -265,8 +304,9 @@ def _main() -> int:
     parser.add_argument("--shape", required=True)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--grads")
+    parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
-    result = run_worker(args.worker, Shape(**json.loads(args.shape)), args.repeats, args.grads)
+    result = run_worker(args.worker, Shape(**json.loads(args.shape)), args.repeats, args.grads, args.profile)
     print(json.dumps(result))
     return 0
 
