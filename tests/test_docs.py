@@ -93,7 +93,8 @@ HISTORY = re.compile(r"\bseeds? 00\d\b|\bseed's (shape|design|example)|\bissue \
 def test_docs_code_and_tests_speak_of_what_is_not_of_its_history():
     """No project history (an issue's or a seed document's number, what the code "used to" do) and no pointer to a
     file outside the repository: in the docs, the code and the tests (this file holds the patterns)."""
-    files = [*PAGES, ROOT / "ARCHITECTURE.md", *sorted((ROOT / "src" / "logitless").rglob("*.py")),
+    files = [*PAGES, ROOT / "ARCHITECTURE.md", ROOT / "bench" / "gpu.sh",
+             *sorted((ROOT / "src" / "logitless").rglob("*.py")),
              *sorted((ROOT / "configs").glob("*.yaml")),
              *(path for path in sorted((ROOT / "tests").glob("*.py")) if path.name != "test_docs.py")]
     history = HISTORY
