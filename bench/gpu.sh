@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/BENCHMARKS.md in one run, the most important first:
 #
-#   bench/gpu.sh OUT_DIR [SECONDS]
+#   bench/gpu.sh OUT_DIR [SECONDS [STEPS]]
 #
 # versions, the CUDA tests, the LM head at B=1 T=8192 H=4096 V=151936 bf16 (then V=248320),
-# the KL of two heads, logitless's tokens-per-chunk curve (the CUDA tile defaults come from it), GRPO and GRADE end
-# to end, JAX. Each step has a time limit, and one that would not fit in what is left of SECONDS (default 540) is
-# skipped. OUT_DIR gets two files, rewritten after every step so that a run stopped early still leaves the steps
+# the KL of two heads, logitless's tokens-per-chunk curve on each schedule (the CUDA defaults come from it), GRPO
+# and GRADE end to end, JAX. Each step has a time limit, and one that would not fit in what is left of SECONDS
+# (default 540) is skipped; STEPS, a regular expression, picks the steps by name (default: all), as a second run
+# does for the steps the first had no time for. OUT_DIR gets two files, rewritten after every step so that a run stopped early still leaves the steps
 # before it: gpu.log (everything printed) and gpu.tar (each step's log, JSON and PNG).
 #
 # Packages the machine lacks travel as wheels in .whl/ (`make gpu-wheels`); they are installed with --no-deps
 # into a scratch directory ahead of the machine's own. logitless runs from this tree's src/.
 set -u
-OUT=${1:?usage: bench/gpu.sh OUT_DIR [SECONDS]}
+OUT=${1:?usage: bench/gpu.sh OUT_DIR [SECONDS [STEPS]]}
 BUDGET=${2:-540}
+ONLY=${3:-.}
 PYTHON=${PYTHON:-python3}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
@@ -32,6 +34,7 @@ export PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
 step() {
     local name=$1 limit=$2
     shift 2
+    [[ $name =~ $ONLY ]] || return
     local left=$((BUDGET - SECONDS))
     if ((left < 30)); then
         echo "== $name: skipped, ${left}s left of ${BUDGET}s"
@@ -73,6 +76,9 @@ step lmhead_kl_cuda 120 "$PYTHON" -m logitless bench lmhead $SHAPE -V 151936 --l
     --json "$WORK/lmhead_kl_cuda.json" --plot "$WORK/lmhead_kl_cuda.png"
 step lmhead_curve_cuda 90 "$PYTHON" -m logitless bench lmhead $SHAPE -V 151936 --impl gemm logitless \
     --block-tokens 1024 2048 4096 8192 --json "$WORK/lmhead_curve_cuda.json" --plot "$WORK/lmhead_curve_cuda.png"
+step lmhead_one_pass_cuda 90 env LOGITLESS_ONE_PASS=1 "$PYTHON" -m logitless bench lmhead $SHAPE -V 151936 \
+    --impl gemm logitless --block-tokens 512 1024 2048 4096 --json "$WORK/lmhead_one_pass_cuda.json" \
+    --plot "$WORK/lmhead_one_pass_cuda.png"
 step grpo_cuda 150 "$PYTHON" -m logitless bench grpo --model random-qwen2.5-0.5b --device cuda --dtype bfloat16 \
     --setups default --json "$WORK/grpo_cuda.json"
 step grade_cuda 120 "$PYTHON" -m logitless bench grade --model random-qwen2.5-0.5b --device cuda \

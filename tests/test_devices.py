@@ -1,6 +1,7 @@
 """Every fused op on every device this machine has (the CPU; a CUDA GPU where there is one, where "auto" runs the
 compiled Triton block kernels and bf16 goes through cuBLAS), in fp32 and bf16, against the materialized oracle in
-fp64 on the CPU from the same input values: the values and the gradients of hidden, weight and bias.
+fp64 on the CPU from the same input values: the values and the gradients of hidden, weight and bias. The losses
+known at forward time (cross-entropy, GRPO) run on both schedules, one pass and two (``LOGITLESS_ONE_PASS``).
 
 fp32 must agree to 1e-5 of each tensor's scale. bf16 rounds the inputs' products differently on each device, so it
 is judged against what a user would otherwise run on that device: the materialized path (``impl="reference"``) at
@@ -84,10 +85,15 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
+# (op, LOGITLESS_ONE_PASS): the losses known at forward time once more on each schedule, whatever the default is
+CASES = [(op, "auto") for op in OPS] + [(op, one_pass) for op in ("cross_entropy", "grpo") for one_pass in "01"]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("op", OPS)
-def test_fused_op_on_this_device_matches_the_fp64_oracle(op, dtype, device):
+@pytest.mark.parametrize("op,one_pass", CASES)
+def test_fused_op_on_this_device_matches_the_fp64_oracle(op, one_pass, dtype, device, monkeypatch):
+    monkeypatch.setenv("LOGITLESS_ONE_PASS", one_pass)
     exact = _run(OPS[op], torch.float64, "cpu", "reference", values=dtype)
     fused = _run(OPS[op], dtype, device, "auto")
     materialized = _run(OPS[op], dtype, device, "reference") if dtype == torch.bfloat16 else None

@@ -209,6 +209,27 @@ def test_block_sizes_reach_the_engine_and_the_token_and_vocabulary_keywords_are_
         _cross_entropy(_tensors(), block_sizes=(5, 64))
 
 
+def test_logitless_one_pass_sets_which_losses_take_one_pass(monkeypatch):
+    from logitless.ops.blocks import plan_blocks
+    from logitless.ops.head import LinearHead
+
+    fp32, bf16 = LinearHead(torch.zeros(10, 4)), LinearHead(torch.zeros(10, 4, dtype=torch.bfloat16))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+
+    def one_pass(head, device, loss_known=True):
+        return plan_blocks(8, head, device, loss_known=loss_known).single_pass
+
+    assert one_pass(fp32, cpu) and not one_pass(bf16, cpu) and not one_pass(fp32, cuda)  # auto: fp32 on a CPU
+    monkeypatch.setenv("LOGITLESS_ONE_PASS", "1")
+    assert one_pass(fp32, cpu) and one_pass(bf16, cpu) and one_pass(bf16, cuda)
+    assert not one_pass(fp32, cpu, loss_known=False)  # a per-token output has no loss to fold in its pass
+    monkeypatch.setenv("LOGITLESS_ONE_PASS", "0")
+    assert not one_pass(fp32, cpu)
+    monkeypatch.setenv("LOGITLESS_ONE_PASS", "yes")
+    with pytest.raises(ValueError, match="LOGITLESS_ONE_PASS: expected auto, 0 or 1, got 'yes'"):
+        one_pass(fp32, cpu)
+
+
 def test_default_block_sizes_per_device():
     vocab = 151936
     # two passes: all 1024 tokens in one chunk, blocks of 16 MB (CPU) or 256 MB (GPU) of fp32 logits

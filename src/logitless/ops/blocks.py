@@ -6,7 +6,8 @@ Per-device defaults (`default_block_sizes`), sized by the bytes of one block's f
 * Two passes: a block holds up to 16 MB on a CPU (its last-level cache holds tens of MB) and 256 MB
   on a GPU (which wants matmuls of thousands of rows and columns). All tokens go in one row chunk
   when that leaves blocks at least 256 vocabulary entries wide; otherwise fewer tokens per chunk.
-* One pass (CPU, fp32 weights, a loss known at forward time): a row chunk keeps the logits of as many
+* One pass (by default on a CPU, for fp32 weights and a loss known at forward time; ``LOGITLESS_ONE_PASS``
+  below): a row chunk keeps the logits of as many
   tokens as `CHUNK_BYTES` holds (386 tokens at a 151k vocabulary, 236 at 248k, 1835 at 32k), folded
   in blocks of 4096 vocabulary entries, which the block workers share out (`workers.py`). The budget is
   in bytes, not tokens, because what a chunk costs is its logits, and it comes from a measured curve
@@ -14,10 +15,15 @@ Per-device defaults (`default_block_sizes`), sized by the bytes of one block's f
   matmuls and more chunks, each summing into the weight's gradient once more; this budget is the least
   memory at which the step reached 0.9 of the bare matmuls' speed on a 2-core CPU. The tokens are split
   into chunks of equal size, so that no small last chunk runs thin matmuls.
+
+``LOGITLESS_ONE_PASS`` sets which losses known at forward time take the one pass: ``auto`` (the default) as
+above, ``1`` all of them on every device and dtype, ``0`` none. It is how the schedules are compared on one
+machine (``LOGITLESS_ONE_PASS=1 logitless bench lmhead ...``).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -90,10 +96,14 @@ def plan_blocks(num_tokens: int, head: LinearHead, device: torch.device, request
                 loss_known: bool = False) -> BlockPlan:
     """The schedule and block sizes for ``num_tokens`` tokens: ``requested`` sizes override the defaults.
 
-    One pass when the loss is known at forward time, on a CPU, for an fp32 (or fp64) weight.
+    One pass when the loss is known at forward time, on a CPU, for an fp32 (or fp64) weight, unless
+    ``LOGITLESS_ONE_PASS`` says otherwise (see the module docstring).
     """
-    single_pass = (loss_known and device.type in SINGLE_PASS_DEVICES
-                   and head.weight.dtype == stat_dtype(head.weight.dtype))
+    setting = os.environ.get("LOGITLESS_ONE_PASS", "auto")
+    if setting not in ("auto", "0", "1"):
+        raise ValueError(f"LOGITLESS_ONE_PASS: expected auto, 0 or 1, got {setting!r}")
+    by_default = device.type in SINGLE_PASS_DEVICES and head.weight.dtype == stat_dtype(head.weight.dtype)
+    single_pass = loss_known and (setting == "1" or (setting == "auto" and by_default))
     defaults = default_block_sizes(device, head.weight.dtype, num_tokens=num_tokens, vocab_size=head.vocab_size,
                                    single_pass=single_pass, tokens=requested.tokens)
     sizes = requested.or_defaults(defaults)
