@@ -281,7 +281,7 @@ def _profile(step, device: torch.device, rows: int = 15) -> str:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as profiler:
         step()
-    order = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    order = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     return profiler.key_averages().table(sort_by=order, row_limit=rows)
 
 
