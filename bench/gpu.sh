@@ -68,7 +68,7 @@ step nvidia_smi 30 nvidia-smi
 step versions 60 "$PYTHON" "$WORK/versions.py"
 step cuda_tests 150 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton.py tests/test_devices.py \
     tests/test_backend.py tests/test_ops_engine.py
-step lmhead_cuda 150 "$PYTHON" -m logitless bench lmhead $SHAPE -V 151936 --profile \
+step lmhead_cuda 240 "$PYTHON" -m logitless bench lmhead $SHAPE -V 151936 --profile \
     --json "$WORK/lmhead_cuda.json" --plot "$WORK/lmhead_cuda.png"
 step lmhead_cuda_v248320 120 "$PYTHON" -m logitless bench lmhead $SHAPE -V 248320 \
     --json "$WORK/lmhead_cuda_v248320.json" --plot "$WORK/lmhead_cuda_v248320.png"

@@ -45,6 +45,36 @@ def test_bench_lmhead_kl(tmp_path, capsys):
     assert "where the time of logitless@5's step goes (torch.profiler)" in out
 
 
+def test_bench_lmhead_reports_a_failing_peer_and_measures_the_others(tmp_path, capsys, monkeypatch):
+    """A peer whose worker fails (a kernel that does not build on this machine) is reported with its error, and the
+    run still measures and writes the rest; a yardstick that fails ends the run, as every row needs it."""
+    from logitless.bench import lmhead
+
+    spawn = lmhead._spawn
+
+    def spawn_where_trl_breaks(implementation, *args):
+        if implementation == "trl":
+            raise RuntimeError("logitless.bench.lmhead_steps --worker trl failed:\nCompilationError: no kernel")
+        return spawn(implementation, *args)
+
+    monkeypatch.setattr(lmhead, "_spawn", spawn_where_trl_breaks)
+    argv = ["bench", "lmhead", "-B", "1", "-T", "8", "-H", "8", "-V", "101", "--repeats", "1", "--impl", "trl",
+            "logitless", "--json", str(tmp_path / "r.json")]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert set(report["results"]) == {"materialized", "materialized_minimal", "logitless"}
+    assert "CompilationError: no kernel" in report["failed"]["trl"]
+    assert report["results"]["logitless"]["loss_diff"] < 1e-5
+    assert "trl: failed: CompilationError: no kernel" in capsys.readouterr().out
+
+    def spawn_broken(implementation, *args):
+        raise RuntimeError(f"{implementation} broke")
+
+    monkeypatch.setattr(lmhead, "_spawn", spawn_broken)
+    with pytest.raises(RuntimeError, match="materialized broke"):
+        main(argv)
+
+
 def test_bench_lmhead_block_curve_with_a_busy_process_beside_it(tmp_path, capsys):
     """--block-tokens with several values: logitless once per value, each row with the chunk it ran and the logits
     it held; --busy: every implementation measured with busy processes beside it."""

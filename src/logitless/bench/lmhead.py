@@ -123,18 +123,28 @@ def run(shape: Shape, implementations=IMPLEMENTATIONS, repeats: int = 3, progres
         block_tokens: tuple[int, ...] = (), busy: int = 0, profile: bool = False) -> dict:
     """Run each implementation in its own process (with ``busy`` busy processes beside them); ratios are to
     ``materialized`` and ``materialized_minimal``. With ``profile``, each result holds torch.profiler's table of one
-    more step (``profile``)."""
+    more step (``profile``). A peer that fails (a kernel that does not build on this machine, say) is reported
+    under ``failed`` with its error, and the others still run; a yardstick that fails ends the run."""
     import torch
     from safetensors.torch import load_file
     from tqdm.auto import tqdm
 
-    results = {}
+    results, failed = {}, {}
     flops = 2 * shape.head_matmuls * shape.tokens * shape.hidden * shape.vocab  # the head's matmuls, valid tokens
     with tempfile.TemporaryDirectory() as scratch, busy_processes(busy):
         for name, (implementation, run_shape) in tqdm(_runs(shape, implementations, block_tokens).items(),
                                                       desc="bench lmhead", disable=not progress):
-            results[name] = _spawn(implementation, run_shape, repeats, str(Path(scratch) / f"{name}.safetensors"),
-                                   profile)
+            try:
+                results[name] = _spawn(implementation, run_shape, repeats,
+                                       str(Path(scratch) / f"{name}.safetensors"), profile)
+            except RuntimeError as err:
+                if implementation.startswith("materialized"):  # the yardsticks every row is compared with
+                    raise
+                failed[name] = str(err)
+                tqdm.write(f"bench lmhead: {name} failed, the others go on: {err}")
+                continue
+            tqdm.write(f"bench lmhead: {name}: {results[name]['time_s']:.4g} s per step, peak "
+                       f"{results[name]['peak_mb']:.0f} MB beyond the inputs")
         reference = load_file(str(Path(scratch) / "materialized.safetensors"))
         for name, result in results.items():
             if name == "gemm":  # no loss: its gradients are not the loss's
@@ -147,7 +157,7 @@ def run(shape: Shape, implementations=IMPLEMENTATIONS, repeats: int = 3, progres
             result["tflops"] = flops / result["time_s"] / 1e12
     add_report_ratios(results)
     return {"shape": asdict(shape), "tokens": shape.tokens, "flops": flops, "repeats": repeats, "busy": busy,
-            "torch": torch.__version__, "results": results}
+            "torch": torch.__version__, "results": results, "failed": failed}
 
 
 def add_report_ratios(results: dict) -> None:
@@ -182,6 +192,7 @@ def format_table(report: dict) -> str:
     chunks = [(name, r) for name, r in report["results"].items() if "chunk_tokens" in r]
     lines += [f"{name}: {r['chunk_tokens']} tokens per row chunk, {r['logits_mb']:.0f} MB of logits held at once"
               for name, r in chunks]
+    lines += [f"{name}: failed: {error.strip().splitlines()[-1]}" for name, error in report.get("failed", {}).items()]
     lines += [f"\nwhere the time of {name}'s step goes (torch.profiler):\n{r['profile']}"
               for name, r in report["results"].items() if r.get("profile")]
     return "\n".join(lines)
