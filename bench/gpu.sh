@@ -3,12 +3,12 @@
 #
 #   bench/gpu.sh OUT_DIR [SECONDS [STEPS]]
 #
-# versions, the CUDA tests, the LM head at B=1 T=8192 H=4096 V=151936 bf16 (then V=248320),
-# the KL of two heads, logitless's tokens-per-chunk curve on each schedule (the CUDA defaults come from it), GRPO
-# and GRADE end to end, JAX. Each step has a time limit, and one that would not fit in what is left of SECONDS
-# (default 540) is skipped; STEPS, a regular expression, picks the steps by name (default: all), as a second run
-# does for the steps the first had no time for. OUT_DIR gets two files, rewritten after every step so that a run stopped early still leaves the steps
-# before it: gpu.log (everything printed) and gpu.tar (each step's log, JSON and PNG).
+# versions, the CUDA tests, the LM head at B=1 T=8192 H=4096 V=151936 bf16 (then V=248320), the KL of two heads,
+# logitless's tokens-per-chunk curve on each schedule (the CUDA defaults come from it), GRPO and GRADE end to
+# end, JAX. Each step has a time limit, and one that would not fit in what is left of SECONDS (default 540) is
+# skipped; STEPS, a regular expression, picks the steps by name (default: all), as a second run does for the
+# steps the first had no time for. OUT_DIR gets two files, rewritten after every step so that a run stopped early
+# still leaves the steps before it: gpu.log (everything printed) and gpu.tar (each step's log, JSON and PNG).
 #
 # Packages the machine lacks travel as wheels in .whl/ (`make gpu-wheels`); they are installed with --no-deps
 # into a scratch directory ahead of the machine's own. logitless runs from this tree's src/.
@@ -42,7 +42,7 @@ step() {
     fi
     ((limit > left)) && limit=$left
     echo "== $name (at ${SECONDS}s, limit ${limit}s): $*"
-    timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
+    timeout --kill-after=15 "$limit" "$@" > "$WORK/$name.log" 2>&1  # the step's whole process group
     echo "== $name: exit $? at ${SECONDS}s"
     tail -n 40 "$WORK/$name.log"
     tar -cf "$OUT/gpu.tar.part" -C "$WORK" --exclude=./site . && mv "$OUT/gpu.tar.part" "$OUT/gpu.tar"
