@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -141,10 +142,10 @@ def run(shape: Shape, implementations=IMPLEMENTATIONS, repeats: int = 3, progres
                 if implementation.startswith("materialized"):  # the yardsticks every row is compared with
                     raise
                 failed[name] = str(err)
-                tqdm.write(f"bench lmhead: {name} failed, the others go on: {err}")
+                tqdm.write(f"bench lmhead: {name} failed, the others go on: {err}", file=sys.stderr)
                 continue
             tqdm.write(f"bench lmhead: {name}: {results[name]['time_s']:.4g} s per step, peak "
-                       f"{results[name]['peak_mb']:.0f} MB beyond the inputs")
+                       f"{results[name]['peak_mb']:.0f} MB beyond the inputs", file=sys.stderr)  # stdout: the table
         reference = load_file(str(Path(scratch) / "materialized.safetensors"))
         for name, result in results.items():
             if name == "gemm":  # no loss: its gradients are not the loss's
