@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Sequence
 
 
@@ -31,6 +32,14 @@ def check_strings(name: str, values) -> list[str]:
         if not isinstance(value, str):
             raise TypeError(f"{name}[{i}]: expected a string, got {type(value).__name__}")
     return list(values)
+
+
+def switch_setting(variable: str) -> str:
+    """An on/off environment switch (``LOGITLESS_TRITON``, ``LOGITLESS_ONE_PASS``): "auto" (unset), "0" or "1"."""
+    setting = os.environ.get(variable, "auto")
+    if setting not in ("auto", "0", "1"):
+        raise ValueError(f"{variable}: expected auto, 0 or 1, got {setting!r}")
+    return setting
 
 
 def check_positive_int(name: str, value) -> int:

@@ -15,6 +15,7 @@ from types import ModuleType
 
 import torch
 
+from logitless._checks import switch_setting
 from logitless._keywords import IMPLS, check_impl
 from logitless.ops import chunks
 
@@ -31,9 +32,7 @@ def chunk_kernels(device: torch.device, stat_dtype: torch.dtype, impl: str = "au
         return pytorch
     if impl == "triton":
         return _triton_kernels(device, stat_dtype)
-    setting = os.environ.get("LOGITLESS_TRITON", "auto")
-    if setting not in ("auto", "0", "1"):
-        raise ValueError(f"LOGITLESS_TRITON: expected auto, 0 or 1, got {setting!r}")
+    setting = switch_setting("LOGITLESS_TRITON")
     wanted = setting == "1" or (setting == "auto" and device.type == "cuda")
     if not wanted or stat_dtype != torch.float32:
         return pytorch

@@ -23,12 +23,11 @@ machine (``LOGITLESS_ONE_PASS=1 logitless bench lmhead ...``).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from logitless._checks import check_positive_int
+from logitless._checks import check_positive_int, switch_setting
 from logitless.ops.head import LinearHead, stat_dtype
 
 BLOCK_BYTES = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}  # two passes: one block's logits
@@ -99,9 +98,7 @@ def plan_blocks(num_tokens: int, head: LinearHead, device: torch.device, request
     One pass when the loss is known at forward time, on a CPU, for an fp32 (or fp64) weight, unless
     ``LOGITLESS_ONE_PASS`` says otherwise (see the module docstring).
     """
-    setting = os.environ.get("LOGITLESS_ONE_PASS", "auto")
-    if setting not in ("auto", "0", "1"):
-        raise ValueError(f"LOGITLESS_ONE_PASS: expected auto, 0 or 1, got {setting!r}")
+    setting = switch_setting("LOGITLESS_ONE_PASS")
     by_default = device.type in SINGLE_PASS_DEVICES and head.weight.dtype == stat_dtype(head.weight.dtype)
     single_pass = loss_known and (setting == "1" or (setting == "auto" and by_default))
     defaults = default_block_sizes(device, head.weight.dtype, num_tokens=num_tokens, vocab_size=head.vocab_size,
