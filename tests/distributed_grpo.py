@@ -1,8 +1,8 @@
 """Run by tests/test_trl_distributed.py under torchrun (2 CPU processes, gloo): stock TRL GRPOTrainer and
 GRPOTrainerWithLogits train the same model from the same seed; each rank saves what the test compares."""
 
+import os
 import sys
-import tempfile
 
 import torch
 from datasets import Dataset
@@ -20,7 +20,8 @@ def main(model_dir: str, output_path: str) -> None:
     dataset = Dataset.from_dict({"prompt": ["What is 2+2?", "Name a color.", "Say hi.", "Count to three:"] * 2})
     saved = {}
     for cls in (GRPOTrainer, GRPOTrainerWithLogits):
-        args = GRPOConfig(output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, activation_checkpointing=False,
+        args = GRPOConfig(output_dir=os.path.join(os.path.dirname(output_path), cls.__name__), use_cpu=True,
+                          bf16=False, activation_checkpointing=False,
                           per_device_train_batch_size=2, num_generations=2, max_completion_length=6, max_steps=2,
                           logging_steps=1, report_to="none", save_strategy="no", seed=0, disable_dropout=True,
                           learning_rate=1e-2, loss_type="bnpo")

@@ -14,7 +14,6 @@ of a fresh trainer whose completions come from transformers' generate on the sha
 import argparse
 import os
 import random
-import tempfile
 from collections import Counter
 
 import torch
@@ -96,8 +95,8 @@ def load_policy(model_dir: str, fsdp2: bool):
     return AutoModelForCausalLM.from_pretrained(model_dir, distributed_config=sharding, dtype=torch.float32)
 
 
-def grpo_config(world_size: int) -> GRPOConfig:
-    return GRPOConfig(output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, activation_checkpointing=False,
+def grpo_config(world_size: int, output_dir: str) -> GRPOConfig:
+    return GRPOConfig(output_dir=output_dir, use_cpu=True, bf16=False, activation_checkpointing=False,
                       per_device_train_batch_size=GLOBAL_BATCH // world_size, num_generations=NUM_GENERATIONS,
                       max_completion_length=6, max_steps=1, logging_steps=1, report_to="none", save_strategy="no",
                       seed=0, disable_dropout=True, optim="sgd", learning_rate=LEARNING_RATE, max_grad_norm=1e9,
@@ -106,9 +105,10 @@ def grpo_config(world_size: int) -> GRPOConfig:
 
 def main(model_dir: str, output_path: str, fsdp2: bool, generate: bool) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
+    trainer_dir = os.path.join(os.path.dirname(output_path), "trainer")
     common = dict(reward_funcs=[length_reward, confidence_reward], processing_class=qwen_tokenizer(),
                   train_dataset=Dataset.from_dict({"prompt": PROMPTS}), callbacks=[layout := RecordLayout()])
-    trainer = GRPOTrainerWithLogits(model=load_policy(model_dir, fsdp2), args=grpo_config(world_size),
+    trainer = GRPOTrainerWithLogits(model=load_policy(model_dir, fsdp2), args=grpo_config(world_size, trainer_dir),
                                     rollout_func=fixed_rollout, **common)
     trainer.train()
     accelerator = trainer.accelerator
@@ -116,7 +116,8 @@ def main(model_dir: str, output_path: str, fsdp2: bool, generate: bool) -> None:
              "wrapper": type(trainer.model_wrapped).__name__, "layouts": layout.layouts,
              "log": trainer.state.log_history[0], "weights": full_weights(trainer)}
     if generate:
-        generating = GRPOTrainerWithLogits(model=load_policy(model_dir, fsdp2), args=grpo_config(world_size), **common)
+        generating = GRPOTrainerWithLogits(model=load_policy(model_dir, fsdp2),
+                                           args=grpo_config(world_size, trainer_dir), **common)
         generating.train()
         saved["generated_log"] = generating.state.log_history[0]
     if accelerator.is_main_process:

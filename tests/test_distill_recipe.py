@@ -11,7 +11,8 @@ from logitless.cli import main  # noqa: E402
 from logitless.multichoice.warm_start import warm_start_policy  # noqa: E402
 from test_cli_runs import _assert_resumed_steps_equal  # noqa: E402
 
-SMALL = ["distill", "--prompts-per-step", "4", "--max-completion-length", "8", "--save-every", "1"]
+SMALL = ["distill", "--prompts-per-step", "4", "--max-completion-length", "8", "--save-every", "1",
+         "--save-total-limit", "3"]
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ process saves the weights after the step and the logged metrics.
 
 import argparse
 import os
-import tempfile
 
 import torch
 from datasets import Dataset
@@ -26,9 +25,10 @@ OTHERS = [" 5", " A dog.", " Goodbye.", " Three, two, one."]
 
 def main(trainer_name: str, model_dir: str, output_path: str) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    settings = dict(output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, max_steps=1,
-                    per_device_train_batch_size=GLOBAL_BATCH // world_size, logging_steps=1, report_to="none", save_strategy="no", seed=0, optim="sgd",
-                    learning_rate=1.0, max_grad_norm=1e9)  # the dataset is one global batch: every order is the same
+    # the dataset is one global batch: every order is the same
+    settings = dict(output_dir=os.path.join(os.path.dirname(output_path), "trainer"), use_cpu=True, bf16=False,
+                    max_steps=1, per_device_train_batch_size=GLOBAL_BATCH // world_size, logging_steps=1,
+                    report_to="none", save_strategy="no", seed=0, optim="sgd", learning_rate=1.0, max_grad_norm=1e9)
     if trainer_name == "sft":
         trainer = SFTTrainer(model=model_dir, args=SFTConfig(**settings), processing_class=qwen_tokenizer(),
                              train_dataset=Dataset.from_dict({"prompt": PROMPTS, "completion": COMPLETIONS}))
