@@ -7,8 +7,9 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from logitless import fused_grpo_loss, fused_linear_cross_entropy, fused_linear_logprobs
-from logitless.ops import BlockSizes, LinearHead, default_block_sizes, fused_linear_jsd, fused_linear_kl
+from fused_cases import OPS, case_inputs, cross_entropy, on, outputs_and_grads
+from logitless import fused_grpo_loss
+from logitless.ops import BlockSizes, LinearHead, default_block_sizes
 from logitless.ops import engine
 from logitless.ops.blocks import BlockPlan
 
@@ -16,59 +17,13 @@ BLOCKS = BlockSizes(tokens=5, vocab=64)  # several row chunks and vocabulary blo
 TRITON_RUNS_HERE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _tensors(seed=0, vocab=301):
-    generator = torch.Generator().manual_seed(seed)
-    hidden = (torch.randn(2, 7, 8, generator=generator) * 0.6).requires_grad_()
-    weight = (torch.randn(vocab, 8, generator=generator) * 0.6).requires_grad_()
-    bias = (torch.randn(vocab, generator=generator) * 0.1).requires_grad_()
-    ids = torch.randint(0, vocab, (2, 7), generator=generator)
-    mask = torch.ones(2, 7, dtype=torch.bool)
-    mask[1, 4:] = False
-    return dict(hidden=hidden, weight=weight, bias=bias, ids=ids, mask=mask, generator=generator)
-
-
-def _logprobs(t, **options):
-    log_probs, entropy = fused_linear_logprobs(t["hidden"], t["weight"], t["ids"], bias=t["bias"], mask=t["mask"],
-                                               return_token_entropy=True, temperature=0.8, softcap=3.0, **options)
-    return (log_probs + 0.5 * entropy).sum()
-
-
-def _cross_entropy(t, **options):
-    ids = t["ids"].masked_fill(~t["mask"], -100)
-    return fused_linear_cross_entropy(t["hidden"], t["weight"], ids, bias=t["bias"], label_smoothing=0.1,
-                                      logit_scale=1.3, **options)
-
-
-def _grpo(t, **options):
-    old = torch.full(t["ids"].shape, -5.0)
-    loss, _ = fused_grpo_loss(t["hidden"], t["weight"], t["ids"], t["mask"], torch.tensor([1.0, -0.5]),
-                              bias=t["bias"], old_log_probs=old, ref_log_probs=old + 0.1, beta=0.04, **options)
-    return loss
-
-
-def _kl(t, **options):
-    hidden_q = torch.randn(2, 7, 6, generator=torch.Generator().manual_seed(3))
-    weight_q = torch.randn(t["weight"].shape[0], 6, generator=torch.Generator().manual_seed(4))
-    kl = fused_linear_kl(t["hidden"], t["weight"], hidden_q, weight_q, bias_p=t["bias"], mask=t["mask"],
-                         temperature=0.9, softcap=2.5, logit_scale=0.8, **options)
-    return kl.sum()
-
-
-def _jsd(t, **options):
-    hidden_t = torch.randn(2, 7, 6, generator=torch.Generator().manual_seed(3))
-    weight_t = torch.randn(t["weight"].shape[0], 6, generator=torch.Generator().manual_seed(4))
-    divergence = fused_linear_jsd(t["hidden"], t["weight"], hidden_t, weight_t, bias_s=t["bias"], mask=t["mask"],
-                                  beta=0.3, temperature=0.9, softcap=2.5, logit_scale=0.8, **options)
-    return divergence.sum()
-
-
-OPS = {"logprobs": _logprobs, "cross_entropy": _cross_entropy, "grpo": _grpo, "kl": _kl, "jsd": _jsd}
+def _inputs(vocab=301):
+    """Two sequences of 7 tokens, hidden size 8: several row chunks and vocabulary blocks of BLOCKS."""
+    return on(case_inputs(2, 7, 8, vocab))
 
 
 def _value_and_grads(op, **options):
-    t = _tensors()
-    loss = op(t, **options)
-    return [loss, *torch.autograd.grad(loss, (t["hidden"], t["weight"], t["bias"]))]
+    return outputs_and_grads(op, _inputs(), **options)
 
 
 @pytest.mark.parametrize("impl", ["auto", "chunked"])
@@ -82,14 +37,14 @@ def test_each_impl_matches_the_reference(name, impl):
 @pytest.mark.parametrize("name", OPS)
 def test_a_bad_impl_is_named(name):
     with pytest.raises(ValueError, match="impl: expected one of 'auto', 'reference', 'chunked', 'triton', got 'fast'"):
-        OPS[name](_tensors(), impl="fast")
+        OPS[name](_inputs(), impl="fast")
 
 
 @pytest.mark.skipif(TRITON_RUNS_HERE, reason="triton can run here")
 @pytest.mark.parametrize("name", OPS)
 def test_triton_where_it_cannot_run_is_named(name):
     with pytest.raises(ValueError, match="impl: 'triton' needs a CUDA device with triton installed .* got cpu"):
-        OPS[name](_tensors(), impl="triton")
+        OPS[name](_inputs(), impl="triton")
 
 
 @pytest.mark.parametrize("name", OPS)
@@ -166,9 +121,9 @@ def test_blocks_reuse_their_buffers(name):
     blocks = BlockSizes(tokens=5, vocab=128)
 
     def allocations(vocab):
-        t = _tensors(vocab=vocab)
+        x = _inputs(vocab)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            OPS[name](t, impl="chunked", block_sizes=blocks).backward()
+            OPS[name](x, impl="chunked", block_sizes=blocks)[1].backward()
         block_bytes = blocks.tokens * blocks.vocab * 4
         return [event.cpu_memory_usage for event in prof.events()
                 if not event.cpu_children and event.cpu_memory_usage >= block_bytes]
@@ -199,14 +154,14 @@ def test_block_sizes_reach_the_engine_and_the_token_and_vocabulary_keywords_are_
     real_plan = blocks.plan_blocks
     monkeypatch.setattr("logitless.ops.fused.plan_blocks", lambda *a, **k: plans.append(real_plan(*a, **k))
                         or plans[-1])
-    _value_and_grads(_cross_entropy, block_sizes=BLOCKS)
+    _value_and_grads(cross_entropy, block_sizes=BLOCKS)
     assert [plan.sizes for plan in plans] == [BLOCKS]
     for keyword, spelling in (("chunk_size", "tokens"), ("vocab_block_size", "vocab")):
         with pytest.raises(TypeError, match=rf"fused_linear_cross_entropy: keyword `{keyword}` is spelled "
                                             rf"`block_sizes=BlockSizes\({spelling}=\.\.\.\)`"):
-            _cross_entropy(_tensors(), **{keyword: 5})
+            cross_entropy(_inputs(), **{keyword: 5})
     with pytest.raises(TypeError, match="block_sizes: expected a BlockSizes, got tuple"):
-        _cross_entropy(_tensors(), block_sizes=(5, 64))
+        cross_entropy(_inputs(), block_sizes=(5, 64))
 
 
 def test_logitless_one_pass_sets_which_losses_take_one_pass(monkeypatch):
