@@ -7,11 +7,11 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
 
 from logitless.bench.lmhead import IMPLEMENTATIONS, Shape
+from logitless.bench.timing import step_seconds
 from logitless.ops.blocks import BlockSizes
 from logitless.ops.grpo_settings import GRPOSettings
 
@@ -245,7 +245,7 @@ def run_worker(implementation: str, shape: Shape, repeats: int, grads_path: str 
     inputs["hidden"].grad = inputs["weight"].grad = None
     with PeakMemory(device) as peak_with_grads:
         forward_backward()
-    times = [_seconds(forward_backward, device) for _ in range(repeats)]
+    times = [step_seconds(forward_backward, device) for _ in range(repeats)]
     profile_table = _profile(forward_backward, device) if profile else None
     if grads_path:
         from safetensors.torch import save_file
@@ -257,20 +257,6 @@ def run_worker(implementation: str, shape: Shape, repeats: int, grads_path: str 
     if profile_table is not None:
         result["profile"] = profile_table
     return {**result, **_blocks_held(shape, inputs)} if implementation == "logitless" else result
-
-
-def _seconds(step, device: torch.device) -> float:
-    """Wall time of ``step``: between two CUDA events on a GPU, else between two syncs of the clock."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1000
-    started = time.perf_counter()
-    step()
-    return time.perf_counter() - started
 
 
 def _profile(step, device: torch.device, rows: int = 15) -> str:

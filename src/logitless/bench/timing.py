@@ -1,4 +1,4 @@
-"""Wall time of a piece of a training step, the work it queued on a GPU included."""
+"""Wall time of a training step or a piece of one, the work it queued on a GPU included."""
 
 from __future__ import annotations
 
@@ -18,3 +18,20 @@ def timed(function, seconds: list[float], device):
             synchronize(device)
             seconds[0] += time.perf_counter() - started
     return timed_call
+
+
+def step_seconds(step, device) -> float:
+    """Wall time of ``step()``: between two CUDA events on a GPU (the time of the work it queued there), else between
+    two readings of the clock."""
+    if device.type == "cuda":
+        import torch
+
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
+    started = time.perf_counter()
+    step()
+    return time.perf_counter() - started
