@@ -44,11 +44,12 @@ def on(inputs: dict[str, torch.Tensor], device: str = "cpu", dtype: torch.dtype 
     others = torch.float64 if dtype == torch.float64 else torch.float32
     moved = {}
     for name, tensor in inputs.items():
+        tensor = tensor.to(device)
         if name in HEADS:
             tensor = tensor.to(values or dtype).to(dtype).requires_grad_(name in TRAINED)
         elif tensor.is_floating_point():
             tensor = tensor.to(others)
-        moved[name] = tensor.to(device)
+        moved[name] = tensor
     return moved
 
 
