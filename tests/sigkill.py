@@ -51,15 +51,26 @@ def _finish(process: subprocess.Popen, what: str) -> None:
         raise AssertionError(f"{what} failed with exit code {process.returncode}:\n{stderr[-3000:]}")
 
 
+def _while_written(look: Callable[[], bool]) -> bool:
+    """``look()``, again whenever the running command renamed a directory away under the walk (a checkpoint being
+    published from its staging directory)."""
+    while True:
+        try:
+            return look()
+        except FileNotFoundError:
+            continue
+
+
 def _saving(output_dir: Path) -> bool:
     """Whether a checkpoint was being written: a staging directory with content (in a method's directory too)."""
-    return any(any(staging.iterdir()) for staging in output_dir.rglob(CHECKPOINT_STAGING) if staging.is_dir())
+    return _while_written(lambda: any(any(staging.iterdir()) for staging in output_dir.rglob(CHECKPOINT_STAGING)
+                                      if staging.is_dir()))
 
 
 def _has_checkpoint(output_dir: Path) -> bool:
     """Whether a complete checkpoint exists (in a method's directory too)."""
-    return any(checkpoint_problem(path) is None for path in output_dir.rglob("checkpoint-*")
-               if path.is_dir() and CHECKPOINT_STAGING not in path.parts)
+    return _while_written(lambda: any(checkpoint_problem(path) is None for path in output_dir.rglob("checkpoint-*")
+                                      if path.is_dir() and CHECKPOINT_STAGING not in path.parts))
 
 
 def check_sigkill_anywhere(command: list[str], output_option: str, final_weights: Callable[[Path], dict],
