@@ -24,14 +24,15 @@ GRPO = ["grpo", "--completions-per-step", "4", "--num-generations", "2", "--max-
 TINY_GRADE = ["grade", "--max-new-tokens", "2", "--gumbel-topk", "16", "--save-every", "1"]
 
 
+def _refuse_to_load(*args, **kwargs):
+    raise AssertionError("a model was loaded before the command checked its options")
+
+
 @pytest.fixture
 def no_model_loads(monkeypatch):
     """Fail the test if model weights are built or read: the command had to stop before that."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded before the command checked its options")
-
-    monkeypatch.setattr("logitless.models.tiny_qwen2", refuse)
-    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", refuse)
+    monkeypatch.setattr("logitless.models.tiny_qwen2", _refuse_to_load)
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", _refuse_to_load)
 
 
 def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -125,14 +126,22 @@ def test_a_data_file_of_another_command_is_refused_by_name(tmp_path, no_model_lo
         main([*argv, "--data", str(data), "--output-dir", str(tmp_path / "run")])
 
 
-def test_a_shorter_steps_than_done_is_refused_and_allow_changed_takes_the_flag_spelling(tmp_path, capsys):
+def test_a_shorter_steps_than_done_is_refused_and_allow_changed_takes_the_flag_spelling(tmp_path, capsys,
+                                                                                         monkeypatch):
     out = str(tmp_path / "run")
     sft = ["sft", "--batch-size", "2", "--save-every", "1", "--output-dir", out]
     assert main([*sft, "--steps", "2"]) == 0
     with pytest.raises(SystemExit, match=r"^logitless sft: --steps: the run in .* is already at step 2, past 1; pass a larger "):
         main([*sft, "--steps", "1"])
-    assert main([*sft, "--steps", "2"]) == 0
-    assert "the run is already at step 2 of 2; nothing left to train" in capsys.readouterr().out
+    capsys.readouterr()
+    files = {path: (path.stat().st_mtime_ns, path.read_bytes()) for path in (tmp_path / "run").rglob("*")
+             if path.is_file()}
+    with monkeypatch.context() as patched:  # a finished run is told so before any model loads, and writes nothing
+        patched.setattr("logitless.recipes.common.load_model_and_tokenizer", _refuse_to_load)
+        assert main([*sft, "--steps", "2"]) == 0
+    assert capsys.readouterr().out == f"logitless sft: the run in {out} is already at step 2 of 2; nothing left to train\n"
+    assert {path: (path.stat().st_mtime_ns, path.read_bytes()) for path in (tmp_path / "run").rglob("*")
+            if path.is_file()} == files
     assert main([*sft, "--steps", "3", "--learning-rate", "0.01", "--allow-changed", "learning-rate"]) == 0
     assert "resuming from step 2" in capsys.readouterr().out
     assert main([*sft, "--steps", "4", "--learning-rate", "0.02", "--allow-changed", "learning_rate"]) == 0

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from logitless.data import arithmetic_sft_examples, iterate_batches, load_jsonl, tokenize_prompt_and_output
+from logitless.data import tokenize_prompt_and_output
+from logitless.records import arithmetic_sft_examples, iterate_batches, load_jsonl
 
 STRINGS = ["Hello, world!", "This is a test.", "This is another test."]
 

@@ -214,7 +214,7 @@ def test_a_reward_model_that_cannot_be_loaded_is_named_in_one_line(tmp_path):
     assert "\n" not in str(stopped.value)
 
 
-def test_another_method_in_the_same_directory_keeps_the_first_ones_results(tmp_path):
+def test_another_method_in_the_same_directory_keeps_the_first_ones_results(tmp_path, capsys):
     """The directory is one run: a second method joins it (options compared), never deletes the first's results."""
     common = ["--output-dir", str(tmp_path), "--steps", "1", "--max-new-tokens", "2", "--batch-size", "2",
               "--save-every", "1"]
@@ -224,6 +224,11 @@ def test_another_method_in_the_same_directory_keeps_the_first_ones_results(tmp_p
     assert main(["grade", "--method", "ste", *options]) == 0
     kept = _weights(tmp_path / "gumbel")
     assert _weights(tmp_path / "ste") and all(torch.equal(gumbel[name], kept[name]) for name in gumbel)
+    files = {path: (path.stat().st_mtime_ns, path.read_bytes()) for path in tmp_path.rglob("*") if path.is_file()}
+    capsys.readouterr()
+    assert main(["grade", "--method", "ste", *options]) == 0  # finished: nothing loaded, trained or written
+    assert capsys.readouterr().out == f"logitless grade: the run in {tmp_path} is already at step 1 of 1; nothing left to train\n"
+    assert {path: (path.stat().st_mtime_ns, path.read_bytes()) for path in tmp_path.rglob("*") if path.is_file()} == files
     with pytest.raises(SystemExit, match="resuming the run .* with changed options"):  # the same run's options
         main(["grade", "--method", "grpo", *common, "--grpo-group-size", "2", "--kl-coef", "0.5"])
     assert main(["grade", "--no-resume", "--method", "ste", *options]) == 0  # starting over is explicit

@@ -26,13 +26,14 @@ import os
 import re
 import shutil
 from pathlib import Path
-
-import torch
-from safetensors.torch import load_file, save_file
+from typing import TYPE_CHECKING
 
 from logitless._checks import check_positive_int
 from logitless.models import save_model_and_tokenizer
 from logitless.rundir import remove_tree
+
+if TYPE_CHECKING:  # finding checkpoints loads no PyTorch: a command checks its run directory before any model loads
+    import torch
 
 RECORD_FILE = "logitless-checkpoint.json"
 STATE_FILE = "trainer_state.json"
@@ -159,6 +160,9 @@ def save_checkpoint(run_dir: str | Path, step: int, model, tokenizer, optimizer:
     (`publish_directory`), so it is complete or absent. ``keep``: then only the newest ``keep`` complete
     checkpoints stay (None: every one).
     """
+    import torch
+    from safetensors.torch import save_file
+
     if keep is not None:
         check_positive_int("keep", keep)
     run_dir = Path(run_dir)
@@ -189,6 +193,8 @@ def has_checkpoint(directory: str | Path) -> bool:
 
 def load_checkpoint_state(directory: str | Path, optimizer: torch.optim.Optimizer) -> dict:
     """Restore the optimizer in place and return the trainer state saved with it."""
+    from safetensors.torch import load_file
+
     directory = Path(directory)
     meta = json.loads((directory / STATE_FILE).read_text())
     per_param: dict[int, dict] = {}

@@ -1,4 +1,4 @@
-"""Turning (prompt, output) text pairs into training tensors, and loading such pairs.
+"""Turning (prompt, output) text pairs into training tensors (the records themselves: `records.py`).
 
 The padding rule: concatenate ``prompt_ids + output_ids``, right-pad every
 row to the batch's longest length L with the pad id (the EOS id when the tokenizer has no pad
@@ -8,14 +8,9 @@ with zeros and then one EOS agrees with this only when the last real token's id 
 
 from __future__ import annotations
 
-import json
-import random
-from collections.abc import Iterator
-from pathlib import Path
-
 import torch
 
-from logitless._checks import check_positive_int, check_strings
+from logitless._checks import check_strings
 
 
 def pad_token_id(tokenizer) -> int:
@@ -67,71 +62,3 @@ def tokenize_prompt_and_output(prompt_strs: list[str], output_strs: list[str], t
         response_mask[row, max(len(prompt) - 1, 0): len(sequence) - 1] = 1.0
     return {"input_ids": padded[:, :-1].contiguous(), "labels": padded[:, 1:].contiguous(),
             "response_mask": response_mask}
-
-
-def read_jsonl(path: str | Path, name: str = "path") -> Iterator[tuple[str, dict]]:
-    """(where, record) for each non-blank line of a jsonl file; ``where`` reads "line N of PATH".
-
-    Errors name the argument ``name`` and the line.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{name}: no such file {str(path)!r}")
-    with path.open(encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{name}: line {line_no} of {path} is not valid JSON ({err.msg})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{name}: line {line_no} of {path} is not a JSON object")
-            yield f"line {line_no} of {path}", record
-
-
-def load_jsonl(path: str | Path, prompt_key: str = "prompt", response_key: str = "response", *,
-               name: str = "path") -> list[dict[str, str]]:
-    """Read (prompt, response) pairs of strings from a jsonl file, one JSON object per line.
-
-    Errors start with ``name`` (the caller's name for the file, e.g. "data") and give the line."""
-    pairs = []
-    for where, record in read_jsonl(path, name):
-        missing = [k for k in (prompt_key, response_key) if k not in record]
-        if missing:
-            raise ValueError(f"{name}: {where} lacks key(s) {missing}")
-        for key in (prompt_key, response_key):
-            if not isinstance(record[key], str):
-                raise ValueError(f"{name}: {where} has a {key} that is not a string: {record[key]!r}")
-        pairs.append({"prompt": record[prompt_key], "response": record[response_key]})
-    if not pairs:
-        raise ValueError(f"{name}: {path} holds no examples")
-    return pairs
-
-
-def arithmetic_sft_examples(count: int = 256, seed: int = 0) -> list[dict[str, str]]:
-    """A small built-in SFT set: 'What is a + b?' answered in the r1-zero format.
-
-    Learnable by a tiny model within a few dozen steps, which is what the demo needs.
-    """
-    rng = random.Random(seed)
-    examples = []
-    for _ in range(count):
-        a, b = rng.randint(0, 20), rng.randint(0, 20)
-        examples.append({"prompt": f"Question: What is {a} + {b}?\nAnswer:",
-                         "response": f" <think>{a} plus {b} is {a + b}.</think> <answer>{a + b}</answer>"})
-    return examples
-
-
-def iterate_batches(examples: list[dict[str, str]], batch_size: int, seed: int = 0) -> Iterator[list[dict[str, str]]]:
-    """Endless shuffled batches; each pass over the data uses a fresh permutation (the last ``len(examples) %
-    batch_size`` examples of a pass wait for the next one)."""
-    check_positive_int("batch_size", batch_size)
-    if batch_size > len(examples):
-        raise ValueError(f"batch_size: {batch_size} is more than the {len(examples)} examples")
-    rng = random.Random(seed)
-    while True:
-        order = list(range(len(examples)))
-        rng.shuffle(order)
-        for start in range(0, len(order) - batch_size + 1, batch_size):
-            yield [examples[i] for i in order[start: start + batch_size]]

@@ -109,12 +109,25 @@ def load_tokenizer(name_or_path: str | Path):
 
 
 def model_vocab_size(name_or_path: str | Path) -> int:
-    """Rows of the model's output layer, from its config alone (no weights read)."""
-    if str(name_or_path) in EMBEDDED_MODELS:
-        return tiny_qwen2_config(**EMBEDDED_MODELS[str(name_or_path)]).vocab_size
-    from transformers import AutoConfig
+    """Rows of the model's output layer, from its config alone (no weights read, and for an embedded model, a local
+    directory or a hub model's cached config.json, no PyTorch loaded)."""
+    import json
 
-    return AutoConfig.from_pretrained(str(name_or_path)).get_text_config().vocab_size
+    name = str(name_or_path)
+    if name in EMBEDDED_MODELS:
+        return EMBEDDED_MODELS[name].get("vocab_size", QWEN_VOCAB_SIZE)
+    config_file = Path(name).expanduser() / "config.json"
+    if not config_file.is_file():
+        from huggingface_hub import hf_hub_download
+
+        config_file = Path(hf_hub_download(name, "config.json"))
+    config = json.loads(config_file.read_text())
+    vocab_size = config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
+    if isinstance(vocab_size, int):
+        return vocab_size
+    from transformers import AutoConfig  # a config that names its vocabulary another way
+
+    return AutoConfig.from_pretrained(name).get_text_config().vocab_size
 
 
 def save_model_and_tokenizer(model, tokenizer, directory: str | Path) -> Path:

@@ -93,6 +93,13 @@ def _matching(directory: Path, patterns) -> list[Path]:
     return sorted(found)
 
 
+def _check_allow_changed(allow_changed: Iterable[str], result_options: tuple, fixed_options: tuple) -> None:
+    changeable = set(result_options) - set(fixed_options)
+    unknown = sorted(set(allow_changed) - changeable)
+    if unknown:
+        raise ValueError(f"allow_changed: {unknown} are not options a resume may change; those are {sorted(changeable)}")
+
+
 class RunDirectory:
     """A directory claimed by one ``logitless`` command; see the module docstring."""
 
@@ -135,11 +142,12 @@ class RunDirectory:
                                  "own outputs, and no logitless run wrote them; --overwrite never replaces what the "
                                  "run did not write: move them away or choose another directory")
         created = not path.exists()
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            write_json_atomically(path / MARKER, record or {"command": command, "options": None, "changes": []})
-        except OSError as err:
-            raise ValueError(f"output_dir: cannot write to {path}: {err.strerror or err}") from None
+        if record is None:  # a claim of our own: written now, which also proves the directory writable
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+                write_json_atomically(path / MARKER, {"command": command, "options": None, "changes": []})
+            except OSError as err:
+                raise ValueError(f"output_dir: cannot write to {path}: {err.strerror or err}") from None
         return cls(path, command, outputs, record, created)
 
     @contextlib.contextmanager
@@ -159,47 +167,59 @@ class RunDirectory:
     def existing_outputs(self) -> list[Path]:
         return _matching(self.path, self.outputs)
 
+    def resume_changes(self, options: dict, *, result_options: Iterable[str], fixed_options: Iterable[str] = (),
+                       allow_changed: Iterable[str] = ()) -> dict[str, list]:
+        """The options a resume with ``options`` changes (name -> [recorded, now]), writing nothing.
+
+        A change of an option in ``result_options`` is refused unless ``allow_changed`` names it; an option in
+        ``fixed_options`` may never change.
+        """
+        result_options, fixed_options = tuple(result_options), tuple(fixed_options)
+        _check_allow_changed(allow_changed, result_options, fixed_options)
+        before = (self.previous or {}).get("options")
+        if before is None:
+            return {}
+        changes = {name: [before.get(name), options[name]] for name in result_options + fixed_options
+                   if before.get(name) != options[name]}
+        fixed = [name for name in changes if name in fixed_options]
+        if fixed:
+            name = fixed[0]
+            raise ValueError(f"{name}: the run in {self.path} started from {_describe(changes[name][0])}; its "
+                             f"checkpoint continues that training, so it cannot resume from "
+                             f"{_describe(changes[name][1])}. Start a new run in another output directory")
+        refused = [name for name in changes if name not in set(allow_changed)]
+        if refused:
+            listed = ", ".join(f"{name} {_describe(changes[name][0])} -> {_describe(changes[name][1])}"
+                               for name in refused)
+            flags = " ".join(name.replace("_", "-") for name in refused)
+            raise ValueError(f"{refused[0]}: resuming the run in {self.path} with changed options that change "
+                             f"its result ({listed}); pass --allow-changed {flags} to resume with the new values "
+                             "(recorded in the run directory), or use another output directory")
+        return changes
+
     def start(self, options: dict, *, resume: bool, result_options: Iterable[str], fixed_options: Iterable[str] = (),
               allow_changed: Iterable[str] = (), step: int | None = None) -> dict[str, list]:
         """Record ``options`` for this run; returns the changes a resume was allowed to make.
 
-        ``resume``: the run continues from a checkpoint in the directory. It is refused when an option
-        in ``result_options`` differs from the recorded run's, unless named in ``allow_changed``; an
-        option in ``fixed_options`` may never change. Without ``resume`` the run starts over and the
-        directory's earlier outputs (``outputs`` of `claim`) are removed first, so no stale checkpoint
-        of another run can be resumed later.
+        ``resume``: the run continues from a checkpoint in the directory, with the options `resume_changes`
+        allows. Without ``resume`` the run starts over and the directory's earlier outputs (``outputs`` of
+        `claim`) are removed, so no stale checkpoint of another run can be resumed later.
         """
-        result_options, fixed_options = tuple(result_options), tuple(fixed_options)
-        changeable = set(result_options) - set(fixed_options)
-        unknown = sorted(set(allow_changed) - changeable)
-        if unknown:
-            raise ValueError(f"allow_changed: {unknown} are not options a resume may change; those are "
-                             f"{sorted(changeable)}")
-        before = (self.previous or {}).get("options")
-        changes = {}
-        if resume and before is not None:
-            changes = {name: [before.get(name), options[name]] for name in result_options + fixed_options
-                       if before.get(name) != options[name]}
-            fixed = [name for name in changes if name in fixed_options]
-            if fixed:
-                name = fixed[0]
-                raise ValueError(f"{name}: the run in {self.path} started from {_describe(changes[name][0])}; its "
-                                 f"checkpoint continues that training, so it cannot resume from "
-                                 f"{_describe(changes[name][1])}. Start a new run in another output directory")
-            refused = [name for name in changes if name not in set(allow_changed)]
-            if refused:
-                listed = ", ".join(f"{name} {_describe(changes[name][0])} -> {_describe(changes[name][1])}"
-                                   for name in refused)
-                flags = " ".join(name.replace("_", "-") for name in refused)
-                raise ValueError(f"{refused[0]}: resuming the run in {self.path} with changed options that change "
-                                 f"its result ({listed}); pass --allow-changed {flags} to resume with the new values "
-                                 "(recorded in the run directory), or use another output directory")
-        if not resume:
-            for entry in self.existing_outputs():
-                remove_tree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        if resume:
+            changes = self.resume_changes(options, result_options=result_options, fixed_options=fixed_options,
+                                          allow_changed=allow_changed)
+        else:
+            _check_allow_changed(allow_changed, tuple(result_options), tuple(fixed_options))
+            changes = {}
         record = {"command": self.command, "options": options, "changes": list((self.previous or {}).get("changes", []))}
         if changes:
             record["changes"].append({"time": time.strftime("%Y-%m-%d %H:%M:%S"), "step": step, "options": changes})
-        write_json_atomically(self.path / MARKER, record)
+        try:
+            write_json_atomically(self.path / MARKER, record)
+        except OSError as err:
+            raise ValueError(f"output_dir: cannot write to {self.path}: {err.strerror or err}") from None
+        if not resume:
+            for entry in self.existing_outputs():
+                remove_tree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
         self.previous = record
         return changes

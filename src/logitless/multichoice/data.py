@@ -11,7 +11,7 @@ import random
 from pathlib import Path
 
 from logitless._checks import check_positive_int
-from logitless.data import read_jsonl
+from logitless.records import read_jsonl
 
 INSTRUCTION = "Think briefly, then finish with a line of the form ANSWER: <letter>."
 
@@ -122,6 +122,12 @@ def _record(raw, where: str, letters: str, name: str) -> dict:
             "prompt": format_prompt(question, options, letters)}
 
 
+def names_a_file(path_or_name: str | Path) -> bool:
+    """Whether a data name is plainly a local file's (a .jsonl/.json name, or a path from ``.``, ``/`` or ``~``)
+    rather than a hub dataset's id."""
+    return Path(path_or_name).suffix in (".jsonl", ".json") or str(path_or_name).startswith((".", "/", "~"))
+
+
 def load_multichoice(path_or_name: str | Path, split: str = "train", choices: str = "ABCD", *,
                      name: str = "path_or_name") -> list[dict]:
     """Records from a jsonl file (one object per line), a dataset saved with ``save_to_disk``, or the hub.
@@ -138,7 +144,7 @@ def load_multichoice(path_or_name: str | Path, split: str = "train", choices: st
     path = Path(path_or_name).expanduser()
     if path.is_file():
         records = [_record(raw, where, choices, name) for where, raw in read_jsonl(path, name)]
-    elif not path.is_dir() and (path.suffix in (".jsonl", ".json") or str(path_or_name).startswith((".", "/", "~"))):
+    elif not path.is_dir() and names_a_file(path_or_name):
         raise ValueError(f"{name}: no such file {str(path_or_name)!r}")
     else:
         import datasets

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from logitless.data import iterate_batches
+from logitless.records import iterate_batches
 from logitless.models import load_model_and_tokenizer, save_model_and_tokenizer
 from logitless.multichoice.data import synthetic_multichoice
 from logitless.sft import sft_step

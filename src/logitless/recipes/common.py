@@ -80,6 +80,7 @@ class RunPlan:
     run: RunDirectory
     checkpoint: Path | None
     changes: dict[str, list]
+    finished: str | None = None  # for a run at its last step already, what to say instead of loading anything
 
 
 def check_model_sources(config) -> None:
@@ -98,22 +99,28 @@ def claim_run(command: str, config, outputs: tuple[str, ...], result_options, fi
     run = RunDirectory.claim(config.output_dir, command, outputs=outputs, overwrite=config.overwrite)
     with run.released_on_error():
         checkpoint = resume_checkpoint(command, run.path, config)
+        options = {**dataclasses.asdict(config), "data": file_identity(config.data)}
+        if checkpoint is not None and checkpoint_step(checkpoint) == config.steps:  # compared, not recorded
+            changes = run.resume_changes(options, result_options=result_options, fixed_options=fixed_options,
+                                         allow_changed=config.allow_changed)
+            return RunPlan(config, run, checkpoint, changes, finished=nothing_left(command, run.path, config.steps))
         if before_start is not None:
             before_start(checkpoint)
-        options = {**dataclasses.asdict(config), "data": file_identity(config.data)}
         changes = run.start(options, resume=checkpoint is not None, result_options=result_options,
                             fixed_options=fixed_options, allow_changed=config.allow_changed,
                             step=None if checkpoint is None else checkpoint_step(checkpoint))
     return RunPlan(config, run, checkpoint, changes)
 
 
-def announce_start(command: str, checkpoint: Path | None, steps: int) -> None:
-    """Say where training starts: "resuming from step 2 (runs/g/checkpoint-2)", or that nothing is left."""
-    if checkpoint is None:
-        return
-    done = checkpoint_step(checkpoint)
-    print(f"logitless {command}: " + (f"resuming from step {done} ({checkpoint})" if done < steps else
-                                     f"the run is already at step {done} of {steps}; nothing left to train"))
+def nothing_left(command: str, run_dir: Path, steps: int) -> str:
+    """What the rerun of a run that reached its last step says instead of loading, training or writing anything."""
+    return f"logitless {command}: the run in {run_dir} is already at step {steps} of {steps}; nothing left to train"
+
+
+def announce_start(command: str, checkpoint: Path | None) -> None:
+    """Say where training starts when it resumes: "resuming from step 2 (runs/g/checkpoint-2)"."""
+    if checkpoint is not None:
+        print(f"logitless {command}: resuming from step {checkpoint_step(checkpoint)} ({checkpoint})")
 
 
 def load_model(field: str, name: str, seed: int):
@@ -130,12 +137,16 @@ def run_recipe(command: str, config, args: argparse.Namespace, prepare, train):
     """(plan, history) of ``train(prepare(config))`` for ``logitless COMMAND``, where ``prepare`` makes every
     check that needs no model. Bad data, output directories and models, and a non-finite step, end the
     command with one line that names the option (or says what stopped): at training, the errors of models
-    that cannot be loaded or do not fit, which name one of the config's ``MODEL_OPTIONS``."""
+    that cannot be loaded or do not fit, which name one of the config's ``MODEL_OPTIONS``. A run that is
+    finished already (``plan.finished``) says so and trains nothing: the history is None."""
     names = option_fields(type(config), args)
     try:
         plan = prepare(config)
     except (TypeError, ValueError) as err:
         raise option_error(err, names) from None
+    if plan.finished:
+        print(plan.finished)
+        return plan, None
     try:
         return plan, train(plan)
     except NonFiniteError as err:
@@ -155,7 +166,7 @@ DATA_KINDS = {"grpo": (("question", "choices", "answer"), "multiple-choice quest
 def refuse_other_commands_data(field: str, path: str | Path, command: str, kind: str) -> None:
     """A jsonl file (option ``field``) whose first line is plainly another command's data, not of ``kind``, is
     refused by name: `logitless grade` given an SFT file would train on its prompts and ignore the responses."""
-    from logitless.data import read_jsonl
+    from logitless.records import read_jsonl
 
     if not Path(path).is_file():
         return  # a directory or a hub dataset: its loader checks it

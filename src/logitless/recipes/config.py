@@ -80,8 +80,11 @@ def field_names(field: str, names) -> tuple[str, ...]:
 
 
 def check_model_name(field: str, name) -> None:
-    """A model name that is plainly a local path must exist (a hub id is only checked when loaded)."""
+    """A model name that is plainly a local path must be an existing directory (a hub id is only checked when
+    loaded); an existing file is never a model."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"{field}: expected a hub id, a local model directory or {EMBEDDED_DEFAULT!r}, got {name!r}")
+    if Path(name).expanduser().is_file():
+        raise ValueError(f"{field}: {name!r} is a file, not a model directory")
     if name.startswith((".", "/", "~")) and not Path(name).expanduser().is_dir():
         raise ValueError(f"{field}: no such model directory {name!r}")

@@ -27,10 +27,10 @@ from logitless.plots import plot_curve
 from logitless.recipes.common import (NONFINITE_ADVICE, RunPlan, check_model_sources, claim_run, load_model, plural,
                                       refuse_other_commands_data, run_recipe, skipped_note)
 from logitless.recipes.distill_options import (BUILT_IN_PROMPTS, FIXED_OPTIONS, RESULT_OPTIONS, DistillConfig)
-from logitless.recipes.trl_runs import train_resumably
 from logitless.rundir import remove_tree, write_json_atomically, write_text_atomically
 
 TEACHER = "teacher"  # the built-in teacher's directory in OUTPUT_DIR
+BUILT_IN_TEACHER = "tiny-qwen2-untied"  # what the built-in teacher is warm-started from
 OUTPUTS = (STEP_CHECKPOINT, CHECKPOINT_STAGING, TEACHER, f".{TEACHER}.partial", "history.json", "divergence.png",
            "README.md")
 
@@ -44,7 +44,7 @@ class DistillPlan(RunPlan):
 
 def load_prompts(config: DistillConfig) -> list[str]:
     """The prompts, at least one step's worth; errors name ``data`` or ``prompts_per_step``."""
-    from logitless.data import read_jsonl
+    from logitless.records import read_jsonl
     from logitless.multichoice.data import synthetic_multichoice
 
     if config.data is None:
@@ -61,12 +61,39 @@ def load_prompts(config: DistillConfig) -> list[str]:
     return prompts
 
 
+def check_vocabularies(config: DistillConfig) -> None:
+    """The student and the teacher have one vocabulary (the divergence compares their distributions over it), read
+    from both models' configs: errors name the teacher, or the student when the teacher is the built-in one."""
+    from logitless.models import model_vocab_size
+
+    def vocabulary(field: str, name: str) -> int:
+        try:
+            return model_vocab_size(name)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{field}: cannot read the vocabulary size from the config of {name!r} "
+                             f"({' '.join(str(err).split())[:200]})") from None
+
+    student = vocabulary("model", config.model)
+    if config.teacher is not None:
+        teacher = vocabulary("teacher", config.teacher)
+        if teacher != student:
+            raise ValueError(f"teacher: its vocabulary {teacher} differs from the student's {student} "
+                             f"({config.model}); the divergence compares both models' distributions over one "
+                             "vocabulary")
+    elif student != model_vocab_size(BUILT_IN_TEACHER):
+        raise ValueError(f"model: its vocabulary {student} differs from the built-in teacher's "
+                         f"{model_vocab_size(BUILT_IN_TEACHER)} ({BUILT_IN_TEACHER}); pass a teacher of the "
+                         "student's vocabulary with --teacher")
+
+
 def prepare_distill(config: DistillConfig) -> DistillPlan:
-    """Every check that needs no model: options, prompts, output directory, resume options. Raises ValueError
-    naming the option at fault; writes only ``logitless-run.json`` (and removes this run's earlier outputs when it
-    starts over)."""
+    """Every check that needs no model weights and no PyTorch: options, prompts, both models' sources and
+    vocabularies, output directory, resume options. Raises ValueError naming the option at fault; writes only
+    ``logitless-run.json`` (and removes this run's earlier outputs when it starts over), and nothing for a run
+    that is finished already."""
     prompts = load_prompts(config)
     check_model_sources(config)
+    check_vocabularies(config)
     return DistillPlan(**vars(claim_run("distill", config, OUTPUTS, RESULT_OPTIONS, FIXED_OPTIONS)), prompts=prompts)
 
 
@@ -82,9 +109,10 @@ def teacher_directory(config: DistillConfig, run_dir: Path, progress: bool) -> s
         partial = run_dir / f".{TEACHER}.partial"
         if partial.exists():
             remove_tree(partial)  # a warm start that a crash interrupted
-        print(f"logitless distill: warm-starting the teacher ({config.teacher_steps} SFT steps of tiny-qwen2-untied "
+        print(f"logitless distill: warm-starting the teacher ({config.teacher_steps} SFT steps of {BUILT_IN_TEACHER} "
               f"on the multiple-choice answer format) into {final}")
-        warm_start_policy(partial, steps=config.teacher_steps, seed=config.seed, progress=progress)
+        warm_start_policy(partial, steps=config.teacher_steps, seed=config.seed, progress=progress,
+                          model=BUILT_IN_TEACHER)
         os.rename(partial, final)
     return str(final)
 
@@ -95,6 +123,7 @@ def train_distill(config: DistillConfig | DistillPlan, *, progress: bool = True)
     from transformers.utils import logging as hf_logging
     from trl import DistillationConfig
 
+    from logitless.recipes.trl_runs import train_resumably
     from logitless.trl import DistillationTrainer, NonFiniteGuard
 
     plan = config if isinstance(config, DistillPlan) else prepare_distill(config)
@@ -164,6 +193,8 @@ tokenizer = AutoTokenizer.from_pretrained("{output_dir}/checkpoint-STEP")
 
 def run_command(config: DistillConfig, args: argparse.Namespace) -> int:
     plan, history = run_recipe("distill", config, args, prepare_distill, train_distill)
+    if history is None:
+        return 0
     divergence = history["loss"]
     print(f"divergence to the teacher {divergence[0]:.4f} -> {divergence[-1]:.4f} over "
           f"{plural(len(divergence), 'step')}{skipped_note(history)}; plot: {plan.run.path / 'divergence.png'}")

@@ -26,8 +26,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from logitless.checkpoint import last_complete_checkpoint
-from logitless.recipes.common import check_model_source, resume_checkpoint, run_recipe
+from logitless.checkpoint import checkpoint_step, last_complete_checkpoint
+from logitless.recipes.common import check_model_source, nothing_left, resume_checkpoint, run_recipe
 from logitless.recipes.grade_method import GradePlan, run_method, validation_curve
 from logitless.recipes.grade_options import FIXED_OPTIONS, METHODS, STEERING_OPTIONS, GradeRunConfig
 from logitless.recipes.grade_prompts import load_held_out_prompts, load_prompts
@@ -42,23 +42,29 @@ def _recorded_options(run: GradeRunConfig) -> dict:
     return json.loads(json.dumps(options))
 
 
-def claim_run_directory(run: GradeRunConfig, methods: list[str]) -> dict[str, Path | None]:
+def claim_run_directory(run: GradeRunConfig, methods: list[str]) -> tuple[dict[str, Path | None], str | None]:
     """Claim OUTPUT_DIR, find each method's checkpoint to resume from (None: it starts at step 0) and record
-    this run's options (refusing changed ones on a resume): before any model loads."""
+    this run's options (refusing changed ones on a resume): before any model loads. Returns the checkpoints, and
+    for a run whose every method is at its last step already, the line to say instead (nothing is written then)."""
     directory = RunDirectory.claim(run.output_dir, "grade", overwrite=run.overwrite,
                                    outputs=(*METHODS, "reward_by_method.png", "val_reward_by_method.png",
                                             "summary.md"))
     with directory.released_on_error():
         checkpoints = {method: resume_checkpoint("grade", directory.path / method, run) for method in methods}
+        options = _recorded_options(run)
+        result_options = [n for n in options if n not in STEERING_OPTIONS]
+        if all(checkpoint is not None and checkpoint_step(checkpoint) == run.steps
+               for checkpoint in checkpoints.values()):
+            directory.resume_changes(options, result_options=result_options, fixed_options=FIXED_OPTIONS,
+                                     allow_changed=run.allow_changed)
+            return checkpoints, nothing_left("grade", directory.path, run.steps)
         # another method's results in the directory belong to the same run: it continues (its options are
         # compared) instead of starting over, which would delete them
         others = run.resume and any(last_complete_checkpoint(directory.path / method)[0] is not None
                                     for method in METHODS if method not in methods)
-        options = _recorded_options(run)
-        directory.start(options, resume=any(checkpoints.values()) or others,
-                        result_options=[n for n in options if n not in STEERING_OPTIONS],
+        directory.start(options, resume=any(checkpoints.values()) or others, result_options=result_options,
                         fixed_options=FIXED_OPTIONS, allow_changed=run.allow_changed)
-    return checkpoints
+    return checkpoints, None
 
 
 def check_methods(run: GradeRunConfig, methods: list[str]) -> None:
@@ -88,7 +94,7 @@ def prepare_grade(run: GradeRunConfig) -> GradePlan:
     if run.reward_model is not None:
         check_model_source("reward_model", run.reward_model)
     check_methods(run, run.methods)
-    return GradePlan(run, records, eval_records, claim_run_directory(run, run.methods))
+    return GradePlan(run, records, eval_records, *claim_run_directory(run, run.methods))
 
 
 def train_grade(config: GradeRunConfig | GradePlan, *, progress: bool = True) -> dict[str, list[dict]]:
@@ -112,6 +118,8 @@ def train_grade(config: GradeRunConfig | GradePlan, *, progress: bool = True) ->
 
 def run_command(config: GradeRunConfig, args: argparse.Namespace) -> int:
     plan, histories = run_recipe("grade", config, args, prepare_grade, train_grade)
+    if histories is None:
+        return 0
     output_dir, several = Path(plan.config.output_dir), len(histories) > 1
     table = summary_table(histories)
     write_text_atomically(output_dir / "summary.md", table + "\n")

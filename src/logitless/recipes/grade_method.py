@@ -14,16 +14,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from logitless.grade import GRPOBaseline, GumbelTrainer, GumbelTrainerMemoryEfficient
 from logitless.recipes import interrupts
 from logitless.recipes.common import announce_start, load_model
 from logitless.recipes.grade_options import GradeRunConfig
 from logitless.recipes.grade_prompts import step_prompts
 from logitless.rundir import write_text_atomically
 
-# method -> the trainer that runs it (`grade_options.METHODS` has the settings each one fixes)
-TRAINERS = {"gumbel": GumbelTrainerMemoryEfficient, "ste": GumbelTrainerMemoryEfficient,
-            "gumbel_legacy": GumbelTrainer, "ste_legacy": GumbelTrainer, "grpo": GRPOBaseline}
+# method -> the `logitless.grade` trainer that runs it (`grade_options.METHODS` has the settings each one fixes)
+TRAINERS = {"gumbel": "GumbelTrainerMemoryEfficient", "ste": "GumbelTrainerMemoryEfficient",
+            "gumbel_legacy": "GumbelTrainer", "ste_legacy": "GumbelTrainer", "grpo": "GRPOBaseline"}
 VALIDATION = "val/reward_mean"  # the metrics rows' held-out score (None at steps without an evaluation)
 
 
@@ -35,6 +34,7 @@ class GradePlan:
     records: list[dict]  # training prompts
     eval_records: list[dict]  # held-out prompts ([]: no evaluation)
     checkpoints: dict[str, Path | None]  # each method's checkpoint to resume from
+    finished: str | None = None  # every method is at its last step already: what to say instead of loading anything
 
 
 def build_reward(run: GradeRunConfig, tokenizer, initial_policy):
@@ -60,12 +60,14 @@ def build_reward(run: GradeRunConfig, tokenizer, initial_policy):
 def build_trainer(plan: GradePlan, method: str):
     """Load the models and build ``method``'s trainer: (trainer, tokenizer). The policy starts from the method's
     checkpoint (a full one; a LoRA one holds the adapters only, loaded by `resume_trainer`), else from the model."""
+    from logitless import grade
+
     run, checkpoint = plan.config, plan.checkpoints[method]
     reference, tokenizer = load_model("model", run.model, run.seed)
     full_checkpoint = checkpoint is not None and run.lora_rank == 0
     policy = load_model("model", str(checkpoint), run.seed)[0] if full_checkpoint else copy.deepcopy(reference)
-    trainer = TRAINERS[method](policy, build_reward(run, tokenizer, reference), run.trainer_config(method),
-                               tokenizer=tokenizer, reference=reference)
+    trainer = getattr(grade, TRAINERS[method])(policy, build_reward(run, tokenizer, reference),
+                                               run.trainer_config(method), tokenizer=tokenizer, reference=reference)
     return trainer, tokenizer
 
 
@@ -142,7 +144,7 @@ def run_method(plan: GradePlan, method: str, *, progress: bool = True) -> list[d
     hf_logging.disable_progress_bar()
     trainer, tokenizer = build_trainer(plan, method)
     history = resume_trainer(trainer, plan, method)
-    announce_start("grade", plan.checkpoints[method], plan.config.steps)
+    announce_start("grade", plan.checkpoints[method])
     train_steps(trainer, tokenizer, plan, method, history, progress=progress)
     run = plan.config
     plot_method(Path(run.output_dir) / method, method, getattr(trainer.reward, "description", run.reward), history)

@@ -17,7 +17,7 @@ from logitless.recipes.options import add_config_parser
 
 DESCRIPTION = "`logitless grade`: GRADE (or the GRPO baseline) on prompts with a differentiable reward."
 
-# method -> the GradeConfig settings it fixes (its trainer: `logitless.recipes.grade.TRAINERS`)
+# method -> the GradeConfig settings it fixes (its trainer: `logitless.recipes.grade_method.TRAINERS`)
 METHODS = {"gumbel": {"straight_through": False}, "ste": {"straight_through": True},
            "gumbel_legacy": {"straight_through": False}, "ste_legacy": {"straight_through": True}, "grpo": {}}
 REWARDS = ("capitalized", "words", "token", "classifier", "judge")

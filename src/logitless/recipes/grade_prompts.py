@@ -52,7 +52,7 @@ def load_held_out_prompts(run: GradeRunConfig, training: list[dict]) -> list[dic
 def _read_prompts(run: GradeRunConfig, field: str) -> list[dict]:
     """The records of the file that option ``field`` names: multiple-choice questions for the judge reward,
     else {"prompt": ...} lines."""
-    from logitless.data import read_jsonl
+    from logitless.records import read_jsonl
     from logitless.multichoice.data import load_multichoice
 
     path = getattr(run, field)

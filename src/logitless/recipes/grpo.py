@@ -20,20 +20,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm.auto import tqdm
-from transformers import TrainerCallback
-
 from logitless.checkpoint import CHECKPOINT_STAGING, STEP_CHECKPOINT
 from logitless.plots import plot_curves
 from logitless.recipes.common import (NONFINITE_ADVICE, RunPlan, check_model_sources, claim_run, hub_reachable,
                                       load_model, plural, refuse_other_commands_data, run_recipe, skipped_note)
 from logitless.recipes.grpo_options import (FIXED_OPTIONS, RESULT_OPTIONS, SYNTHETIC_QUESTIONS,
                                             MultichoiceGRPOConfig)
-from logitless.recipes.trl_runs import train_resumably
 from logitless.rundir import write_json_atomically, write_text_atomically
-from logitless.trl.nonfinite import NonFiniteGuard
 
-EQUAL_REWARD_STEPS = 2  # a warning when every completion of the first this many steps got the same reward
 WARM_UP_HINT = ("GRPO learns only from reward differences within a group. The reward reads the letter after "
                 "'ANSWER:', so the policy must first write that format: warm it up with `logitless sft` on "
                 "(prompt, ' ANSWER: <letter>') pairs, as `logitless demo` does (docs/runs.md, 'GRPO that can learn')")
@@ -51,12 +45,12 @@ class GRPOPlan(RunPlan):
 
 def load_questions(config: MultichoiceGRPOConfig) -> list[dict]:
     """The questions, at least one step's worth; errors name ``data``."""
-    from logitless.multichoice.data import load_multichoice, synthetic_multichoice
+    from logitless.multichoice.data import load_multichoice, names_a_file, synthetic_multichoice
 
     if config.data is None:
         return synthetic_multichoice(count=SYNTHETIC_QUESTIONS, seed=config.seed + 1)
     refuse_other_commands_data("data", config.data, "grpo", "grpo")
-    if Path(config.data).expanduser().exists() or hub_reachable():
+    if Path(config.data).expanduser().exists() or names_a_file(config.data) or hub_reachable():
         records = load_multichoice(config.data, name="data")
     else:  # only the local cache can hold it: look there alone, not through a minute of retries
         import datasets
@@ -92,7 +86,9 @@ def train_grpo_multichoice(config: MultichoiceGRPOConfig | GRPOPlan, *, progress
     from logitless.multichoice.data import to_trl_dataset
     from logitless.multichoice.judge import MultichoiceJudge
     from logitless.multichoice.reward import multichoice_judge_reward
+    from logitless.recipes.trl_runs import EqualRewardsWarning, train_resumably
     from logitless.trl import GRPOTrainerWithLogits
+    from logitless.trl.nonfinite import NonFiniteGuard
 
     plan = config if isinstance(config, GRPOPlan) else prepare_grpo(config)
     config, output_dir = plan.config, plan.run.path
@@ -112,7 +108,7 @@ def train_grpo_multichoice(config: MultichoiceGRPOConfig | GRPOPlan, *, progress
     guard = NonFiniteGuard(config.on_nonfinite, NONFINITE_ADVICE)
     trainer = GRPOTrainerWithLogits(model=policy, reward_funcs=reward, args=args,
                                     train_dataset=to_trl_dataset(plan.records), processing_class=tokenizer,
-                                    callbacks=[guard, _EqualRewardsWarning(config.steps)])
+                                    callbacks=[guard, EqualRewardsWarning("grpo", config.steps, WARM_UP_HINT)])
 
     def write_outputs(log_history: list[dict]) -> dict:
         history = write_history(output_dir, log_history, guard.skipped)
@@ -173,25 +169,10 @@ tokenizer = AutoTokenizer.from_pretrained("{output_dir}/checkpoint-STEP")
 """)
 
 
-class _EqualRewardsWarning(TrainerCallback):
-    """A warning when every completion of each group of the first steps got the same reward."""
-
-    def __init__(self, steps: int):
-        self.first_steps = min(EQUAL_REWARD_STEPS, steps)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if "frac_reward_zero_std" not in (logs or {}) or state.global_step != self.first_steps:
-            return
-        first = [entry for entry in state.log_history if "frac_reward_zero_std" in entry][:EQUAL_REWARD_STEPS]
-        if all(entry["frac_reward_zero_std"] == 1.0 for entry in first):
-            rewards = sorted({round(entry["reward"], 4) for entry in first})
-            tqdm.write(f"logitless grpo: warning: in each group of the first {len(first)} step(s), every completion "
-                       f"got the same reward (mean {', '.join(map(str, rewards))}): nothing was learned. "
-                       + WARM_UP_HINT, file=sys.stderr)
-
-
 def run_command(config: MultichoiceGRPOConfig, args: argparse.Namespace) -> int:
     plan, history = run_recipe("grpo", config, args, prepare_grpo, train_grpo_multichoice)
+    if history is None:
+        return 0
     rewards = history["reward"]
     print(f"reward {rewards[0]:.4f} -> {rewards[-1]:.4f} over {plural(len(rewards), 'step')}"
           f"{skipped_note(history)}; plot: {plan.run.path / 'reward.png'}")

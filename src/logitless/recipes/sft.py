@@ -21,19 +21,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from tqdm.auto import tqdm
-
 from logitless.checkpoint import (CHECKPOINT_STAGING, STEP_CHECKPOINT, last_complete_checkpoint,
                                   load_checkpoint_state, save_checkpoint)
-from logitless.data import arithmetic_sft_examples, iterate_batches, load_jsonl
 from logitless.plots import plot_curve
 from logitless.recipes import interrupts
 from logitless.recipes.common import (NONFINITE_ADVICE, RunPlan, announce_start, check_model_source, claim_run,
                                       load_model, plural, refuse_other_commands_data, run_recipe, skipped_note)
 from logitless.recipes.sft_options import FIXED_OPTIONS, RESULT_OPTIONS, SFTConfig
+from logitless.records import arithmetic_sft_examples, iterate_batches, load_jsonl
 from logitless.rundir import write_json_atomically
-from logitless.sft import sft_step
 
 OUTPUTS = (STEP_CHECKPOINT, CHECKPOINT_STAGING, "history.json", "loss.png")
 
@@ -78,7 +74,11 @@ def prepare_sft(config: SFTConfig) -> SFTPlan:
 
 def train_sft(config: SFTConfig | SFTPlan, *, progress: bool = True) -> dict:
     """Run SFT; returns the history {"loss": [...], "entropy": [...], "step", "seconds", "skipped": [...]}."""
+    import torch
+    from tqdm.auto import tqdm
     from transformers.utils import logging as hf_logging
+
+    from logitless.sft import sft_step
 
     plan = config if isinstance(config, SFTPlan) else prepare_sft(config)
     config, run = plan.config, plan.run
@@ -98,7 +98,7 @@ def train_sft(config: SFTConfig | SFTPlan, *, progress: bool = True) -> dict:
     for _ in range(history["step"] * config.gradient_accumulation_steps):  # same data order after a resume
         next(batches)
 
-    announce_start("sft", plan.checkpoint, config.steps)
+    announce_start("sft", plan.checkpoint)
     interrupts.track("logitless sft", run.path, history["step"], config.steps)
     started = time.perf_counter() - history["seconds"]
     bar = tqdm(range(history["step"], config.steps), initial=history["step"], total=config.steps,
@@ -132,6 +132,8 @@ def _write_history(run_dir: Path, history: dict) -> None:
 
 def run_command(config: SFTConfig, args: argparse.Namespace) -> int:
     plan, history = run_recipe("sft", config, args, prepare_sft, train_sft)
+    if history is None:
+        return 0
     print(f"loss {history['loss'][0]:.3f} -> {history['loss'][-1]:.3f} over {plural(history['step'], 'step')} "
           f"({history['seconds']:.1f}s){skipped_note(history)}; plot: {plan.run.path / 'loss.png'}; "
           f"checkpoint: {last_complete_checkpoint(plan.run.path)[0]}")

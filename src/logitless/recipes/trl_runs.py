@@ -4,9 +4,11 @@ every checkpoint."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from tqdm.auto import tqdm
 from transformers import ProgressCallback, TrainerCallback
 
 from logitless.recipes import interrupts
@@ -43,6 +45,26 @@ class NewLearningRate(TrainerCallback):
         lr_scheduler._last_lr = list(lr_scheduler.base_lrs)  # what the Trainer logs as this step's rate
 
 
+class EqualRewardsWarning(TrainerCallback):
+    """A warning when every completion of each group of the first steps got the same reward: a GRPO run that learns
+    nothing, with ``hint`` on what to do."""
+
+    FIRST_STEPS = 2  # how many steps in, at most
+
+    def __init__(self, command: str, steps: int, hint: str):
+        self.command, self.first_steps, self.hint = command, min(self.FIRST_STEPS, steps), hint
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if "frac_reward_zero_std" not in (logs or {}) or state.global_step != self.first_steps:
+            return
+        first = [entry for entry in state.log_history if "frac_reward_zero_std" in entry][:self.first_steps]
+        if all(entry["frac_reward_zero_std"] == 1.0 for entry in first):
+            rewards = sorted({round(entry["reward"], 4) for entry in first})
+            tqdm.write(f"logitless {self.command}: warning: in each group of the first {len(first)} step(s), every "
+                       f"completion got the same reward (mean {', '.join(map(str, rewards))}): nothing was learned. "
+                       + self.hint, file=sys.stderr)
+
+
 class RunTracking(TrainerCallback):
     """The step an interrupt reports, and ``write_outputs(log_history)`` (history, plots) at every save."""
 
@@ -69,5 +91,5 @@ def train_resumably(trainer, command: str, checkpoint: Path | None, steps: int, 
         trainer.remove_callback(ProgressCallback)
         trainer.add_callback(QuietProgress(f"logitless {command}"))
     trainer.add_callback(RunTracking(f"logitless {command}", Path(trainer.args.output_dir), steps, write_outputs))
-    announce_start(command, checkpoint, steps)
+    announce_start(command, checkpoint)
     trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
