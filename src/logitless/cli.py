@@ -13,9 +13,9 @@ import argparse
 import sys
 import warnings
 
-from logitless import __version__, demo_options
+from logitless import __version__, demo_options, interrupts
 from logitless.bench import cli as bench_cli
-from logitless.recipes import distill_options, grade_options, grpo_options, interrupts, sft_options
+from logitless.recipes import distill_options, grade_options, grpo_options, sft_options
 
 
 class _Parser(argparse.ArgumentParser):
@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; Ctrl-C and SIGTERM end it with one line and exit status 130 / 143. A one-line error
     starts with the command's name, as argparse's usage errors do ("logitless sft: --steps: ...")."""
     args = build_parser().parse_args(argv)
-    command = " ".join(["logitless", args.command, *([args.target] if args.command == "bench" else [])])
+    name = " ".join([args.command, *([args.target] if args.command == "bench" else [])])  # "sft", "bench jax"
+    command = f"logitless {name}"
     # TRL 1.16 reads model.is_gradient_checkpointing at every generation, which transformers 5 deprecates:
     # a warning per step that the user can do nothing about
     with interrupts.handling(), warnings.catch_warnings():
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         except (KeyboardInterrupt, interrupts.Terminated) as interrupt:
             interrupts.close_progress_bars()
-            print(interrupts.summary(args.command), file=sys.stderr)
+            print(interrupts.summary(name), file=sys.stderr)
             return interrupts.EXIT_STATUS[type(interrupt)]
 
 

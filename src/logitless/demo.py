@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from logitless import interrupts
 from logitless.data import tokenize_prompt_and_output
 from logitless.demo_options import DemoConfig
 from logitless.hf import final_hidden_states, lm_head_of
@@ -83,12 +84,21 @@ def log_prob_errors(model_dir: str | Path) -> dict[str, float]:
     return {impl: (log_probs[rows].double() - exact).abs().max().item() for impl, log_probs in scored.items()}
 
 
+STARTS_OVER = "a rerun of `logitless demo` starts over (it keeps no checkpoint to resume from)"
+
+
+def phase(number: int, words: str) -> None:
+    """The demo enters phase ``number`` of 4: an interrupt names it and the step reached."""
+    interrupts.stage(f"in phase {number} of 4 ({words})", STARTS_OVER)
+
+
 def train_demo(config: DemoConfig, directory: Path, *, progress: bool = True) -> dict:
     """Steps 1 and 2 and the accuracies of step 3, in ``directory``; returns the numbers of the summary."""
     print(f"logitless demo 1/4: {config.steps} + {config.steps // 10} warm-up SFT steps of tiny-qwen2-untied "
           "(vocabulary 151,936): the answer format ' ANSWER: <ordinal> <letter>', on sums it cannot solve")
+    phase(1, "the warm-up SFT")
     sft, policy_dir = warm_start_policy(directory / "sft", steps=config.steps, progress=progress,
-                                        data_file=directory / "warm_start.jsonl")
+                                        data_file=directory / "warm_start.jsonl", on_step=interrupts.step_done)
     plot_curve(sft["loss"], directory / "sft" / "loss.png", title="SFT loss (mean token NLL on responses)",
                ylabel="loss (nats/token)")
     print(f"SFT loss {sft['loss'][0]:.3f} -> {sft['loss'][-1]:.3f} nats/token in {sft['seconds']:.0f}s; "
@@ -102,12 +112,14 @@ def train_demo(config: DemoConfig, directory: Path, *, progress: bool = True) ->
     print(f"logitless demo 2/4: {config.grpo_steps} GRPO steps of {config.completions_per_step} completions with "
           "GRPOTrainerWithLogits on 'Which number is the largest?' (options in increasing order); reward "
           "P(correct|model) x (1 - P(correct|judge)), P(correct|model) read from the policy's own logits")
+    phase(2, "GRPO")
     grpo = train_grpo_multichoice(MultichoiceGRPOConfig(
         model=str(policy_dir), data=str(questions), output_dir=str(directory / "grpo"), steps=config.grpo_steps,
         save_every=config.grpo_steps, completions_per_step=config.completions_per_step,
         num_generations=config.num_generations, max_completion_length=8, learning_rate=config.grpo_learning_rate),
         progress=progress)
     print(f"plot: {directory / 'grpo' / 'reward.png'}")
+    phase(2, "held-out accuracy before and after GRPO")
     return {"sft_loss": (sft["loss"][0], sft["loss"][-1]), "reward": quarter_means(grpo["reward"]),
             "p_correct_model": quarter_means(grpo["p_correct_model"]),
             "p_correct_judge": quarter_means(grpo["p_correct_judge"]), "steps_trained": len(grpo["reward"]),
@@ -126,6 +138,7 @@ def train_grade_demo(config: DemoConfig, directory: Path, *, progress: bool = Tr
 
     print(f"logitless demo 3/4: {config.grade_steps} GRADE steps (Gumbel-softmax, top-k soft tokens, exact KL from "
           "hidden states) of an untrained tiny-qwen2; reward: the fraction of capitalized words it writes")
+    phase(3, "GRADE")
     run = GradeRunConfig(output_dir=str(directory / "grade"), steps=config.grade_steps, save_every=config.grade_steps)
     rewards = [row["reward"] for row in train_grade(run, progress=progress)["gumbel"]]
     print(f"plot: {directory / 'grade' / 'gumbel' / 'reward.png'}")
@@ -182,6 +195,7 @@ def run(config: DemoConfig) -> int:
     grade_reward = train_grade_demo(config, directory)
     print("logitless demo 4/4: held-out accuracy, peak memory of a GRPO step with and without logits (fresh "
           "processes), fused vs materialized")
+    phase(4, "measuring a GRPO step's peak memory and the log-probs' error")
     memory = measure_step_memory(config)
     errors = log_prob_errors(results["policy_dir"])
     table = summary_table(config, results, memory, grade_reward)

@@ -11,12 +11,13 @@ import argparse
 import dataclasses
 import importlib
 
+from logitless import interrupts
 from logitless._checks import check_generations
 from logitless.bench import cli_startup, grade, grade_variance, lmhead, trainers
 from logitless.bench import grpo as bench_grpo
 from logitless.bench import jax as bench_jax
-from logitless.bench.options import (add_device_option, add_model_option, benchmark_parser, require_device,
-                                     require_model, require_positive, require_writable, write_report)
+from logitless.bench.options import (add_device_option, add_model_option, benchmark_parser, interrupted,
+                                     require_device, require_model, require_positive, require_writable, write_report)
 
 
 def run_trainer_bench(args: argparse.Namespace) -> int:
@@ -89,4 +90,16 @@ def add_parser(subcommands):
     grade_variance.add_parser(targets)
     trainers.add_parser(targets)
     cli_startup.add_parser(targets)
+    for parser in targets.choices.values():
+        parser.set_defaults(handler=_telling_interrupts(parser.get_default("handler")))
     return targets
+
+
+def _telling_interrupts(handler):
+    """``handler``, after which an interrupt says which rows finished (and writes them to ``--json``)."""
+
+    def measure(args: argparse.Namespace) -> int:
+        interrupts.stage("while measuring", lambda: interrupted(args))
+        return handler(args)
+
+    return measure

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from logitless.bench.busy import busy_processes
-from logitless.bench.options import benchmark_parser, require_positive, require_writable, write_report
+from logitless.bench.options import benchmark_parser, require_positive, require_writable, rows_so_far, write_report
 
 A_FILE = "notes.txt"  # a file in the working directory, given where a model directory is expected
 COMMANDS = (("--version",), ("grpo", "--help"), ("sft", "--steps", "-1"), ("bench", "lmhead", "--help"),
@@ -34,7 +34,7 @@ def run(repeats: int, busy: int) -> dict:
     """{command: {median_s, max_s, times_s}}, measured with ``busy`` busy processes beside each run."""
     import platform
 
-    results = {}
+    results = rows_so_far({})
     with busy_processes(busy), tempfile.TemporaryDirectory() as directory:
         (Path(directory) / A_FILE).write_text("not a model\n")
         for argv in COMMANDS:

@@ -18,6 +18,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
+from logitless.bench.options import rows_so_far
 from logitless.bench.ratios import add_ratios, trl_comparison_lines
 from logitless.bench.timing import timed
 from logitless.bench.worker import run_worker_process, worker_main
@@ -105,7 +106,7 @@ def run(config: GRPOBenchConfig, progress: bool = True, *, concurrently: bool = 
     unknown = sorted(set(config.setups) - set(SETUPS))
     if unknown:
         raise ValueError(f"setups: unknown {unknown}; choose from {list(SETUPS)}")
-    results = {}
+    results = rows_so_far({})
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = config.model
         if config.model in EMBEDDED_MODELS:  # both trainers load the same saved weights

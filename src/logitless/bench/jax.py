@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from logitless.bench.options import (add_report_options, add_shape_options, benchmark_parser, choices_metavar,
-                                     require_positive, require_writable, write_report)
+                                     require_positive, require_writable, rows_so_far, write_report)
 from logitless.ops.grpo_settings import GRPOSettings
 
 LOSSES = ("ce", "kl", "grpo")
@@ -280,7 +280,7 @@ def run(losses=LOSSES, run_shape: Shape = Shape(), compile_shape: Shape | None =
     report = {"losses": list(losses), "shapes": {name: asdict(shape) for name, shape in shapes.items()},
               "compile_only": compile_only, "repeats": 0 if compile_only else repeats,
               "backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-              "results": {name: {} for name in shapes}}
+              "results": rows_so_far({name: {} for name in shapes})}
     with tqdm(total=len(losses) * len(shapes) * len(IMPLEMENTATIONS), desc="bench jax: compile",
               disable=not progress) as bar:
         for loss in losses:

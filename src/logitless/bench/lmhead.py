@@ -54,7 +54,7 @@ from pathlib import Path
 from logitless.bench.busy import busy_processes
 from logitless.bench.options import (add_device_option, add_report_options, add_shape_options, benchmark_parser,
                                      choices_metavar, require_device, require_positive, require_writable,
-                                     write_report)
+                                     rows_so_far, write_report)
 from logitless.bench.ratios import add_ratios, format_ratio, ratio
 from logitless.bench.worker import run_worker_process
 
@@ -130,7 +130,7 @@ def run(shape: Shape, implementations=IMPLEMENTATIONS, repeats: int = 3, progres
     from safetensors.torch import load_file
     from tqdm.auto import tqdm
 
-    results, failed = {}, {}
+    results, failed = rows_so_far({}), {}
     flops = 2 * shape.head_matmuls * shape.tokens * shape.hidden * shape.vocab  # the head's matmuls, valid tokens
     with tempfile.TemporaryDirectory() as scratch, busy_processes(busy):
         for name, (implementation, run_shape) in tqdm(_runs(shape, implementations, block_tokens).items(),

@@ -72,6 +72,42 @@ def require_model(args: argparse.Namespace) -> None:
                          "nor a directory")
 
 
+_rows_so_far: dict = {}  # the running benchmark's results, filled row by row (`rows_so_far`)
+
+
+def rows_so_far(results: dict) -> dict:
+    """Register ``results`` (returned as it is), the dict a benchmark fills with its rows as they finish, so that an
+    interrupt writes the rows that finished (`interrupted`)."""
+    global _rows_so_far
+    _rows_so_far = results
+    return results
+
+
+def finished_rows(results: dict, path: tuple[str, ...] = ()) -> list[str]:
+    """The rows of a results dict, each named by its keys ("compile ce plain"): a dict that holds measurements (a
+    value that is not a dict) is a row, a dict of dicts holds rows."""
+    rows = []
+    for key, value in results.items():
+        if isinstance(value, dict) and all(isinstance(item, dict) for item in value.values()):  # {} holds none yet
+            rows += finished_rows(value, (*path, str(key)))
+        else:
+            rows.append(" ".join((*path, str(key))))
+    return rows
+
+
+def interrupted(args: argparse.Namespace) -> str:
+    """What an interrupted benchmark leaves, said after "interrupted while measuring; ": the rows that finished,
+    written to ``--json`` (marked ``"interrupted": true``) when one was given."""
+    rows = finished_rows(_rows_so_far)
+    done = f"{len(rows)} row{'' if len(rows) == 1 else 's'} finished" + (f" ({', '.join(rows)})" if rows else "")
+    if not args.json:
+        return f"{done}; no --json was given to keep them"
+    options = {name: value for name, value in vars(args).items() if name != "handler" and not callable(value)}
+    Path(args.json).write_text(json.dumps({"interrupted": True, "options": options, "results": _rows_so_far},
+                                          indent=2, default=str))
+    return f"{done}: written to {args.json}"
+
+
 def write_report(report: dict, args: argparse.Namespace, format_table, plot=None) -> int:
     """A benchmark's ending: its table printed, the report written to ``--json`` and drawn by ``plot`` to
     ``--plot`` (where given); the command's exit status."""

@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from logitless.bench.options import (add_device_option, add_model_option, benchmark_parser, choices_metavar,
-                                     require_device, require_model, require_positive, require_writable, write_report)
+                                     require_device, require_model, require_positive, require_writable, rows_so_far,
+                                     write_report)
 from logitless.bench.ratios import add_ratios, trl_comparison_lines
 from logitless.bench.worker import run_worker_process
 from logitless.models import EMBEDDED_DEFAULT
@@ -58,7 +59,7 @@ def run(config: TRLBenchConfig, progress: bool = True) -> dict:
     from logitless.models import (EMBEDDED_MODELS, embedded_model, model_vocab_size, qwen_tokenizer,
                                   save_model_and_tokenizer)
 
-    results = {}
+    results = rows_so_far({})
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = config.model
         if config.model in EMBEDDED_MODELS:  # both trainers load the same saved weights

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterable
 
+from logitless.bench.options import rows_so_far
+
 
 def run_worker_process(module: str, arguments: list[str]) -> dict:
     """``python -m MODULE ARGUMENTS...``; the worker prints its result as JSON on its last line.
@@ -25,11 +27,13 @@ def run_worker_process(module: str, arguments: list[str]) -> dict:
 
 def run_variants(module: str, variants: Iterable[str], arguments: list[str], desc: str, progress: bool = True) -> dict:
     """{variant: result} of ``python -m MODULE --worker VARIANT ARGUMENTS...``, one fresh process after another,
-    under a progress bar."""
+    under a progress bar; the results so far are what an interrupt keeps (`options.rows_so_far`)."""
     from tqdm.auto import tqdm
 
-    return {variant: run_worker_process(module, ["--worker", variant, *arguments])
-            for variant in tqdm(list(variants), desc=desc, disable=not progress)}
+    results = rows_so_far({})
+    for variant in tqdm(list(variants), desc=desc, disable=not progress):
+        results[variant] = run_worker_process(module, ["--worker", variant, *arguments])
+    return results
 
 
 def worker_main(run_worker: Callable, config_class, choices: tuple[str, ...], directory_flag: str) -> int:

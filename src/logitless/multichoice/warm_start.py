@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,8 +50,8 @@ def multichoice_sft_pairs(records: list[dict], letters: str = "ABCD", end: str =
 
 def warm_start_policy(output_dir: str | Path, steps: int = 60, seed: int = 0, progress: bool = True, *,
                       model: str = "tiny-qwen2-untied", kinds: tuple[str, ...] = ("sum",), learning_rate: float = 1e-2,
-                      cooldown_steps: int | None = None, batch_size: int = 8,
-                      data_file: str | Path | None = None) -> tuple[dict, Path]:
+                      cooldown_steps: int | None = None, batch_size: int = 8, data_file: str | Path | None = None,
+                      on_step: Callable[[int, int], object] | None = None) -> tuple[dict, Path]:
     """SFT ``model`` on 256 synthetic questions of ``kinds`` (AdamW, gradients clipped to norm 1) and save it
     with its tokenizer in ``output_dir``; returns the history {"loss": [...], "entropy": [...], "seconds"} (the
     seconds of training) and ``output_dir``, which `load_model_and_tokenizer` and every ``--model`` load.
@@ -58,7 +59,8 @@ def warm_start_policy(output_dir: str | Path, steps: int = 60, seed: int = 0, pr
     ``steps`` at ``learning_rate``, then ``cooldown_steps`` (default: a tenth of ``steps``) at a tenth of
     it. The large steps leave the answer prior swinging with the last few batches' letters; the small ones
     settle it near uniform (the sums' letters are uniform), so that GRPO starts from an unbiased policy.
-    The training pairs are also written to ``data_file`` when one is given.
+    The training pairs are also written to ``data_file`` when one is given; ``on_step(done, total)`` is called after
+    each step.
     """
     from tqdm.auto import tqdm
 
@@ -73,12 +75,15 @@ def warm_start_policy(output_dir: str | Path, steps: int = 60, seed: int = 0, pr
     batches = iterate_batches(pairs, batch_size, seed=seed)
     history = {"loss": [], "entropy": []}
     started = time.perf_counter()
-    for step in tqdm(range(steps + cooldown_steps), desc="warm start", disable=not progress, unit="step"):
+    total = steps + cooldown_steps
+    for step in tqdm(range(total), desc="warm start", disable=not progress, unit="step"):
         if step == steps:
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate / 10
         done = sft_step(policy, tokenizer, optimizer, [next(batches)], step=step + 1, max_grad_norm=1.0)
         history["loss"].append(done.loss)
         history["entropy"].append(done.entropy)
+        if on_step is not None:
+            on_step(step + 1, total)
     history["seconds"] = time.perf_counter() - started
     return history, save_model_and_tokenizer(policy, tokenizer, output_dir)

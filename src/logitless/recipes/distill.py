@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from logitless import interrupts
 from logitless.checkpoint import CHECKPOINT_STAGING, STEP_CHECKPOINT
 from logitless.plots import plot_curve
 from logitless.recipes.common import (NONFINITE_ADVICE, RunPlan, check_model_sources, claim_run, load_model, plural,
@@ -111,8 +112,10 @@ def teacher_directory(config: DistillConfig, run_dir: Path, progress: bool) -> s
             remove_tree(partial)  # a warm start that a crash interrupted
         print(f"logitless distill: warm-starting the teacher ({config.teacher_steps} SFT steps of {BUILT_IN_TEACHER} "
               f"on the multiple-choice answer format) into {final}")
-        warm_start_policy(partial, steps=config.teacher_steps, seed=config.seed, progress=progress,
-                          model=BUILT_IN_TEACHER)
+        with interrupts.staged("while warm-starting the built-in teacher",
+                               "no step of the run was trained; rerun the same command to warm it up anew and train"):
+            warm_start_policy(partial, steps=config.teacher_steps, seed=config.seed, progress=progress,
+                              model=BUILT_IN_TEACHER, on_step=interrupts.step_done)
         os.rename(partial, final)
     return str(final)
 

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from logitless.recipes import interrupts
+from logitless import interrupts
 from logitless.recipes.common import announce_start, load_model
 from logitless.recipes.grade_options import GradeRunConfig
 from logitless.recipes.grade_prompts import step_prompts

@@ -24,7 +24,7 @@ from pathlib import Path
 from logitless.checkpoint import (CHECKPOINT_STAGING, STEP_CHECKPOINT, last_complete_checkpoint,
                                   load_checkpoint_state, save_checkpoint)
 from logitless.plots import plot_curve
-from logitless.recipes import interrupts
+from logitless import interrupts
 from logitless.recipes.common import (NONFINITE_ADVICE, RunPlan, announce_start, check_model_source, claim_run,
                                       load_model, plural, refuse_other_commands_data, run_recipe, skipped_note)
 from logitless.recipes.sft_options import FIXED_OPTIONS, RESULT_OPTIONS, SFTConfig

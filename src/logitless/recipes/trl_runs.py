@@ -11,7 +11,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 from transformers import ProgressCallback, TrainerCallback
 
-from logitless.recipes import interrupts
+from logitless import interrupts
 from logitless.recipes.common import announce_start
 
 

@@ -1,9 +1,12 @@
-"""Ctrl-C (SIGINT) and SIGTERM end a command with one line: where it stopped, its last complete
-checkpoint, and how to resume; exit status 130 or 143, no traceback.
+"""Ctrl-C (SIGINT) and SIGTERM end a command with one line: where it stopped, in the command's own words, and what
+is kept; exit status 130 or 143, no traceback.
 
 `handling()` installs the handlers for the length of one command and restores what was there
 before. A recipe reports where it is with `track` (its run directory and step count) and
-`step_done`; the command line catches the interrupt and writes `summary`.
+`step_done`: its line names the last complete checkpoint and how to resume. A command whose work is not a
+resumable run (the demo's phases, a benchmark's rows, a teacher's warm-up) names its `stage` and what an
+interrupt there leaves (a function, where saying it writes something: a benchmark's rows so far); the steps a
+stage's loops report with `step_done` are named too. The command line catches the interrupt and writes `summary`.
 
 An interrupt can land while Python runs a finalizer (a ``__del__``, a weakref callback): Python
 cannot raise it there and would print "Exception ignored in ..." with a traceback, then go on. While
@@ -18,6 +21,7 @@ import contextlib
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +39,9 @@ class _Progress:
     label: str | None = None  # "logitless grpo"; None: no run is training
     run_dir: Path | None = None  # where its checkpoint-STEP directories are written
     done: int = 0  # optimizer steps finished
-    steps: int = 0  # optimizer steps in all
+    steps: int = 0  # optimizer steps in all (0: not counted)
+    stage: str | None = None  # a command's own words for where it is: "in phase 1 of 4 (the warm-up SFT)"
+    leaves: str | Callable[[], str] = ""  # what an interrupt in the stage leaves, said after it
 
 
 _progress = _Progress()
@@ -47,9 +53,29 @@ def track(label: str, run_dir: str | Path, done: int, steps: int) -> None:
     _progress.label, _progress.run_dir, _progress.done, _progress.steps = label, Path(run_dir), done, steps
 
 
-def step_done(done: int) -> None:
-    """A step finished: ``done`` steps are. Raises the interrupt a signal asked for, if it was lost on the way."""
+def stage(words: str, leaves: str | Callable[[], str]) -> None:
+    """The command enters a stage of its own: an interrupt now ends with "interrupted WORDS[ at step N of M]; LEAVES"
+    (``leaves`` called then, when it is a function), whatever runs it trains inside the stage. Steps are counted
+    afresh."""
+    _progress.stage, _progress.leaves, _progress.done, _progress.steps = words, leaves, 0, 0
+
+
+@contextlib.contextmanager
+def staged(words: str, leaves: str | Callable[[], str]):
+    """`stage` for the length of a ``with`` block that ends normally; the stage before it (or none) is back after it.
+    Interrupted inside, the block's stage is the one `summary` names."""
+    before = _progress.stage, _progress.leaves
+    stage(words, leaves)
+    yield
+    _progress.stage, _progress.leaves = before
+
+
+def step_done(done: int, steps: int | None = None) -> None:
+    """A step finished: ``done`` steps are (of ``steps``, when given). Raises the interrupt a signal asked for, if it
+    was lost on the way."""
     _progress.done = done
+    if steps is not None:
+        _progress.steps = steps
     if _requested is not None:
         raise _requested()
 
@@ -107,9 +133,14 @@ def close_progress_bars() -> None:
 
 def summary(command: str) -> str:
     """"logitless grpo: interrupted at step 3 of 4; last complete checkpoint: step 2 (runs/g/checkpoint-2);
-    rerun the same command to resume" (or what there is to say when no run was training yet)."""
+    rerun the same command to resume", or in a `stage`, "logitless demo: interrupted in phase 1 of 4 (the warm-up
+    SFT) at step 43 of 66; ...", or what there is to say when neither started."""
     from logitless.checkpoint import checkpoint_step, last_complete_checkpoint
 
+    if _progress.stage is not None:
+        at = f" at step {min(_progress.done + 1, _progress.steps)} of {_progress.steps}" if _progress.steps else ""
+        leaves = _progress.leaves() if callable(_progress.leaves) else _progress.leaves
+        return f"logitless {command}: interrupted {_progress.stage}{at}; {leaves}"
     if _progress.label is None:
         return f"logitless {command}: interrupted before training started"
     checkpoint, _ = last_complete_checkpoint(_progress.run_dir)
