@@ -63,6 +63,8 @@ def _run(launcher: list[str], model_dir: Path, run_dir: Path, *options: str, scr
                           capture_output=True, text=True, timeout=600, env=env, cwd=run_dir)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-6000:]
+    # every rank printed DDP's notice that the flag was on for a model whose every parameter is used in every step
+    assert "find_unused_parameters=True was specified" not in log
     return torch.load(output), log
 
 

@@ -237,3 +237,33 @@ def test_lora_and_bf16_steps_equal_stock_trl(name, setup, model_dir, other_model
     _, grads = _assert_one_step_equals_stock_trl(name, stock, ours, inputs, loose=setup == "bf16")
     if setup == "lora":
         assert grads and all("lora_" in parameter for parameter in grads)
+
+
+def test_ddp_looks_for_unused_parameters_only_where_a_step_can_leave_some(tmp_path):
+    """Every DDP rank warned that find_unused_parameters=True found none: off for a dense text model, given whole or
+    by directory; on (transformers' default) for a mixture of experts or a model with a vision tower; never changed
+    where the user set it."""
+    from types import SimpleNamespace
+
+    from transformers import LlavaConfig, MixtralConfig
+
+    from logitless.trl.ddp import every_parameter_used, set_find_unused_parameters
+
+    dense = tiny_qwen2(seed=0)
+    assert every_parameter_used(dense)
+    assert not every_parameter_used(SimpleNamespace(config=MixtralConfig(num_local_experts=4)))
+    assert not every_parameter_used(SimpleNamespace(config=LlavaConfig()))
+    assert not every_parameter_used(str(tmp_path))  # a directory without a config.json
+
+    class Trainer:
+        def __init__(self, model, args=None):
+            pass
+
+    for given, expected in ((None, False), (True, True), (False, False)):
+        config = SimpleNamespace(ddp_find_unused_parameters=given)
+        set_find_unused_parameters(Trainer, object(), (dense,), {"args": config})
+        assert config.ddp_find_unused_parameters is expected
+    moe = SimpleNamespace(ddp_find_unused_parameters=None)
+    set_find_unused_parameters(Trainer, object(), (SimpleNamespace(config=MixtralConfig(num_local_experts=4)),),
+                               {"args": moe})
+    assert moe.ddp_find_unused_parameters is None

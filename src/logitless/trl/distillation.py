@@ -20,6 +20,7 @@ from trl import DistillationTrainer as TRLDistillationTrainer
 from logitless.ops.head import LinearHead
 from logitless.ops.jsd import fused_linear_jsd
 from logitless.trl.checkpoints import AtomicCheckpoints
+from logitless.trl.ddp import set_find_unused_parameters
 from logitless.trl.lm_head import gather_head_in_backward, zero3_gathered
 from logitless.trl.resume import ExactResume
 from logitless.trl.seam import announce_start
@@ -73,6 +74,10 @@ class LogitlessDivergence:
     reads both models' hidden states and heads, runs unchanged around it)."""
 
     lm_head_path = "logitless"  # the divergence never comes from TRL's chunked kernel
+
+    def __init__(self, *args, **kwargs):
+        set_find_unused_parameters(TRLDistillationTrainer, self, args, kwargs)
+        super().__init__(*args, **kwargs)
 
     def _compute_loss(self, *args, **kwargs):
         with mock.patch.object(trl_distillation, "_chunked_divergence_loss", divergence_loss):

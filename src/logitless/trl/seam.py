@@ -18,6 +18,7 @@ from unittest import mock
 
 from accelerate.utils import is_peft_model
 
+from logitless.trl.ddp import set_find_unused_parameters
 from logitless.trl.lm_head import add_logitless_lm_head, has_logitless_lm_head
 from logitless.trl.notices import launch_warnings, scoring_line
 
@@ -34,7 +35,9 @@ class LogitlessHead:
     reads the scored hidden states (`LogitAwareRewards`) defines ``keep_scored_hidden``, called on each of them."""
 
     def __init__(self, *args, **kwargs):
-        trl_module = sys.modules[trl_trainer_class(type(self)).__module__]
+        trl_class = trl_trainer_class(type(self))
+        set_find_unused_parameters(trl_class, self, args, kwargs)
+        trl_module = sys.modules[trl_class.__module__]
         ours = functools.partial(add_logitless_lm_head, on_hidden=getattr(self, "keep_scored_hidden", None))
         with mock.patch.object(trl_module, "add_fused_lm_head", ours):
             super().__init__(*args, **kwargs)
