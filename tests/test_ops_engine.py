@@ -222,8 +222,10 @@ def test_the_one_pass_chunk_is_chosen_by_bytes(vocab, num_tokens):
 
 def test_the_one_pass_blocks_shared_out_among_threads_give_the_same_bits_whoever_takes_them():
     """The one-pass schedule's blocks run on worker threads (`ops/workers.py`): each block's statistics on their
-    own, merged in block order, so two runs, and a run on one thread, give the same bits; the workers leave the
-    process's thread count as it was."""
+    own, merged in block order, so two runs, and a run whose threads take the blocks in the opposite order, give
+    the same bits; a run on one thread gives the same up to the rounding of dh, one matmul of the whole chunk whose
+    sum over the vocabulary the math library may split by the thread count; the workers leave the process's thread
+    count as it was."""
     import threading
 
     from logitless.ops import workers
@@ -245,15 +247,23 @@ def test_the_one_pass_blocks_shared_out_among_threads_give_the_same_bits_whoever
             torch.set_num_threads(threads)
         return [loss.detach(), hidden.grad, weight.grad], metrics
 
+    def backwards(self, fn, items):  # the last block handed out first: each block goes to another thread
+        return list(self.pool.map(fn, list(items)[::-1]))[::-1]
+
     calls, real = [], workers.BlockWorkers.map
     workers.BlockWorkers.map = lambda self, fn, items: calls.append(1) or real(self, fn, items)
     try:
         first, again, alone = run(2), run(2), run(1)
+        workers.BlockWorkers.map = backwards
+        reversed_order = run(2)
     finally:
         workers.BlockWorkers.map = real
     assert calls  # the threads ran blocks
-    for other in (again, alone):
+    for other in (again, reversed_order):
         assert all(torch.equal(a, b) for a, b in zip(first[0], other[0])) and first[1] == other[1]
+    for a, b in zip(first[0], alone[0]):  # a sum over 5003 entries, rounded in fp32
+        torch.testing.assert_close(b, a, rtol=0, atol=5003**0.5 * torch.finfo(torch.float32).eps * a.abs().max().item())
+    assert first[1] == pytest.approx(alone[1], rel=1e-6)
     seen = []
     thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
     thread.start()
