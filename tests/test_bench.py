@@ -114,13 +114,15 @@ def test_bench_bad_options(argv, match):
 
 
 def test_bench_trl_small(tmp_path):
-    """A trainer that does not generate and one that does, stock TRL and logitless, at a tiny size: the same losses,
-    and every time and peak measured (tests/test_trl_trainers.py checks each trainer's step against stock TRL's)."""
+    """A trainer that does not generate and one that does (distillation at short completions), stock TRL and
+    logitless, at a tiny size: the same losses, and every time and peak measured (tests/test_trl_trainers.py checks
+    each trainer's step against stock TRL's)."""
     out_json = tmp_path / "t.json"
     assert main(["bench", "trl", "--steps", "2", "--batch", "2", "--seq", "8", "--completions", "4",
-                 "--completion-length", "4", "--rounds", "1", "--trainers", "sft", "rloo", "--json", str(out_json)]) == 0
+                 "--completion-length", "16", "--short-completion-length", "3", "--rounds", "1", "--trainers", "sft",
+                 "distill_short", "--json", str(out_json)]) == 0
     report = json.loads(out_json.read_text())
-    assert list(report["results"]) == ["sft", "rloo"]
+    assert list(report["results"]) == ["sft", "distill_short"] and report["config"]["short_completion_length"] == 3
     for name, results in report["results"].items():
         assert set(results) == {"trl", "logitless"}, name
         for result in results.values():

@@ -10,7 +10,8 @@ pairs of ``seq`` tokens; DPO ``batch`` pairs (chosen and rejected: twice the seq
 reference model's pass); KTO ``batch`` examples (and TRL's KL batch); RLOO and GRPO ``completions``
 completions of ``completion_length`` tokens (generation, the same work for both, is part of the step);
 distillation the same, with the model at another seed as the teacher (the on-policy divergence over
-the full vocabulary). Each run is `bench.trainers_steps` in a fresh process.
+the full vocabulary), and again at short completions (``distill_short``, where a fused head's fixed costs
+show most). Each run is `bench.trainers_steps` in a fresh process.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from logitless.bench.ratios import add_ratios, trl_comparison_lines
 from logitless.bench.worker import run_worker_process
 from logitless.models import EMBEDDED_DEFAULT
 
-TRAINERS = ("sft", "dpo", "kto", "rloo", "grpo", "distill")
+TRAINERS = ("sft", "dpo", "kto", "rloo", "grpo", "distill", "distill_short")  # distill_short: short completions
 IMPLEMENTATIONS = ("trl", "logitless")
 
 
@@ -39,6 +40,7 @@ class TRLBenchConfig:
     seq: int = 256  # sft, dpo, kto: tokens per example (prompt and completion)
     completions: int = 16  # rloo, grpo, distill: completions per step
     completion_length: int = 128  # rloo, grpo, distill: tokens per completion at most
+    short_completion_length: int = 8  # distill_short: distillation at this many tokens per completion
     model: str = EMBEDDED_DEFAULT  # an embedded model (`models.EMBEDDED_MODELS`) or a local directory
     device: str = "cpu"
     rounds: int = 2  # each pair run this many times, alternately; the fastest round of each is reported
@@ -89,7 +91,8 @@ def format_table(report: dict) -> str:
     c = report["config"]
     lines = [f"TRL trainers, {c['steps']} steps each (the first not timed), the fastest of {c['rounds']} rounds, "
              f"{c['model']} (vocabulary {report['vocab_size']}), {c['device']}; sft/dpo/kto: {c['batch']} x {c['seq']} "
-             f"tokens; rloo/grpo/distill: {c['completions']} completions x {c['completion_length']} tokens",
+             f"tokens; rloo/grpo/distill: {c['completions']} completions x {c['completion_length']} tokens "
+             f"(distill_short: x {c['short_completion_length']})",
              *trl_comparison_lines(report["results"], "step_s", "step s", "trainer", 2)]
     lines.append("loss+bwd: the loss and its backward within a step, the part the head changes; the rest of an RLOO, "
                  "GRPO or distillation step is generation, the same for both")
@@ -119,6 +122,10 @@ def add_parser(targets) -> None:
     parser.add_argument("--completion-length", dest="completion_length", type=int,
                         default=defaults.completion_length,
                         help="rloo, grpo, distill: tokens per completion at most (default: %(default)s)")
+    parser.add_argument("--short-completion-length", dest="short_completion_length", type=int,
+                        default=defaults.short_completion_length,
+                        help="distill_short: tokens per completion at most, a short-completion distillation "
+                             "(default: %(default)s)")
     add_model_option(parser)
     add_device_option(parser, indexed=False)
     parser.add_argument("--rounds", type=int, default=defaults.rounds,
@@ -129,7 +136,8 @@ def add_parser(targets) -> None:
 
 
 def _main(args) -> int:
-    require_positive(args, ("steps", "batch", "seq", "completions", "completion_length", "rounds"))
+    require_positive(args, ("steps", "batch", "seq", "completions", "completion_length", "short_completion_length",
+                            "rounds"))
     unknown = sorted(set(args.trainers) - set(TRAINERS))
     if unknown:
         raise SystemExit(f"--trainers: unknown {unknown}; choose from {list(TRAINERS)}")
@@ -141,5 +149,6 @@ def _main(args) -> int:
     require_device(args)
     require_writable(args, ("json",))
     config = TRLBenchConfig(tuple(dict.fromkeys(args.trainers)), args.steps, args.batch, args.seq, args.completions,
-                            args.completion_length, args.model, args.device, args.rounds)
+                            args.completion_length, args.short_completion_length, args.model, args.device,
+                            args.rounds)
     return write_report(run(config), args, format_table)

@@ -51,10 +51,11 @@ def _trainer(name: str, implementation: str, model_dir: str, teacher_dir: str, o
         settings.update(per_device_train_batch_size=config.batch, max_length=config.seq + 8)
         kwargs["train_dataset"] = Dataset.from_dict(data[name])
     else:
-        settings.update(per_device_train_batch_size=config.completions, max_completion_length=config.completion_length)
+        length = config.short_completion_length if name == "distill_short" else config.completion_length
+        settings.update(per_device_train_batch_size=config.completions, max_completion_length=length)
         kwargs["train_dataset"] = Dataset.from_dict({"prompt": [_text(i, 16) for i in
                                                                 range(config.completions * config.steps)]})
-        if name == "distill":
+        if name.startswith("distill"):
             kwargs["teacher_model"] = teacher_dir
         else:
             settings["num_generations"] = 4
@@ -62,7 +63,8 @@ def _trainer(name: str, implementation: str, model_dir: str, teacher_dir: str, o
     config_class, trainer_class = {"sft": ("SFTConfig", "SFTTrainer"), "dpo": ("DPOConfig", "DPOTrainer"),
                                    "kto": ("KTOConfig", "KTOTrainer"), "rloo": ("RLOOConfig", "RLOOTrainer"),
                                    "grpo": ("GRPOConfig", "GRPOTrainer"),
-                                   "distill": ("DistillationConfig", "DistillationTrainer")}[name]
+                                   "distill": ("DistillationConfig", "DistillationTrainer"),
+                                   "distill_short": ("DistillationConfig", "DistillationTrainer")}[name]
     return getattr(classes, trainer_class)(args=getattr(trl, config_class)(**settings), **kwargs)
 
 

@@ -5,7 +5,9 @@ Per-device defaults (`default_block_sizes`), sized by the bytes of one block's f
 
 * Two passes: a block holds up to 16 MB on a CPU (its last-level cache holds tens of MB) and 256 MB
   on a GPU (which wants matmuls of thousands of rows and columns). All tokens go in one row chunk
-  when that leaves blocks at least 256 vocabulary entries wide; otherwise fewer tokens per chunk.
+  when that leaves blocks at least 256 vocabulary entries wide; otherwise fewer tokens per chunk. On a
+  CPU a block is at most 32,768 entries wide: an op keeps several block-sized temporaries, which for a
+  few tokens would otherwise span the whole vocabulary each (more than a materialized path holds).
 * One pass (by default on a CPU, for fp32 weights and a loss known at forward time; ``LOGITLESS_ONE_PASS``
   below): a row chunk keeps the logits of as many
   tokens as `CHUNK_BYTES` holds (386 tokens at a 151k vocabulary, 236 at 248k, 1835 at 32k), folded
@@ -32,6 +34,9 @@ from logitless.ops.head import LinearHead, stat_dtype
 
 BLOCK_BYTES = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}  # two passes: one block's logits
 MIN_VOCAB_BLOCK = 256  # blocks narrower than this make thin matmuls: take fewer tokens per chunk instead
+# two passes on a CPU: blocks no wider than this, so that a few tokens' block temporaries (an op keeps several
+# block-sized buffers) shrink with the tokens instead of filling the whole budget
+MAX_VOCAB_BLOCK = {"cpu": 32768}
 CHUNK_BYTES = 224 * 2**20  # one pass: a row chunk keeps at most this many bytes of logits
 SINGLE_PASS_VOCAB_BLOCK = 4096
 SINGLE_PASS_DEVICES = ("cpu",)  # measured faster there; GPUs keep the two passes, as TRL's head does
@@ -82,6 +87,7 @@ def default_block_sizes(device: torch.device | str, dtype: torch.dtype, *, num_t
         budget = BLOCK_BYTES.get(device_type, BLOCK_BYTES["cuda"])
         tokens = tokens or max(1, min(num_tokens, budget // (logit_bytes * MIN_VOCAB_BLOCK)))
         vocab = max(MIN_VOCAB_BLOCK, budget // (logit_bytes * tokens) // 64 * 64)
+        vocab = min(vocab, MAX_VOCAB_BLOCK.get(device_type, vocab))
     return BlockSizes(max(1, min(tokens, num_tokens)), min(vocab, vocab_size))
 
 
