@@ -145,7 +145,7 @@ def train_grade_demo(config: DemoConfig, directory: Path, *, progress: bool = Tr
     return quarter_means(rewards)
 
 
-def measure_step_memory(config: DemoConfig) -> dict | None:
+def measure_step_memory(config: DemoConfig, *, progress: bool = False) -> dict | None:
     """Peak memory of one GRPO step, stock TRL vs GRPOTrainerWithLogits, in fresh processes (bench grpo)."""
     if not config.memory_completion_length:
         return None
@@ -153,7 +153,7 @@ def measure_step_memory(config: DemoConfig) -> dict | None:
 
     report = bench_grpo.run(bench_grpo.GRPOBenchConfig(
         completions=config.memory_completions, completion_length=config.memory_completion_length,
-        num_generations=config.num_generations, steps=1, setups=("default",)), progress=False, concurrently=True)
+        num_generations=config.num_generations, steps=1, setups=("default",)), progress=progress, concurrently=True)
     return {name: result["peak_mb"] for name, result in report["results"]["default"].items()}
 
 
@@ -196,7 +196,7 @@ def run(config: DemoConfig) -> int:
     print("logitless demo 4/4: held-out accuracy, peak memory of a GRPO step with and without logits (fresh "
           "processes), fused vs materialized")
     phase(4, "measuring a GRPO step's peak memory and the log-probs' error")
-    memory = measure_step_memory(config)
+    memory = measure_step_memory(config, progress=True)
     errors = log_prob_errors(results["policy_dir"])
     table = summary_table(config, results, memory, grade_reward)
     (directory / "summary.md").write_text(table + "\n")

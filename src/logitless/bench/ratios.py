@@ -32,11 +32,12 @@ def trl_comparison_lines(groups: dict, time_key: str, time_header: str, group_he
                          digits: int) -> list[str]:
     """The header and one line per (group, implementation) of a TRL-vs-logitless trainer table: the step's time
     (``time_key``), the loss with its backward, the peak memory, each with its ratio to TRL's, and the losses."""
-    lines = [f"{group_header:<9}{'head':<11}{time_header:>8}{'x TRL':>7}{'loss+bwd s':>12}{'x TRL':>7}{'peak MB':>9}"
-             f"{'x TRL':>7}  losses"]
+    width = max(9, *(len(group) + 1 for group in groups))
+    lines = [f"{group_header:<{width}}{'head':<11}{time_header:>8}{'x TRL':>7}{'loss+bwd s':>12}{'x TRL':>7}"
+             f"{'peak MB':>9}{'x TRL':>7}  losses"]
     for group, results in groups.items():
         for name, r in results.items():
-            lines.append(f"{group:<9}{name:<11}{r[time_key]:>8.{digits}f}{format_ratio(r['time_ratio'], 7)}"
+            lines.append(f"{group:<{width}}{name:<11}{r[time_key]:>8.{digits}f}{format_ratio(r['time_ratio'], 7)}"
                          f"{r['loss_backward_s']:>12.{digits}f}{format_ratio(r['loss_backward_ratio'], 7)}"
                          f"{r['peak_mb']:>9.0f}{format_ratio(r['peak_ratio'], 7)}"
                          f"  {', '.join(f'{x:.4f}' for x in r['losses'])}")
