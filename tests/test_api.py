@@ -10,7 +10,7 @@ import torch
 
 from logitless import (LinearHead, fused_grpo_loss, fused_linear_cross_entropy, fused_linear_jsd, fused_linear_kl,
                        fused_linear_logprobs, get_response_log_probs)
-from logitless._keywords import SPELLINGS, check_impl
+from logitless._checks import SPELLINGS, check_impl
 from logitless.ops import BlockSizes, reference
 from logitless.ops.fused import linear_token_stats
 
@@ -169,7 +169,7 @@ def test_one_loss_type_vocabulary_for_the_grpo_op_the_settings_and_the_recipe():
     """`logitless grpo` offers GRPOSettings' loss types by their names (all but luspo, which needs a sequence-level
     ratio); `logitless.losses` keeps its own policy-gradient family, documented as such."""
     from logitless.losses import LOSS_TYPES as POLICY_GRADIENT_LOSS_TYPES
-    from logitless.ops.grpo_settings import GRPO_LOSS_TYPES
+    from logitless.ops.settings import GRPO_LOSS_TYPES
     from logitless.recipes.grpo_options import LOSS_TYPES
 
     assert LOSS_TYPES + ("luspo",) == GRPO_LOSS_TYPES

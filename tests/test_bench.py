@@ -41,7 +41,7 @@ def test_bench_lmhead_kl(tmp_path, capsys):
     assert out.startswith("KL(p || q) fwd+bwd through the LM head")
     # --profile: where each step's time goes, logitless's KL function among the operators of its step
     assert all("Self CPU time total" in result["profile"] for result in report["results"].values())
-    assert "LinearKL" in report["results"]["logitless@5"]["profile"]
+    assert "LinearStats" in report["results"]["logitless@5"]["profile"]
     assert "where the time of logitless@5's step goes (torch.profiler)" in out
 
 

@@ -283,7 +283,7 @@ def test_bf16_gradients_at_least_as_accurate_as_the_materialized_bf16_path(seed)
 def test_one_pass_and_two_pass_schedules_agree(blocks, monkeypatch):
     # cross-entropy and GRPO take one pass on CPU for fp32 weights, two elsewhere: both must give the same
     from logitless import fused_grpo_loss
-    from logitless.ops import blocks as schedule
+    from logitless.ops import plan as schedule
 
     hidden, weight, bias, targets = _inputs(60, 16, 997, batch=3)
     mask = torch.rand(targets.shape) > 0.2

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from logitless import GRPOSettings, fused_grpo_loss, fused_linear_cross_entropy, fused_linear_kl, fused_linear_logprobs
 from logitless.ops import BlockSizes, fused_linear_jsd, reference
-from logitless.ops.grpo_settings import GRPO_LOSS_TYPES
+from logitless.ops.settings import GRPO_LOSS_TYPES
 
 FUZZ = settings(max_examples=500, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 

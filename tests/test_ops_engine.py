@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import pytest
@@ -11,7 +12,7 @@ from fused_cases import OPS, case_inputs, cross_entropy, on, outputs_and_grads
 from logitless import fused_grpo_loss
 from logitless.ops import BlockSizes, LinearHead, default_block_sizes
 from logitless.ops import engine
-from logitless.ops.blocks import BlockPlan
+from logitless.ops.plan import BlockPlan
 
 BLOCKS = BlockSizes(tokens=5, vocab=64)  # several row chunks and vocabulary blocks on the shapes below
 TRITON_RUNS_HERE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
@@ -102,12 +103,12 @@ class _SumSweep:
 
 @pytest.mark.parametrize("num_rows", [13, 0])
 def test_a_second_sweep_starts_from_each_chunks_first_statistics(num_rows):
-    """two_pass_stats(..., then=...): a log-sum-exp in two sweeps of each row chunk (the max, then the sum of
+    """An accumulator's second sweep: a log-sum-exp in two sweeps of each row chunk (the max, then the sum of
     exp(z - max)), over several row chunks and vocabulary blocks, against torch's."""
     generator = torch.Generator().manual_seed(0)
     hidden, head = torch.randn(num_rows, 8, generator=generator), LinearHead(torch.randn(301, 8, generator=generator))
-    stats = engine.two_pass_stats((head,), (hidden,), BlockPlan(BLOCKS, single_pass=False), _MaxSweep,
-                                  lambda rows, first: _SumSweep(first))
+    accumulator = SimpleNamespace(heads=(head,), sweep=_MaxSweep, second_sweep=lambda rows, first: _SumSweep(first))
+    stats = engine.two_pass_stats(accumulator, (hidden,), BlockPlan(BLOCKS, single_pass=False))
     assert isinstance(stats, _RowLogSumExp) and stats.lse.shape == (num_rows,)
     torch.testing.assert_close(stats.lse, torch.logsumexp(head.logits(hidden), dim=-1))
 
@@ -148,7 +149,7 @@ def test_block_sizes_are_frozen_and_default_to_none():
 
 
 def test_block_sizes_reach_the_engine_and_the_token_and_vocabulary_keywords_are_refused(monkeypatch):
-    from logitless.ops import blocks
+    from logitless.ops import plan as blocks
 
     plans = []
     real_plan = blocks.plan_blocks
@@ -165,7 +166,7 @@ def test_block_sizes_reach_the_engine_and_the_token_and_vocabulary_keywords_are_
 
 
 def test_logitless_one_pass_sets_which_losses_take_one_pass(monkeypatch):
-    from logitless.ops.blocks import plan_blocks
+    from logitless.ops.plan import plan_blocks
     from logitless.ops.head import LinearHead
 
     fp32, bf16 = LinearHead(torch.zeros(10, 4)), LinearHead(torch.zeros(10, 4, dtype=torch.bfloat16))
@@ -209,7 +210,7 @@ def test_default_block_sizes_per_device():
 def test_the_one_pass_chunk_is_chosen_by_bytes(vocab, num_tokens):
     """A row chunk of the one-pass schedule never keeps more than CHUNK_BYTES of logits (at least one token), and
     as few chunks as that allows."""
-    from logitless.ops.blocks import CHUNK_BYTES
+    from logitless.ops.plan import CHUNK_BYTES
 
     tokens = default_block_sizes("cpu", torch.float32, num_tokens=num_tokens, vocab_size=vocab,
                                  single_pass=True).tokens

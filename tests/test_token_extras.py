@@ -7,7 +7,7 @@ import pytest
 import torch
 from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
-from logitless.ops import BlockSizes, LinearHead, chunks, reference
+from logitless.ops import BlockSizes, LinearHead, reference, softmax
 from logitless.ops.fused import linear_token_stats
 
 EXTRAS = ("log_sum_sq_probs", "mean_logits", "is_top1")
@@ -140,7 +140,7 @@ def test_extras_carry_no_gradient_and_leave_the_other_statistics_as_they_were():
 
 @pytest.mark.parametrize("keep", [None, "logits", "weights"])
 def test_the_block_math_keeps_the_extras_however_a_block_is_kept(keep):
-    """`chunks.update_stats` of the two-pass schedule (keep=None) and of the one-pass schedule (a block kept as
+    """`softmax.update_stats` of the two-pass schedule (keep=None) and of the one-pass schedule (a block kept as
     its logits or its exponentials): the same extras, against the oracle."""
     generator = torch.Generator().manual_seed(6)
     logits = torch.randn(9, 300, generator=generator) * 3
@@ -148,10 +148,10 @@ def test_the_block_math_keeps_the_extras_however_a_block_is_kept(keep):
     targets = torch.randint(0, 300, (9,), generator=generator)
     targets[::2] = logits[::2].argmax(dim=1)
     targets[targets % 13 == 7] += 1
-    online = chunks.OnlineSoftmax(9, torch.float32, logits.device, need_entropy=True, need_logit_sum=True,
+    online = softmax.OnlineSoftmax(9, torch.float32, logits.device, need_entropy=True, need_logit_sum=True,
                                   need_square_total=True, need_top1=True)
     for start in range(0, 300, 64):
-        chunks.update_stats(online, logits[:, start:start + 64].clone(), start, targets, True, keep=keep)
+        softmax.update_stats(online, logits[:, start:start + 64].clone(), start, targets, True, keep=keep)
     stats, want = online.result(300), reference.token_extras(logits.double(), targets)
     torch.testing.assert_close(stats.log_sum_sq_probs.double(), want["log_sum_sq_probs"], rtol=1e-5, atol=1e-6)
     assert torch.isneginf(stats.mean_logits).all()

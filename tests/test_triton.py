@@ -1,4 +1,4 @@
-"""The Triton kernels of `ops/triton.py` against their PyTorch twins in `ops/chunks.py`.
+"""The Triton kernels of `ops/triton.py` against their PyTorch twins in `ops/softmax.py`, `ops/kl.py` and `ops/jsd.py`.
 
 Triton reads TRITON_INTERPRET when a kernel is defined, and other tests may have imported it
 already, so without a GPU the kernel checks run in a child pytest on this file with
@@ -17,7 +17,10 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from logitless.ops import chunks, jsd_blocks, kl_blocks, reference  # noqa: E402
+from logitless.ops import jsd as jsd_math  # noqa: E402
+from logitless.ops import kl as kl_math  # noqa: E402
+from logitless.ops import reference  # noqa: E402
+from logitless.ops import softmax as softmax_math  # noqa: E402
 from logitless.ops import triton as triton_ops  # noqa: E402
 from logitless.ops.head import LinearHead  # noqa: E402
 
@@ -58,10 +61,10 @@ if INTERPRETED or torch.cuda.is_available():
     @pytest.mark.parametrize("num_rows,width", SHAPES)
     def test_update_stats(num_rows, width, neg_inf):
         blocks, targets = _blocks(num_rows, width, 3, neg_inf)
-        states = [chunks.OnlineSoftmax(num_rows, torch.float32, torch.device(DEVICE), True, True, True, True)
+        states = [softmax_math.OnlineSoftmax(num_rows, torch.float32, torch.device(DEVICE), True, True, True, True)
                   for _ in range(2)]
         for index, block in enumerate(blocks):
-            chunks.update_stats(states[0], block.clone(), index * width, targets, neg_inf)
+            softmax_math.update_stats(states[0], block.clone(), index * width, targets, neg_inf)
             triton_ops.update_stats(states[1], block.clone(), index * width, targets, neg_inf)
         for name in ("max", "shift", "total", "weighted", "logit_sum", "square_total", "max_before_target",
                      "target_logit"):
@@ -109,8 +112,8 @@ if INTERPRETED or torch.cuda.is_available():
         head = LinearHead(torch.zeros(width, 2, device=DEVICE), temperature=0.7, softcap=softcap)
         lse = torch.logsumexp(block, dim=1)
         expected = (torch.softmax(block, 1) * block.nan_to_num(neginf=0.0)).sum(1)
-        coefs = chunks.StatGrads(*(torch.randn(num_rows, device=DEVICE) if has else None for has in present))
-        want = chunks.block_logits_grad(head, block.clone(), 0, targets, lse, expected, coefs, softcap is None)
+        coefs = softmax_math.StatGrads(*(torch.randn(num_rows, device=DEVICE) if has else None for has in present))
+        want = softmax_math.block_logits_grad(head, block.clone(), 0, targets, lse, expected, coefs, softcap is None)
         got = triton_ops.block_logits_grad(head, block.clone(), 0, targets, lse, expected, coefs, softcap is None)
         assert torch.isfinite(want).all()
         _assert_close(got, want, "block gradient")
@@ -122,10 +125,10 @@ if INTERPRETED or torch.cuda.is_available():
     def test_kl_update_stats(num_rows, width, neg_inf, need_gap, need_entropy):
         blocks_p, _ = _blocks(num_rows, width, 3, neg_inf)
         blocks_q = [block * 0.5 - 1.0 + torch.randn_like(block) for block in blocks_p]  # -inf where p's are
-        sums = [kl_blocks.KLSums(num_rows, torch.float32, torch.device(DEVICE), need_gap=need_gap,
+        sums = [kl_math.KLSums(num_rows, torch.float32, torch.device(DEVICE), need_gap=need_gap,
                                  need_entropy=need_entropy) for _ in range(2)]
         for block_p, block_q in zip(blocks_p, blocks_q):
-            kl_blocks.kl_update_stats(sums[0], block_p.clone(), block_q.clone(), neg_inf)
+            kl_math.kl_update_stats(sums[0], block_p.clone(), block_q.clone(), neg_inf)
             triton_ops.kl_update_stats(sums[1], block_p.clone(), block_q.clone(), neg_inf)
         distributions = [torch.distributions.Categorical(logits=torch.cat(b, 1)) for b in (blocks_p, blocks_q)]
         for side, has_entropy, distribution in zip(("p", "q"), need_entropy, distributions):
@@ -138,7 +141,7 @@ if INTERPRETED or torch.cuda.is_available():
                 assert getattr(sums[1], side).weighted is None
         if need_gap:
             _assert_close(sums[1].gap, sums[0].gap, "gap")
-            _assert_close(kl_blocks.kl_stats(sums[1]).kl, torch.distributions.kl_divergence(*distributions), "kl")
+            _assert_close(kl_math.kl_stats(sums[1]).kl, torch.distributions.kl_divergence(*distributions), "kl")
         else:
             assert sums[1].gap is None
 
@@ -151,15 +154,15 @@ if INTERPRETED or torch.cuda.is_available():
         if neg_inf:
             blocks_t[1][:, ::5] = float("-inf")  # and where the student's are not
         lse_s, lse_t = (torch.logsumexp(torch.cat(b, 1), 1) for b in (blocks_s, blocks_t))
-        sums = [jsd_blocks.MixtureSums(num_rows, torch.float32, torch.device(DEVICE)) for _ in range(2)]
+        sums = [jsd_math.MixtureSums(num_rows, torch.float32, torch.device(DEVICE)) for _ in range(2)]
         for block_s, block_t in zip(blocks_s, blocks_t):
-            jsd_blocks.jsd_update_stats(sums[0], block_s.clone(), block_t.clone(), lse_s, lse_t, beta, neg_inf)
+            jsd_math.jsd_update_stats(sums[0], block_s.clone(), block_t.clone(), lse_s, lse_t, beta, neg_inf)
             triton_ops.jsd_update_stats(sums[1], block_s.clone(), block_t.clone(), lse_s, lse_t, beta, neg_inf)
         _assert_close(sums[1].student_kl, sums[0].student_kl, "KL(p_s || m)")
         _assert_close(sums[1].teacher_kl, sums[0].teacher_kl, "KL(p_t || m)")
         log_p_s, log_p_t = (torch.log_softmax(torch.cat(b, 1), 1) for b in (blocks_s, blocks_t))
-        normalizers = jsd_blocks.JSDStats(lse_s, lse_t, None, None, None)
-        _assert_close(jsd_blocks.jsd_stats(normalizers, sums[1], beta).divergence,
+        normalizers = jsd_math.JSDStats(lse_s, lse_t, None, None, None)
+        _assert_close(jsd_math.jsd_stats(normalizers, sums[1], beta).divergence,
                       reference.generalized_jsd(log_p_s, log_p_t, beta), "divergence")
 
     @pytest.mark.parametrize("beta", [0.0, 0.3])
@@ -173,10 +176,10 @@ if INTERPRETED or torch.cuda.is_available():
         head = LinearHead(torch.zeros(width, 2, device=DEVICE), temperature=0.7, softcap=softcap, logit_scale=1.5)
         log_p_s, log_p_t = torch.log_softmax(block_s, 1), torch.log_softmax(block_t, 1)
         student_kl = torch.randn(num_rows, device=DEVICE)  # any per-row centering term
-        stats = jsd_blocks.JSDStats(torch.logsumexp(block_s, 1), torch.logsumexp(block_t, 1), None, None, student_kl)
+        stats = jsd_math.JSDStats(torch.logsumexp(block_s, 1), torch.logsumexp(block_t, 1), None, None, student_kl)
         grad_divergence = torch.randn(num_rows, device=DEVICE)
         want, got = (kernels.jsd_block_logits_grad(head, block_s.clone(), block_t.clone(), stats, grad_divergence,
-                                                   beta, softcap is None) for kernels in (jsd_blocks, triton_ops))
+                                                   beta, softcap is None) for kernels in (jsd_math, triton_ops))
         assert torch.isfinite(want).all() and (width == 1 or want.abs().max() > 0)
         _assert_close(got, want, "JSD block gradient")
         if beta == 0.0 and softcap is None:  # the forward KL's gradient: p_s - p_t, times the row's factor
@@ -227,9 +230,9 @@ if INTERPRETED or torch.cuda.is_available():
         lse_p, lse_q = torch.logsumexp(block_p, 1), torch.logsumexp(block_q, 1)
         log_p, log_q = block_p - lse_p[:, None], block_q - lse_q[:, None]
         kl = (log_p.exp() * (log_p - log_q).nan_to_num(nan=0.0)).sum(1)
-        stats = kl_blocks.KLStats(lse_p, lse_q, kl)
+        stats = kl_math.KLStats(lse_p, lse_q, kl)
         grad_kl = torch.randn(num_rows, device=DEVICE)
-        want = kl_blocks.kl_block_logits_grad(head, block_p.clone(), block_q.clone(), stats, grad_kl)
+        want = kl_math.kl_block_logits_grad(head, block_p.clone(), block_q.clone(), stats, grad_kl)
         got = triton_ops.kl_block_logits_grad(head, block_p.clone(), block_q.clone(), stats, grad_kl)
         assert torch.isfinite(want).all() and (width == 1 or want.abs().max() > 0)  # one column: p = q = 1
         _assert_close(got, want, "KL block gradient")
@@ -271,14 +274,15 @@ if INTERPRETED or torch.cuda.is_available():
         """The fused ops with the Triton kernels forced, several blocks and chunks, against the oracles. The losses
         known at forward time take the two-pass schedule, whose blocks the kernels compute, as on a GPU."""
         from logitless import fused_grpo_loss, fused_linear_cross_entropy, fused_linear_logprobs
-        from logitless.ops import BlockSizes, backend, blocks as schedule, reference
+        from logitless.ops import BlockSizes, reference
+        from logitless.ops import plan as schedule
 
         monkeypatch.setenv("LOGITLESS_TRITON", "1")
         monkeypatch.setattr(schedule, "SINGLE_PASS_DEVICES", ())
         grad_kernel_calls, kernel = [], triton_ops.block_logits_grad
         monkeypatch.setattr(triton_ops, "block_logits_grad",
                             lambda *args, **kwargs: grad_kernel_calls.append(1) or kernel(*args, **kwargs))
-        assert backend.chunk_kernels(torch.device(DEVICE), torch.float32) is triton_ops
+        assert schedule.implementation("auto", torch.device(DEVICE), torch.float32).kernels(None) is triton_ops
         hidden = (torch.randn(2, 9, 8) * 0.5).to(DEVICE).requires_grad_()
         weight = (torch.randn(1009, 8) * 0.5).to(DEVICE).requires_grad_()
         bias = torch.randn(1009, device=DEVICE)
@@ -358,7 +362,8 @@ if INTERPRETED or torch.cuda.is_available():
         import os as _os
 
         from logitless import fused_grpo_loss, fused_linear_cross_entropy, fused_linear_logprobs
-        from logitless.ops import BlockSizes, blocks, reference
+        from logitless.ops import BlockSizes, reference
+        from logitless.ops import plan as blocks
 
         _os.environ["LOGITLESS_TRITON"] = "1"
         single_pass_devices, blocks.SINGLE_PASS_DEVICES = blocks.SINGLE_PASS_DEVICES, ()

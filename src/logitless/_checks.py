@@ -1,16 +1,32 @@
-"""Argument checks shared by every public function, on plain values (numbers, strings, options); tensors are
-checked in `logitless._tensor_checks`. Nothing here imports PyTorch, so option checks run before it loads.
+"""Argument checks shared by every public function and command, in one error style: a ValueError/TypeError whose
+message starts with the argument's name, so a user sees which input was wrong and what was expected.
 
-Each helper raises ValueError/TypeError whose message starts with the argument's name,
-so a user sees which input was wrong and what was expected.
+* Plain values (numbers, strings, options, a GRPO group's size, a head's shapes).
+* The public ops' keywords, checked by name before an op runs (`checked_keywords`): a keyword an op does not take
+  is a TypeError naming the op and the nearest keyword it takes (``fused_grpo_loss: unknown keyword `softcapp`;
+  did you mean `softcap`?``), a keyword of another spelling (`SPELLINGS`) names the spelling the op takes, and a
+  head given whole (``head=LinearHead(...)``) together with its parts (``weight=``, ``temperature=``...) is
+  refused. `check_impl` checks ``impl`` against the one vocabulary `IMPLS`.
+* Tensors (`check_tensor`, masks, token ids), which import PyTorch when first called.
+
+The module itself imports neither PyTorch nor JAX: the command line checks options before either loads, and
+the PyTorch and JAX ops share it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
+import inspect
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
 
 
 def check_positive_finite(name: str, value) -> float:
@@ -121,3 +137,135 @@ def check_grpo_options(settings, has_ref_log_probs: bool, num_items_in_batch=Non
         raise ValueError(f"{ref_name}: required when beta != 0 (the KL penalty needs the reference log-probs)")
     if num_items_in_batch is not None:
         check_finite_number("num_items_in_batch", float(num_items_in_batch))
+
+
+# -- the public ops' keywords ---------------------------------------------------------------------------------
+
+
+# Every op's implementations: the block engine chosen per device, the materialized oracle, the block engine with
+# the PyTorch block math, the block engine with the Triton kernels. A backend takes a part (JAX: no "triton").
+IMPLS = ("auto", "reference", "chunked", "triton")
+
+# keyword -> how the ops spell it
+SPELLINGS = {
+    "old_logprobs": "old_log_probs",
+    "ref_logprobs": "ref_log_probs",
+    "return_entropy": "return_token_entropy",
+    "chunk_size": "block_sizes=BlockSizes(tokens=...)",
+    "vocab_block_size": "block_sizes=BlockSizes(vocab=...)",
+    "scale": "logit_scale",
+}
+IMPL_SPELLINGS = "impl: 'fused' is spelled 'auto' (or 'chunked'); 'materialized' is 'reference'"
+
+# A head given whole, and the keywords that would give its parts: LinearHead(weight, bias=, temperature=,
+# softcap=, logit_scale=).
+HEAD_PARTS = ("weight", "bias", "temperature", "softcap", "logit_scale")
+
+
+def check_impl(impl, choices: Iterable[str] = IMPLS) -> str:
+    """``impl`` if it is one of ``choices``; a ValueError naming ``impl`` (and the spelling of a value from another
+    vocabulary) otherwise."""
+    choices = tuple(choices)
+    if impl in ("fused", "materialized"):
+        raise ValueError(IMPL_SPELLINGS)
+    if impl not in choices:
+        raise ValueError(f"impl: expected one of {', '.join(map(repr, choices))}, got {impl!r}")
+    return impl
+
+
+def unknown_keyword(op: str, name: str, known: Iterable[str]) -> TypeError:
+    """The error for keyword ``name``, which ``op`` does not take: its spelling there, or the nearest of ``known``."""
+    if name in SPELLINGS:
+        return TypeError(f"{op}: keyword `{name}` is spelled `{SPELLINGS[name]}`")
+    known = sorted(known)
+    nearest = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"did you mean `{nearest[0]}`?" if nearest else f"the keywords are {', '.join(known)}"
+    return TypeError(f"{op}: unknown keyword `{name}`; {hint}")
+
+
+def checked_keywords(*, options: Iterable[str] = (), wholes: Mapping[str, Iterable[str]] | None = None) -> Callable:
+    """A decorator for a public op: its keyword arguments are checked by name before it runs.
+
+    ``options``: the keywords its ``**options`` may hold. ``wholes``: a keyword that gives a whole (``"head"``)
+    -> the arguments that would give its parts (`HEAD_PARTS`); a call that gives both (not None) is refused.
+    """
+    option_names = frozenset(options)
+    whole_parts = {whole: tuple(parts) for whole, parts in (wholes or {}).items()}
+
+    def decorate(op: Callable) -> Callable:
+        signature = inspect.signature(op)
+        named = [p.name for p in signature.parameters.values()
+                 if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL, p.POSITIONAL_ONLY)]
+        positional = [p.name for p in signature.parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        known = set(named) | option_names
+
+        @functools.wraps(op)
+        def checked(*args, **kwargs):
+            for name in kwargs:
+                if name not in known:
+                    raise unknown_keyword(op.__name__, name, known)
+            given = {**dict(zip(positional, args)), **kwargs}
+            for whole, parts in whole_parts.items():
+                if given.get(whole) is not None:
+                    both = [part for part in parts if given.get(part) is not None]
+                    if both:
+                        raise TypeError(f"{op.__name__}: `{whole}` is given with {', '.join(f'`{p}`' for p in both)}; "
+                                        f"give the head whole (its {', '.join(parts)} in it) or in parts")
+            return op(*args, **kwargs)
+
+        return checked
+
+    return decorate
+
+
+# -- tensors -----------------------------------------------------------------------------------------------------
+
+def check_tensor(name: str, value, *, ndim: int | Sequence[int] | None = None, floating: bool = False,
+                 integer: bool = False) -> torch.Tensor:
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if value.dim() not in allowed:
+            raise ValueError(f"{name}: expected {' or '.join(map(str, allowed))} dimensions, got shape {tuple(value.shape)}")
+    if floating and not value.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point tensor, got {value.dtype}")
+    if integer and value.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name}: expected token ids as an int64 (or int32) tensor, got {value.dtype}")
+    return value
+
+
+def check_same_shape(name: str, value: torch.Tensor, other_name: str, other: torch.Tensor) -> None:
+    if value.shape != other.shape:
+        raise ValueError(f"{name}: shape {tuple(value.shape)} does not match {other_name} shape {tuple(other.shape)}")
+
+
+def check_finite(name: str, value: torch.Tensor) -> None:
+    import torch
+
+    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        bad = (~torch.isfinite(value)).nonzero()[0].tolist()
+        raise ValueError(f"{name}: contains NaN or inf (first at index {bad})")
+
+
+def check_mask(name: str, mask, like_name: str, like: torch.Tensor) -> torch.Tensor:
+    """A mask is bool or 0/1 numbers, of the same shape as the tensor it masks; returns it as bool."""
+    import torch
+
+    check_tensor(name, mask)
+    check_same_shape(name, mask, like_name, like)
+    if mask.dtype == torch.bool:
+        return mask
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError(f"{name}: expected a bool or 0/1 mask, found other values")
+    return mask != 0
+
+
+def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int) -> None:
+    check_tensor(name, ids, integer=True)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"{name}: token ids must lie in [0, {vocab_size}), got range "
+                         f"[{int(ids.min())}, {int(ids.max())}]")

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from logitless._checks import check_positive_finite
-from logitless._keywords import check_impl, checked_keywords
-from logitless._tensor_checks import check_same_shape, check_tensor, check_token_ids
+from logitless._checks import (check_impl, check_positive_finite, check_same_shape, check_tensor, check_token_ids,
+                               checked_keywords)
 from logitless.hf import final_hidden_states, lm_head_of, position_ids_for
 from logitless.ops.fused import fused_linear_logprobs
 from logitless.ops.reference import logprobs_from_logits
@@ -26,7 +25,7 @@ def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor,
     """log p(labels[b, t] | input_ids[b, :t+1]) for every position, (B, T) fp32; no masking.
 
     With ``return_token_entropy`` also the entropy of each next-token distribution. ``temperature``
-    divides the logits. ``impl`` is the fused ops' (`logitless._keywords.IMPLS`): "auto" (the default: the fused
+    divides the logits. ``impl`` is the fused ops' (`logitless._checks.IMPLS`): "auto" (the default: the fused
     log-probs, no (B, T, V) logits), "chunked" or "triton" (the fused log-probs on PyTorch's or Triton's block
     math), or "reference" (the model's own forward, its (B, T, V) logits, log_softmax and gather).
     Labels of -100 (`IGNORE_INDEX`) are not scored: their log-prob is 0 (their entropy is still given).

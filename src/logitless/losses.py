@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from logitless._checks import check_choice, check_positive_finite, check_positive_int
-from logitless._tensor_checks import check_finite, check_mask, check_same_shape, check_tensor
+from logitless._checks import (check_choice, check_finite, check_mask, check_positive_finite, check_positive_int,
+                               check_same_shape, check_tensor)
 from logitless.masked import masked_mean, masked_normalize
 
 LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from logitless._tensor_checks import check_mask, check_tensor
+from logitless._checks import check_mask, check_tensor
 
 
 def _masked_sum(tensor: torch.Tensor, keep: torch.Tensor, dim: int | None) -> torch.Tensor:

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 
 from logitless.bench.options import (add_report_options, add_shape_options, benchmark_parser, choices_metavar,
                                      require_positive, require_writable, rows_so_far, write_report)
-from logitless.ops.grpo_settings import GRPOSettings
+from logitless.ops.settings import GRPOSettings
 
 LOSSES = ("ce", "kl", "grpo")
 IMPLEMENTATIONS = ("plain", "seq_chunked", "logitless")

@@ -12,8 +12,8 @@ import torch
 
 from logitless.bench.lmhead import IMPLEMENTATIONS, Shape
 from logitless.bench.timing import step_seconds
-from logitless.ops.blocks import BlockSizes
-from logitless.ops.grpo_settings import GRPOSettings
+from logitless.ops.settings import BlockSizes
+from logitless.ops.settings import GRPOSettings
 
 TEMPERATURE = 1.0
 SETTINGS = GRPOSettings(loss_type="grpo", beta=0.04, use_bias_correction_kl=False)  # every implementation's loss:
@@ -274,7 +274,7 @@ def _profile(step, device: torch.device, rows: int = 15) -> str:
 def _blocks_held(shape: Shape, inputs: dict) -> dict:
     """logitless's tokens per row chunk, and the fp32 logits it holds at once (MB): a row chunk's whole row in one
     pass, one block of each head in two."""
-    from logitless.ops.blocks import plan_blocks
+    from logitless.ops.plan import plan_blocks
     from logitless.ops.head import LinearHead
 
     weight = inputs["weight"]

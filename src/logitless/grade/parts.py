@@ -9,7 +9,7 @@ import torch
 
 from logitless.grade.soft_tokens import TokenEmbedding
 from logitless.hf import lm_head_of, model_body
-from logitless.ops.blocks import BlockSizes
+from logitless.ops.settings import BlockSizes
 from logitless.ops.head import LinearHead
 from logitless.ops.kl import fused_linear_kl
 

@@ -2,7 +2,7 @@
 PyTorch ops take) with JAX's defaults for one problem, and cuts a block into each device's part of it when the
 tokens or the vocabulary are sharded over a mesh.
 
-JAX's defaults differ from PyTorch's (`logitless.ops.blocks.default_block_sizes`): a block spans
+JAX's defaults differ from PyTorch's (`logitless.ops.plan.default_block_sizes`): a block spans
 DEFAULT_VOCAB_BLOCK vocabulary columns and as many token rows as keep its fp32 logits within BLOCK_BYTES
 (all of them at T=8192), at least 8. Sharded, a block of ``tokens x vocab`` is shared by the devices as the
 arrays are: each folds ``tokens / token shards`` of its own rows and ``vocab / vocabulary shards`` of its own
@@ -15,7 +15,7 @@ ONE_PASS_TOKENS, the tokens split into blocks of equal size (no thin last block)
 
 from __future__ import annotations
 
-from logitless.ops.blocks import BlockSizes
+from logitless.ops.settings import BlockSizes
 
 BLOCK_BYTES = 64 * 2**20  # one block's fp32 logits, unless BlockSizes.tokens says otherwise
 DEFAULT_VOCAB_BLOCK = 2048

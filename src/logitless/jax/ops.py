@@ -30,8 +30,8 @@ from logitless.jax.grpo import GRPOData, GRPOTerms, grpo_objective, token_weight
 from logitless.jax.head import Head
 from logitless.jax.sharding import fused_loss, fused_stats
 from logitless.jax.softmax import SoftmaxAccumulator, SoftmaxStats
-from logitless.ops.blocks import BlockSizes
-from logitless.ops.grpo_settings import GRPOSettings
+from logitless.ops.settings import BlockSizes
+from logitless.ops.settings import GRPOSettings
 
 
 class LinearInputs(NamedTuple):

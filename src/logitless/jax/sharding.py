@@ -32,7 +32,7 @@ from logitless.jax.engine import Accumulator, Plan
 from logitless.jax.fused import TokenLoss, linear_loss, linear_stats
 from logitless.jax.head import Head, stat_dtype
 from logitless.jax.softmax import SoftmaxAccumulator, SoftmaxStats
-from logitless.ops.blocks import BlockSizes
+from logitless.ops.settings import BlockSizes
 
 
 def _sharded_axes(array, dim: int) -> tuple[str, ...]:

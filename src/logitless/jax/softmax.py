@@ -17,7 +17,7 @@ loss with respect to a block's logits, from the cotangents g_lp, g_H, g_m of the
 
     dz = g_lp * (onehot(target) - p) - g_H * p * (z - E[z]) + g_m * (1 / V - p)     (0 * log 0 = 0 where p = 0)
 
-as `logitless.ops.chunks.block_logits_grad` has it (a term is skipped when its cotangent is zero). -inf logits
+as `logitless.ops.softmax.block_logits_grad` has it (a term is skipped when its cotangent is zero). -inf logits
 are exact: they add 0 to s and w, and get p = 0 and no gradient.
 """
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from logitless._tensor_checks import check_tensor
+from logitless._checks import check_tensor
 from logitless.multichoice.letters import (check_answer, check_marker, choice_token_ids, letter_logsumexp,
                                            token_id_list)
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from logitless._checks import check_positive_int, check_strings
-from logitless._tensor_checks import check_finite
+from logitless._checks import check_finite, check_positive_int, check_strings
 from logitless.data import left_padded, pad_token_id
 from logitless.hf import final_hidden_states, lm_head_of, model_body
 from logitless.multichoice.letters import check_answer, check_marker, choice_token_ids, letter_logsumexp

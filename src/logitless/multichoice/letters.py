@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from logitless._tensor_checks import check_tensor
+from logitless._checks import check_tensor
 
 
 def check_choices(choices) -> str:

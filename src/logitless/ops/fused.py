@@ -1,83 +1,40 @@
 """Fused LM-head ops: log-probs, entropy and losses from hidden states and the output embedding,
 without (N, V) logits.
 
-Two autograd Functions over the block engine (`engine.py`) with the softmax accumulator (`softmax.py`):
+Each public op picks its implementation (`plan.implementation`: ``impl``) and either runs the materialized
+oracle (`reference.py`) or the block engine with the softmax accumulator (`softmax.py`):
 
-* `LinearTokenStats`: per-token log p(target), entropy and mean log p, and on request the statistics
-  without gradient of `chunks.TOKEN_EXTRAS` (TRL's log_sum_sq_probs, mean_logits, is_top1). Forward is
-  the two-pass schedule's pass 1 (saving O(N) numbers), backward its pass 2. For statistics whose loss
-  is not known yet (`fused_linear_logprobs`).
-* `LinearLoss`: a loss that is a sum of per-token terms of those statistics (cross-entropy, TRL's
+* `linear_token_stats`: per-token log p(target), entropy and mean log p, and on request the statistics
+  without gradient of `softmax.TOKEN_EXTRAS` (TRL's log_sum_sq_probs, mean_logits, is_top1), by the two
+  passes of `engine.LinearStats`. For statistics whose loss is not known yet (`fused_linear_logprobs`).
+* `linear_loss`: a loss that is a sum of per-token terms of those statistics (cross-entropy, TRL's
   GRPO objective), with its gradients computed during forward in one pass where that pays (CPU,
-  fp32 weights); backward only scales them.
+  fp32 weights; `LinearLoss`); backward only scales them.
 
-`linear_loss` picks between them; either way the loss is ordinary PyTorch on (N,) statistics. Every
-public op takes ``impl`` (see `backend.py`) and ``block_sizes`` (see `blocks.py`).
+Either way the loss is ordinary PyTorch on (N,) statistics. Every public op takes ``impl`` and ``block_sizes``
+(a `settings.BlockSizes`; the defaults are `plan.default_block_sizes`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 
 import torch
 
-from logitless._checks import check_choice, check_head_shapes, check_strings
-from logitless._keywords import HEAD_PARTS, check_impl, checked_keywords
-from logitless._tensor_checks import check_mask, check_tensor, check_token_ids
-from logitless.ops import chunks, reference
-from logitless.ops.backend import chunk_kernels
-from logitless.ops.blocks import BlockPlan, BlockSizes, plan_blocks
-from logitless.ops.chunks import TOKEN_EXTRAS, TokenStats, stat_grads
-from logitless.ops.engine import ChunkLoss, one_pass, refuse_second_derivative, two_pass_grads, two_pass_stats
+from logitless._checks import (HEAD_PARTS, check_choice, check_head_shapes, check_impl, check_mask, check_strings,
+                               check_tensor, check_token_ids, checked_keywords)
+from logitless.ops import reference
+from logitless.ops.engine import ChunkLoss, LinearStats, one_pass, refuse_second_derivative
 from logitless.ops.grpo import check_grpo_inputs, grpo_objective, grpo_token_loss
-from logitless.ops.grpo_settings import GRPO_OPTIONS, GRPOSettings
 from logitless.ops.head import LinearHead, op_head, stat_dtype
-from logitless.ops.softmax import softmax_accumulators
+from logitless.ops.plan import BlockPlan, implementation, plan_blocks
+from logitless.ops.settings import GRPO_OPTIONS, BlockSizes, GRPOSettings
+from logitless.ops.softmax import PYTORCH_BLOCKS, TOKEN_EXTRAS, SoftmaxAccumulator, TokenStats, stat_grads
 from logitless.ops.workers import block_workers
 
 # token_loss(rows, log_probs, entropy, mean_log_prob) -> the loss summed over the chunk's tokens
 # (``rows``: the chunk's slice of all tokens; statistics not asked for are None)
 TokenLoss = Callable[[slice, torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
-
-
-class LinearTokenStats(torch.autograd.Function):
-    """hidden (N, H), head -> log_probs, entropy, mean_log_prob, each (N,) in stat dtype, then the ``extras`` (names of
-    `TOKEN_EXTRAS`) in their order, (N,) each, without gradient.
-
-    ``weight`` and ``bias`` are the head's own tensors, passed again so that autograd sees them as
-    inputs. Statistics not asked for come back as zeros and carry no gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, head: LinearHead, plan: BlockPlan, kernels: ModuleType,
-                need_entropy: bool, need_mean_log_prob: bool, extras: tuple[str, ...]):
-        dtype = stat_dtype(hidden.dtype)
-        stats = two_pass_stats((head,), (hidden,), plan, softmax_accumulators(
-            head, targets, kernels, dtype, need_entropy=need_entropy, need_mean_log_prob=need_mean_log_prob,
-            extras=extras))
-        ctx.save_for_backward(hidden, weight, bias, targets, stats.lse, stats.entropy)
-        ctx.head, ctx.plan, ctx.kernels = head, plan, kernels
-        ctx.set_materialize_grads(False)
-        # the mean log p is also there when the mean logit was asked for, but only returned when asked for itself
-        entropy, mean_log_prob = (value if asked else torch.zeros_like(stats.lse) for value, asked in
-                                  ((stats.entropy, need_entropy), (stats.mean_log_prob, need_mean_log_prob)))
-        extra_values = [getattr(stats, name) for name in extras]
-        ctx.mark_non_differentiable(*(value for value, asked in ((entropy, need_entropy),
-                                                                 (mean_log_prob, need_mean_log_prob)) if not asked),
-                                    *extra_values)
-        return stats.log_probs, entropy, mean_log_prob, *extra_values
-
-    @staticmethod
-    def backward(ctx, grad_log_probs, grad_entropy, grad_mean_log_prob, *_grad_extras):
-        refuse_second_derivative("the fused log-probs")
-        hidden, _, _, targets, lse, entropy = ctx.saved_tensors
-        head = ctx.head
-        coefs = stat_grads(head, grad_log_probs, grad_entropy, grad_mean_log_prob, lse.dtype)
-        accumulators = softmax_accumulators(head, targets, ctx.kernels, lse.dtype)
-        grads = two_pass_grads((head,), (hidden,), ctx.plan, accumulators, TokenStats(lse, None, entropy, None), coefs,
-                               ctx.needs_input_grad[:3])
-        return (*grads, None, None, None, None, None, None, None)
 
 
 class LinearLoss(torch.autograd.Function):
@@ -117,11 +74,11 @@ def _one_pass_loss(hidden, targets, head: LinearHead, plan: BlockPlan, token_los
                    needs: tuple[bool, bool, bool], need_entropy: bool, need_mean_log_prob: bool):
     """(loss, TokenStats (N,), input grads) by the one-pass driver with the PyTorch block math."""
     dtype = stat_dtype(hidden.dtype)
-    accumulators = softmax_accumulators(head, targets, chunks, dtype, need_entropy=need_entropy,
-                                        need_mean_log_prob=need_mean_log_prob,
-                                        keep="logits" if head.softcap is not None else "weights")
+    accumulator = SoftmaxAccumulator(head, targets, PYTORCH_BLOCKS, dtype, need_entropy=need_entropy,
+                                     need_mean_log_prob=need_mean_log_prob,
+                                     keep="logits" if head.softcap is not None else "weights")
     workers = block_workers(hidden.device, -(-head.vocab_size // plan.sizes.vocab))
-    return one_pass(head, hidden, plan, accumulators, _chunk_loss(head, token_loss, needs, dtype), needs, workers)
+    return one_pass(head, hidden, plan, accumulator.sweep, _chunk_loss(head, token_loss, needs, dtype), needs, workers)
 
 
 def _chunk_loss(head: LinearHead, token_loss: TokenLoss, needs: tuple[bool, bool, bool], dtype) -> ChunkLoss:
@@ -158,15 +115,19 @@ def linear_token_stats(hidden: torch.Tensor, weight: torch.Tensor | None = None,
     `TOKEN_EXTRAS`, statistics computed in the same pass over the blocks, without gradient: ``"log_sum_sq_probs"``
     log sum_v p_v^2, ``"mean_logits"`` the mean of the V logits (-inf where one is -inf), ``"is_top1"`` (bool)
     whether the target is the first argmax of the logits, as ``torch.argmax`` picks it. With any, a fourth item
-    follows: a dict of them by name. ``impl``: "auto", "chunked" or "triton" (see `backend.py`)."""
+    follows: a dict of them by name. ``impl``: "auto", "chunked" or "triton" (the block engine always)."""
     head = op_head(head, weight, bias, temperature, softcap, logit_scale)
     for index, name in enumerate(check_strings("extras", extras)):
         check_choice(f"extras[{index}]", name, TOKEN_EXTRAS)
     extras = tuple(dict.fromkeys(extras))
-    kernels = chunk_kernels(hidden.device, stat_dtype(hidden.dtype), impl)
+    check_impl(impl, ("auto", "chunked", "triton"))
+    dtype = stat_dtype(hidden.dtype)
+    accumulator = SoftmaxAccumulator(head, targets, implementation(impl, hidden.device, dtype).kernels(PYTORCH_BLOCKS),
+                                     dtype, need_entropy=need_entropy, need_mean_log_prob=need_mean_log_prob,
+                                     extras=extras)
     plan = plan_blocks(hidden.shape[0], head, hidden.device, BlockSizes.of(block_sizes))
-    log_probs, entropy, mean_log_prob, *extra_values = LinearTokenStats.apply(
-        hidden, head.weight, head.bias, targets, head, plan, kernels, need_entropy, need_mean_log_prob, extras)
+    log_probs, entropy, mean_log_prob, *extra_values = LinearStats.apply(accumulator, plan, hidden, head.weight,
+                                                                         head.bias)
     if not extras:
         return log_probs, entropy, mean_log_prob
     return log_probs, entropy, mean_log_prob, dict(zip(extras, extra_values))
@@ -179,24 +140,26 @@ def linear_loss(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, t
 
     ``token_loss(rows, log_probs, entropy, mean_log_prob)`` is the loss summed over the tokens ``rows``; it
     may read the entropy (a metric) but not differentiate it.
-    One pass with the gradients computed in forward where `plan_blocks` says it pays (never with
-    ``impl="triton"``, whose kernels serve the two passes); otherwise the statistics of `LinearTokenStats`
-    and ``token_loss`` over all tokens. log_probs and entropy are returned without a graph (for metrics).
+    One pass with the gradients computed in forward where `plan_blocks` says it pays (never with Triton's block
+    math, whose kernels serve the two passes); otherwise the statistics of `linear_token_stats` and
+    ``token_loss`` over all tokens. log_probs and entropy are returned without a graph (for metrics).
     ``loss_inputs``: the other tensors ``token_loss`` reads (advantages, old log-probs...); when one of them
     needs a gradient, the two passes run, whose loss autograd differentiates with respect to everything.
     """
-    kernels = chunk_kernels(hidden.device, stat_dtype(hidden.dtype), impl)
+    chosen = implementation(impl, hidden.device, stat_dtype(hidden.dtype))
     needs = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
                   for t in (hidden, head.weight, head.bias))
     inputs_need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in loss_inputs)
     plan = plan_blocks(hidden.shape[0], head, hidden.device, block_sizes,
-                       loss_known=any(needs) and impl != "triton" and not inputs_need_grad)
+                       loss_known=any(needs) and not chosen.triton and not inputs_need_grad)
     if plan.single_pass:
         loss, log_probs, entropy = LinearLoss.apply(hidden, head.weight, head.bias, targets, head, plan, token_loss,
                                                     need_entropy, need_mean_log_prob, needs)
         return loss, log_probs, entropy if need_entropy else None
-    log_probs, entropy, mean_log_prob = LinearTokenStats.apply(hidden, head.weight, head.bias, targets, head, plan,
-                                                               kernels, need_entropy, need_mean_log_prob, ())
+    log_probs, entropy, mean_log_prob = linear_token_stats(hidden, targets=targets, head=head,
+                                                           need_entropy=need_entropy,
+                                                           need_mean_log_prob=need_mean_log_prob,
+                                                           block_sizes=block_sizes, impl=chosen.name)
     loss = token_loss(slice(None), log_probs, entropy.detach() if need_entropy else None,
                       mean_log_prob if need_mean_log_prob else None)
     return loss, log_probs.detach(), entropy.detach() if need_entropy else None
@@ -249,8 +212,8 @@ def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor | None = No
     check_impl(impl)
     sizes = BlockSizes.of(block_sizes)
     flat_hidden, flat_targets, kept = _linear_inputs(head, hidden, targets, mask)
-    if impl == "reference":  # the materialized (K, V) logits of the kept tokens
-        log_probs, entropy = reference.logprobs_from_logits(head.logits(flat_hidden), flat_targets,
+    if implementation(impl, hidden.device, stat_dtype(hidden.dtype)).materializes:  # the (K, V) logits of the kept
+        log_probs, entropy = reference.logprobs_from_logits(reference.head_logits(flat_hidden, head), flat_targets,
                                                             return_token_entropy=return_token_entropy)
     else:
         log_probs, entropy, _ = linear_token_stats(flat_hidden, targets=flat_targets, head=head,
@@ -284,8 +247,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor | None
     check_tensor("targets", targets, integer=True)
     keep = targets != ignore_index
     flat_hidden, flat_targets, kept = _linear_inputs(head, hidden, targets, keep)
-    if impl == "reference":
-        logits = head.logits(hidden.reshape(-1, hidden.shape[-1]))  # (N, V)
+    if implementation(impl, hidden.device, stat_dtype(hidden.dtype)).materializes:
+        logits = reference.head_logits(hidden.reshape(-1, hidden.shape[-1]), head)  # (N, V)
         loss = reference.cross_entropy(logits, targets, ignore_index=ignore_index, reduction=reduction,
                                        label_smoothing=label_smoothing)
         return loss.reshape(targets.shape) if reduction == "none" else loss
@@ -350,7 +313,7 @@ def fused_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor | None = None,
                               stat_dtype(hidden.dtype))
     tensors = dict(old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, sampling_log_probs=sampling_log_probs,
                    importance_sampling_ratio=importance_sampling_ratio, num_items_in_batch=num_items_in_batch)
-    if impl == "reference":
+    if implementation(impl, hidden.device, stat_dtype(hidden.dtype)).materializes:
         return reference.grpo_loss(hidden, completion_ids=completion_ids, completion_mask=completion_mask,
                                    advantages=advantages, head=head, settings=settings, **tensors)
     flat_hidden, flat_ids, kept = _linear_inputs(head, hidden, completion_ids, batch.keep,

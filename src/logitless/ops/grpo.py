@@ -25,9 +25,9 @@ from typing import NamedTuple
 
 import torch
 
-from logitless._checks import check_advantages_shape, check_grpo_options
-from logitless._tensor_checks import check_finite, check_mask, check_same_shape, check_tensor
-from logitless.ops.grpo_settings import GRPOSettings
+from logitless._checks import (check_advantages_shape, check_finite, check_grpo_options, check_mask, check_same_shape,
+                               check_tensor)
+from logitless.ops.settings import GRPOSettings
 
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the clipped objective, and its clip metrics
 LOG_WEIGHT_FLOOR = math.log(1e-8)  # vespo's clamp of a log-ratio from below

@@ -16,8 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from logitless._checks import check_positive_finite
-from logitless._tensor_checks import check_tensor
+from logitless._checks import check_positive_finite, check_tensor
 
 
 def gumbel_noise(shape, *, generator: torch.Generator | None = None, device=None,

@@ -18,8 +18,7 @@ from dataclasses import KW_ONLY, dataclass
 
 import torch
 
-from logitless._checks import check_positive_finite
-from logitless._tensor_checks import check_tensor
+from logitless._checks import check_positive_finite, check_tensor
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -152,7 +151,7 @@ def op_head(head: LinearHead | None, weight: torch.Tensor | None, bias: torch.Te
             side: str = "") -> LinearHead:
     """The head a public op reads: ``head`` (a `LinearHead`) when given, else one made of its parts. ``side`` is the
     suffix of the op's argument names for an op that reads two heads (``"_p"`` for ``weight_p``, ``head_p``...), and
-    errors name the arguments with it. (`logitless._keywords.checked_keywords` refuses a head given both ways.)"""
+    errors name the arguments with it. (`logitless._checks.checked_keywords` refuses a head given both ways.)"""
     if head is not None:
         if not isinstance(head, LinearHead):
             raise TypeError(f"head{side}: expected a LinearHead, got {type(head).__name__}")

@@ -1,5 +1,7 @@
 """The generalized Jensen-Shannon divergence of a student's LM head from a teacher's, exact over the full
-vocabulary, without (N, V) logits: TRL's on-policy distillation loss (``DistillationTrainer``).
+vocabulary, without (N, V) logits: TRL's on-policy distillation loss (``DistillationTrainer``), as the op
+`fused_linear_jsd`, its accumulator, and the math of one block of both heads' logits (the PyTorch twins of the
+JSD kernels in `triton.py`).
 
 p_s is the distribution being trained (the student), from ``hidden_s`` and its head; p_t a fixed target
 (the teacher) from ``hidden_t`` and its own head, which may have another hidden size. ``beta`` picks the
@@ -10,39 +12,134 @@ divergence, as TRL does:
     otherwise     beta KL(p_t || m) + (1 - beta) KL(p_s || m),   m = (1 - beta) p_s + beta p_t
 
 The mixture needs both distributions normalized before its sums, so pass 1 of the block engine's two-pass
-schedule sweeps each row chunk twice for 0 < beta < 1 (`engine.two_pass_stats`' ``then``): `JSDAccumulator`
-first runs the KL's two-head online softmax for both log-sum-exps and the student's entropy (for beta 0 or 1
-it gives the KL itself, and one sweep is enough), then `MixtureSweep` sums the KLs against the mixture.
-Pass 2 (backward) recomputes both heads' blocks into the student's logits gradient (`jsd_blocks.py`, or the
-JSD kernels of `triton.py`). The student's entropy, which TRL logs, comes without gradient.
+schedule sweeps each row chunk twice for 0 < beta < 1 (`JSDAccumulator.second_sweep`): `JSDSweep` first runs
+the KL's two-head online softmax (`kl.kl_update_stats`) for both log-sum-exps and the student's entropy (for
+beta 0 or 1 it gives the KL itself, and one sweep is enough), then `MixtureSweep` sums the KLs against the
+mixture. Pass 2 recomputes both heads' blocks into the student's logits gradient. The student's entropy, which
+TRL logs, comes without gradient.
+
+With ``log p = z - lse``, a block's sums of the second sweep (`jsd_update_stats`) are
+
+    log m = logaddexp(log p_s + log(1 - beta), log p_t + log beta)
+    JSD = beta KL(p_t || m) + (1 - beta) KL(p_s || m),     KL(p || m) = sum p (log p - log m)
+
+(finite: m >= (1 - beta) p_s and m >= beta p_t), and `jsd_block_logits_grad` turns a block into the student's
+logits gradient,
+
+    beta = 0, KL(p_t || p_s):  p_s - p_t
+    0 < beta < 1:              (1 - beta) p_s (log p_s - log m - KL(p_s || m))
+
+times the per-row gradient, carried back through the soft cap and logit factor of the student's head (beta
+= 1, KL(p_s || p_t), is the KL's `kl.kl_block_logits_grad`). -inf logits are exact: a term with p = 0 is 0.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
+import math
+from dataclasses import dataclass
+from types import ModuleType, SimpleNamespace
 from typing import NamedTuple
 
 import torch
 
-from logitless._keywords import HEAD_PARTS, check_impl, checked_keywords
-from logitless.ops import jsd_blocks, reference
-from logitless.ops.backend import chunk_kernels
-from logitless.ops.blocks import BlockPlan, BlockSizes, plan_blocks
-from logitless.ops.engine import NewAccumulator, NextSweep, refuse_second_derivative, two_pass_grads, two_pass_stats
+from logitless._checks import HEAD_PARTS, check_impl, checked_keywords
+from logitless.ops import reference
+from logitless.ops.engine import LinearStats, Scratch
 from logitless.ops.head import LinearHead, stat_dtype
-from logitless.ops.jsd_blocks import JSDStats, MixtureSums, jsd_stats
-from logitless.ops.kl_blocks import KLStats, KLSums, kl_stats
-from logitless.ops.scratch import Scratch
+from logitless.ops.kl import KLStats, KLSums, kl_block_logits_grad, kl_stats, kl_update_stats
+from logitless.ops.plan import implementation, plan_blocks
+from logitless.ops.settings import BlockSizes
 from logitless.ops.two_heads import check_same_vocabulary, check_side, fixed_head, kept_rows, op_heads, scatter_kept
+
+
+
+class JSDStats(NamedTuple):
+    """Per-token statistics of the divergence of a student from a teacher, (n,) each."""
+
+    lse_s: torch.Tensor  # the student's log-sum-exp
+    lse_t: torch.Tensor  # the teacher's
+    entropy: torch.Tensor | None  # the student's entropy
+    divergence: torch.Tensor | None  # None until the sweep that sums it
+    student_kl: torch.Tensor | None  # KL(p_s || m), the student's gradient's centering term (0 < beta < 1 only)
+
+
+class MixtureSums:
+    """One row chunk's running KL(p_s || m) and KL(p_t || m) over the blocks of the second sweep."""
+
+    def __init__(self, num_rows: int, dtype: torch.dtype, device: torch.device):
+        self.student_kl = torch.zeros(num_rows, dtype=dtype, device=device)
+        self.teacher_kl = torch.zeros(num_rows, dtype=dtype, device=device)
+
+
+def jsd_stats(normalizers: JSDStats, sums: MixtureSums, beta: float) -> JSDStats:
+    """The first sweep's statistics with the divergence and the centering term of the second."""
+    divergence = beta * sums.teacher_kl + (1.0 - beta) * sums.student_kl
+    return normalizers._replace(divergence=divergence, student_kl=sums.student_kl)
+
+
+def _log_mixture(log_p_s: torch.Tensor, log_p_t: torch.Tensor, beta: float, scratch: Scratch) -> torch.Tensor:
+    """log m = log((1 - beta) p_s + beta p_t) (n, c) in log space: finite wherever p_s or p_t is not 0."""
+    log_m = torch.add(log_p_s, math.log1p(-beta), out=scratch.like("log_mixture", log_p_s))
+    teacher = torch.add(log_p_t, math.log(beta), out=scratch.like("teacher_term", log_p_t))
+    return torch.logaddexp(log_m, teacher, out=log_m)
+
+
+def _kl_terms_(log_p: torch.Tensor, log_m: torch.Tensor, has_neg_inf: bool, scratch: Scratch) -> torch.Tensor:
+    """p (log p - log m) (n, c), written over ``log_p``; 0 where p = 0."""
+    probs = torch.exp(log_p, out=scratch.like("probs", log_p))
+    terms = log_p.sub_(log_m).mul_(probs)
+    if has_neg_inf:  # log p = -inf: 0 * -inf would be NaN
+        terms.masked_fill_(probs == 0, 0.0)
+    return terms
+
+
+def jsd_update_stats(sums: MixtureSums, logits_s: torch.Tensor, logits_t: torch.Tensor, lse_s: torch.Tensor,
+                     lse_t: torch.Tensor, beta: float, has_neg_inf: bool, scratch: Scratch | None = None) -> None:
+    """Add one block's terms (n, c) to KL(p_s || m) and KL(p_t || m), for 0 < beta < 1; both blocks are consumed.
+    ``scratch`` holds the block's temporaries (fresh tensors without it)."""
+    scratch = scratch or Scratch()
+    log_p_s = logits_s.sub_(lse_s.unsqueeze(1))  # (n, c)
+    log_p_t = logits_t.sub_(lse_t.unsqueeze(1))
+    log_m = _log_mixture(log_p_s, log_p_t, beta, scratch)
+    sums.student_kl += _kl_terms_(log_p_s, log_m, has_neg_inf, scratch).sum(dim=1)
+    sums.teacher_kl += _kl_terms_(log_p_t, log_m, has_neg_inf, scratch).sum(dim=1)
+
+
+def jsd_block_logits_grad(head_s: LinearHead, logits_s: torch.Tensor, logits_t: torch.Tensor, stats: JSDStats,
+                          grad_divergence: torch.Tensor, beta: float, has_neg_inf: bool,
+                          scratch: Scratch | None = None) -> torch.Tensor:
+    """grad_divergence * d divergence / d z_s for one block (n, c), 0 <= beta < 1, carried back to
+    hidden_s @ W_s.T + b_s; both blocks are consumed and the gradient is written over ``logits_s``."""
+    scratch = scratch or Scratch()
+    slope_logits = scratch.like("slope", logits_s).copy_(logits_s) if head_s.softcap is not None else None
+    log_p_s = logits_s.sub_(stats.lse_s.unsqueeze(1))  # (n, c)
+    log_p_t = logits_t.sub_(stats.lse_t.unsqueeze(1))
+    if beta == 0.0:
+        grad = log_p_s.exp_().sub_(log_p_t.exp_())  # p_s - p_t
+        row_grad = grad_divergence * head_s.logit_factor
+    else:
+        log_m = _log_mixture(log_p_s, log_p_t, beta, scratch)
+        probs = torch.exp(log_p_s, out=scratch.like("probs", log_p_s))
+        grad = log_p_s.sub_(log_m).sub_(stats.student_kl.unsqueeze(1)).mul_(probs)
+        if has_neg_inf:  # p_s = 0: 0 * -inf would be NaN
+            grad.masked_fill_(probs == 0, 0.0)
+        row_grad = grad_divergence * ((1.0 - beta) * head_s.logit_factor)
+    grad.mul_(row_grad.unsqueeze(1))
+    return head_s.softcap_slope_(grad, slope_logits)
+
+
+# the block math of the JSD, as an implementation hands it to the accumulator (the Triton kernels have the same names)
+PYTORCH_BLOCKS = SimpleNamespace(kl_update_stats=kl_update_stats, kl_block_logits_grad=kl_block_logits_grad,
+                                 jsd_update_stats=jsd_update_stats, jsd_block_logits_grad=jsd_block_logits_grad)
 
 
 class JSDGrads(NamedTuple):
     divergence: torch.Tensor  # d loss / d divergence per token
 
 
-class JSDAccumulator:
-    """An `engine.Accumulator` of one row chunk over blocks of both heads' logits (the student's first): the first
-    sweep's statistics `JSDStats` (the divergence too for beta 0 or 1), per-row gradients `JSDGrads`."""
+class JSDSweep:
+    """The first `engine.Sweep` of one row chunk over blocks of both heads' logits (the student's first): statistics
+    `JSDStats` (the divergence too for beta 0 or 1), per-row gradients `JSDGrads`."""
 
     def __init__(self, head_s: LinearHead, beta: float, kernels: ModuleType, num_rows: int, dtype: torch.dtype,
                  device: torch.device, has_neg_inf: bool, scratch: Scratch):
@@ -91,49 +188,41 @@ class MixtureSweep:
         return jsd_stats(self.normalizers, self.sums, self.beta)
 
 
-def _sweeps(head_s: LinearHead, head_t: LinearHead, hidden_s: torch.Tensor, beta: float,
-            kernels: ModuleType) -> tuple[NewAccumulator, NextSweep | None]:
-    """The first sweep's accumulators, and the second sweep for 0 < beta < 1 (None for beta 0 or 1). The row
-    chunks, which the engine runs one after another, share one `Scratch` for their blocks' temporaries."""
-    has_neg_inf, scratch = head_s.may_have_neg_inf_logits or head_t.may_have_neg_inf_logits, Scratch()
-    dtype, device = stat_dtype(hidden_s.dtype), hidden_s.device
+@dataclass(eq=False)
+class JSDAccumulator:
+    """The `engine.Accumulator` of the generalized JSD of ``head_s`` from ``head_t`` (fixed) per token: outputs
+    (divergence, the student's entropy without gradient), with statistics of ``dtype`` on ``device`` and the block
+    math of ``kernels`` (`PYTORCH_BLOCKS` or `triton`); a second sweep for 0 < beta < 1. Its row chunks share
+    one `Scratch`."""
 
-    def first(rows: slice) -> JSDAccumulator:
-        return JSDAccumulator(head_s, beta, kernels, rows.stop - rows.start, dtype, device, has_neg_inf, scratch)
+    head_s: LinearHead
+    head_t: LinearHead
+    beta: float
+    kernels: ModuleType
+    dtype: torch.dtype
+    device: torch.device
+    name = "the fused JSD"
+    differentiable = (True, False)
 
-    def then(_rows: slice, normalizers: JSDStats) -> MixtureSweep:
-        return MixtureSweep(normalizers, beta, kernels, has_neg_inf, scratch)
+    def __post_init__(self):
+        self.heads = (self.head_s, self.head_t)
+        self.has_neg_inf = self.head_s.may_have_neg_inf_logits or self.head_t.may_have_neg_inf_logits
+        self.scratch = Scratch()
 
-    return first, None if beta in (0.0, 1.0) else then
+    def sweep(self, rows: slice) -> JSDSweep:
+        return JSDSweep(self.head_s, self.beta, self.kernels, rows.stop - rows.start, self.dtype, self.device,
+                        self.has_neg_inf, self.scratch)
 
+    def second_sweep(self, rows: slice, first: JSDStats) -> MixtureSweep | None:
+        if self.beta in (0.0, 1.0):
+            return None
+        return MixtureSweep(first, self.beta, self.kernels, self.has_neg_inf, self.scratch)
 
-class LinearJSD(torch.autograd.Function):
-    """(N, H_s), (N, H_t) and two heads -> (divergence (N,), the student's entropy (N,), without gradient);
-    gradients for the student side only."""
-
-    @staticmethod
-    def forward(ctx, hidden_s, weight_s, bias_s, hidden_t, head_s: LinearHead, head_t: LinearHead, beta: float,
-                plan: BlockPlan, kernels: ModuleType):
-        first, then = _sweeps(head_s, head_t, hidden_s, beta, kernels)
-        stats = two_pass_stats((head_s, head_t), (hidden_s, hidden_t), plan, first, then)
-        ctx.save_for_backward(hidden_s, weight_s, bias_s, hidden_t, stats.lse_s, stats.lse_t, stats.divergence,
-                              stats.student_kl)
-        ctx.heads, ctx.beta, ctx.plan, ctx.kernels = (head_s, head_t), beta, plan, kernels
-        ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(stats.entropy)
+    def outputs(self, stats: JSDStats) -> tuple[torch.Tensor, torch.Tensor]:
         return stats.divergence, stats.entropy
 
-    @staticmethod
-    def backward(ctx, grad_divergence, _grad_entropy):
-        refuse_second_derivative("the fused JSD")
-        if grad_divergence is None:
-            return (None,) * 9
-        hidden_s, _, _, hidden_t, lse_s, lse_t, divergence, student_kl = ctx.saved_tensors
-        stats = JSDStats(lse_s, lse_t, None, divergence, student_kl)
-        first, _ = _sweeps(*ctx.heads, hidden_s, ctx.beta, ctx.kernels)
-        grads = two_pass_grads(ctx.heads, (hidden_s, hidden_t), ctx.plan, first, stats,
-                               JSDGrads(grad_divergence.to(lse_s.dtype)), ctx.needs_input_grad[:3])
-        return (*grads, None, None, None, None, None, None)
+    def row_grads(self, grad_outputs: tuple, stats: JSDStats) -> JSDGrads:
+        return JSDGrads(grad_outputs[0].to(stats.lse_s.dtype))
 
 
 def _check_beta(beta) -> float:
@@ -147,15 +236,15 @@ def _heads_jsd(hidden_s: torch.Tensor, head_s: LinearHead, hidden_t: torch.Tenso
     """(divergence (N,), the student's entropy (N,)) of flat hidden_s (N, H_s) and hidden_t (N, H_t) under two
     `LinearHead`s; the divergence is differentiable on the student's side, the entropy is not."""
     check_same_vocabulary(head_s, head_t, ("s", "t"))
-    fixed_t = fixed_head(head_t)
-    if impl == "reference":
-        log_p_s = torch.log_softmax(head_s.logits(hidden_s), dim=-1)
-        log_p_t = torch.log_softmax(fixed_t.logits(hidden_t.detach()), dim=-1)
+    fixed_t, dtype = fixed_head(head_t), stat_dtype(hidden_s.dtype)
+    chosen = implementation(impl, hidden_s.device, dtype)
+    if chosen.materializes:
+        log_p_s = torch.log_softmax(reference.head_logits(hidden_s, head_s), dim=-1)
+        log_p_t = torch.log_softmax(reference.head_logits(hidden_t.detach(), fixed_t), dim=-1)
         return reference.generalized_jsd(log_p_s, log_p_t, beta), reference.entropy_from_log_probs(log_p_s).detach()
-    kernels = chunk_kernels(hidden_s.device, stat_dtype(hidden_s.dtype), impl, pytorch=jsd_blocks)
+    accumulator = JSDAccumulator(head_s, fixed_t, beta, chosen.kernels(PYTORCH_BLOCKS), dtype, hidden_s.device)
     plan = plan_blocks(hidden_s.shape[0], head_s, hidden_s.device, block_sizes)
-    return LinearJSD.apply(hidden_s, head_s.weight, head_s.bias, hidden_t.detach(), head_s, fixed_t, beta, plan,
-                           kernels)
+    return LinearStats.apply(accumulator, plan, hidden_s, head_s.weight, head_s.bias, hidden_t.detach())
 
 
 @checked_keywords(wholes={"head_s": ("weight_s", "bias_s", *HEAD_PARTS[2:]),

@@ -1,4 +1,6 @@
-"""Exact per-token KL(p || q) between two LM heads' distributions, without (N, V) logits.
+"""Exact per-token KL(p || q) between two LM heads' distributions, without (N, V) logits: the op
+`fused_linear_kl`, its accumulator, and the math of one block of both heads' logits (the PyTorch twins of the
+KL kernels in `triton.py`).
 
 p is the distribution being trained (a policy, a student), from ``hidden_p`` and its head; q a fixed
 target (a reference, a teacher) from ``hidden_q`` and its own head, which may have another hidden
@@ -7,11 +9,21 @@ size. Over the full vocabulary,
     KL = sum_v p_v (log p_v - log q_v),
     d KL / d z_p = p * (log p - log q - KL)          (z the logits; no gradient on the q side)
 
-`KLAccumulator` plugs this into the two-pass schedule of the block engine (`engine.py`): pass 1 runs an
-online softmax for each head and the p-weighted sum of z_p - z_q, keeping three numbers per token
-(lse_p, lse_q, KL); pass 2 (backward) recomputes both heads' blocks and turns them into p's logits gradient.
-The block math is `kl_blocks.py` (PyTorch) or the KL kernels of `triton.py`, chosen by ``impl`` as for
-the other ops (`backend.py`).
+`KLAccumulator` is it for the block engine (`engine.LinearStats`): pass 1 runs an online softmax for each
+head and the p-weighted sum of z_p - z_q, keeping three numbers per token (lse_p, lse_q, KL); pass 2
+recomputes both heads' blocks and turns them into p's logits gradient.
+
+A block holds the logits ``z_p`` and ``z_q`` of the same tokens (rows) over the same vocabulary entries
+(columns), fp32. `kl_update_stats` folds it into `KLSums`: an online softmax per head (shifts m_p,
+m_q; totals s_p, s_q) and ``g = sum exp(z_p - m_p) ((z_p - m_p) - (z_q - m_q))``, so that
+
+    KL = g / s_p - log s_p + log s_q
+
+comes from numbers of its own size (no cancellation between large log-sum-exps). Where asked, the same
+sweep keeps a head's entropy sum ``w = sum exp(z - m) (z - m)`` (`softmax.OnlineSoftmax`), and leaves out
+the gap (the generalized JSD reads only the two heads' log-sum-exps and the student's entropy from it).
+`kl_block_logits_grad` turns a block into d KL / d z_p = p (log p - log q - KL), times the per-row
+gradient of the loss, carried back through the soft cap and logit factor of p's head.
 
 -inf logits are exact: a vocabulary entry with p = 0 adds 0 whatever q is (0 * log 0 = 0); one with
 p > 0 and q = 0 makes the KL +inf (and its gradient NaN, as the materialized formula's), which is the
@@ -20,29 +32,110 @@ true value: q cannot explain what p does.
 
 from __future__ import annotations
 
-from types import ModuleType
+from dataclasses import dataclass
+from types import ModuleType, SimpleNamespace
 from typing import NamedTuple
 
 import torch
 
-from logitless._keywords import HEAD_PARTS, check_impl, checked_keywords
-from logitless.ops import kl_blocks, reference
-from logitless.ops.backend import chunk_kernels
-from logitless.ops.blocks import BlockPlan, BlockSizes, plan_blocks
-from logitless.ops.engine import NewAccumulator, refuse_second_derivative, two_pass_grads, two_pass_stats
+from logitless._checks import HEAD_PARTS, check_impl, checked_keywords
+from logitless.ops import reference
+from logitless.ops.engine import LinearStats, Scratch
 from logitless.ops.head import LinearHead, stat_dtype
-from logitless.ops.kl_blocks import KLStats, KLSums, kl_stats
-from logitless.ops.scratch import Scratch
+from logitless.ops.plan import implementation, plan_blocks
+from logitless.ops.settings import BlockSizes
+from logitless.ops.softmax import OnlineSoftmax
 from logitless.ops.two_heads import check_same_vocabulary, check_side, fixed_head, kept_rows, op_heads, scatter_kept
+
+
+
+class KLSums:
+    """One row chunk's running sums: an online softmax per head (with its entropy sum where ``need_entropy`` says,
+    for p and q), and the gap g (see the module docstring) unless ``need_gap`` is False."""
+
+    def __init__(self, num_rows: int, dtype: torch.dtype, device: torch.device, *, need_gap: bool = True,
+                 need_entropy: tuple[bool, bool] = (False, False)):
+        self.p = OnlineSoftmax(num_rows, dtype, device, need_entropy=need_entropy[0], need_logit_sum=False)
+        self.q = OnlineSoftmax(num_rows, dtype, device, need_entropy=need_entropy[1], need_logit_sum=False)
+        self.gap = torch.zeros(num_rows, dtype=dtype, device=device) if need_gap else None
+
+
+class KLStats(NamedTuple):
+    lse_p: torch.Tensor
+    lse_q: torch.Tensor
+    kl: torch.Tensor
+
+
+def kl_stats(sums: KLSums) -> KLStats:
+    log_total_p, log_total_q = sums.p.total.log(), sums.q.total.log()
+    kl = sums.gap / sums.p.total - log_total_p + log_total_q
+    return KLStats(sums.p.shift + log_total_p, sums.q.shift + log_total_q, kl)
+
+
+def kl_update_stats(sums: KLSums, logits_p: torch.Tensor, logits_q: torch.Tensor, has_neg_inf: bool,
+                    scratch: Scratch | None = None) -> None:
+    """Fold in one block of both heads' logits (n, c); both are consumed. ``scratch`` holds the block's temporaries
+    (fresh tensors without it)."""
+    scratch = scratch or Scratch()
+    old_shift_p, old_shift_q, old_total_p = sums.p.shift, sums.q.shift, sums.p.total
+    shift_q, _ = sums.q.rescale(logits_q.amax(dim=1))
+    shift_p, factor = sums.p.rescale(logits_p.amax(dim=1))
+    if sums.gap is not None:  # the gap measured from the new shifts: each term moves by (m_p - m_p') - (m_q - m_q')
+        sums.gap = factor * (sums.gap + ((old_shift_p - shift_p) - (old_shift_q - shift_q)) * old_total_p)
+    shifted_q = logits_q.sub_(shift_q.unsqueeze(1))  # (n, c)
+    weights_q = torch.exp(shifted_q, out=scratch.like("weights_q", shifted_q))  # (n, c): exp(z_q - m_q)
+    sums.q.total += weights_q.sum(dim=1)
+    _add_entropy_terms(sums.q, weights_q, shifted_q, has_neg_inf, scratch)
+    shifted_p = logits_p.sub_(shift_p.unsqueeze(1))
+    weights = torch.exp(shifted_p, out=scratch.like("weights", shifted_p))  # (n, c): exp(z_p - m_p)
+    sums.p.total += weights.sum(dim=1)
+    _add_entropy_terms(sums.p, weights, shifted_p, has_neg_inf, scratch)
+    if sums.gap is None:
+        return
+    gap = shifted_p.sub_(shifted_q)
+    if has_neg_inf:  # where p = 0 the term is 0, whatever q is
+        gap.masked_fill_(weights == 0, 0.0)
+    sums.gap += weights.mul_(gap).sum(dim=1)
+
+
+def _add_entropy_terms(softmax: OnlineSoftmax, weights: torch.Tensor, shifted: torch.Tensor, has_neg_inf: bool,
+                       scratch: Scratch) -> None:
+    """``softmax.weighted += sum exp(z - m) (z - m)`` over a block (n, c), 0 * log 0 = 0 at -inf logits, where the
+    head's entropy is asked for; the block is only read."""
+    if softmax.weighted is None:
+        return
+    terms = torch.mul(weights, shifted, out=scratch.like("entropy_terms", weights))  # (n, c)
+    if has_neg_inf:
+        terms.masked_fill_(weights == 0, 0.0)
+    softmax.weighted += terms.sum(dim=1)
+
+
+def kl_block_logits_grad(head_p: LinearHead, logits_p: torch.Tensor, logits_q: torch.Tensor, stats: KLStats,
+                         grad_kl: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
+    """grad_kl * p * (log p - log q - KL) for one block (n, c), carried back to hidden_p @ W_p.T + b_p; both
+    blocks are consumed and the gradient is written over ``logits_p``. ``scratch`` holds the block's temporaries
+    (fresh tensors without it)."""
+    scratch = scratch or Scratch()
+    slope_logits = scratch.like("slope", logits_p).copy_(logits_p) if head_p.softcap is not None else None
+    log_p = logits_p.sub_(stats.lse_p.unsqueeze(1))  # (n, c)
+    probs = torch.exp(log_p, out=scratch.like("probs", log_p))
+    coef = log_p.sub_(logits_q.sub_(stats.lse_q.unsqueeze(1))).sub_(stats.kl.unsqueeze(1))
+    coef.masked_fill_(probs == 0, 0.0)  # 0 * log 0 = 0, also where q = 0 too
+    grad = coef.mul_(probs).mul_((grad_kl * head_p.logit_factor).unsqueeze(1))
+    return head_p.softcap_slope_(grad, slope_logits)
+
+
+# the block math above, as an implementation hands it to the accumulator (the Triton kernels have the same names)
+PYTORCH_BLOCKS = SimpleNamespace(kl_update_stats=kl_update_stats, kl_block_logits_grad=kl_block_logits_grad)
 
 
 class KLGrads(NamedTuple):
     kl: torch.Tensor  # d loss / d KL per token
 
 
-class KLAccumulator:
-    """An `engine.Accumulator` of one row chunk over blocks of both heads' logits (p's first), with the block math
-    of ``kernels`` (`kl_blocks` or `triton`): statistics `KLStats`, per-row gradients `KLGrads`."""
+class KLSweep:
+    """An `engine.Sweep` of one row chunk over blocks of both heads' logits (p's first), with the block math of
+    ``kernels`` (`PYTORCH_BLOCKS` or `triton`): statistics `KLStats`, per-row gradients `KLGrads`."""
 
     def __init__(self, head_p: LinearHead, kernels: ModuleType, num_rows: int, dtype: torch.dtype,
                  device: torch.device, has_neg_inf: bool, scratch: Scratch):
@@ -61,49 +154,51 @@ class KLAccumulator:
         return self.kernels.kl_block_logits_grad(self.head_p, *block, stats, row_grads.kl, scratch=self.scratch)
 
 
-def _kl_accumulators(head_p: LinearHead, head_q: LinearHead, hidden_p: torch.Tensor,
-                     kernels: ModuleType) -> NewAccumulator:
-    """Row chunk -> its `KLAccumulator`; the chunks, which the engine runs one after another, share one `Scratch`
-    for their blocks' temporaries."""
-    has_neg_inf, scratch = head_p.may_have_neg_inf_logits or head_q.may_have_neg_inf_logits, Scratch()
-    dtype = stat_dtype(hidden_p.dtype)
-    return lambda rows: KLAccumulator(head_p, kernels, rows.stop - rows.start, dtype, hidden_p.device, has_neg_inf,
-                                      scratch)
+@dataclass(eq=False)
+class KLAccumulator:
+    """The `engine.Accumulator` of KL(p || q) per token (its one output), ``head_q`` fixed, with statistics of
+    ``dtype`` on ``device`` and the block math of ``kernels``; its row chunks share one `Scratch`."""
 
+    head_p: LinearHead
+    head_q: LinearHead
+    kernels: ModuleType
+    dtype: torch.dtype
+    device: torch.device
+    name = "the fused KL"
+    differentiable = (True,)
 
-class LinearKL(torch.autograd.Function):
-    """(N, H_p), (N, H_q) and two heads -> KL(p || q) (N,); gradients for the p side only."""
+    def __post_init__(self):
+        self.heads = (self.head_p, self.head_q)
+        self.has_neg_inf = self.head_p.may_have_neg_inf_logits or self.head_q.may_have_neg_inf_logits
+        self.scratch = Scratch()
 
-    @staticmethod
-    def forward(ctx, hidden_p, weight_p, bias_p, hidden_q, head_p: LinearHead, head_q: LinearHead, plan: BlockPlan,
-                kernels: ModuleType):
-        stats = two_pass_stats((head_p, head_q), (hidden_p, hidden_q), plan,
-                               _kl_accumulators(head_p, head_q, hidden_p, kernels))
-        ctx.save_for_backward(hidden_p, weight_p, bias_p, hidden_q, *stats)
-        ctx.heads, ctx.plan, ctx.kernels = (head_p, head_q), plan, kernels
-        return stats.kl
+    def sweep(self, rows: slice) -> KLSweep:
+        return KLSweep(self.head_p, self.kernels, rows.stop - rows.start, self.dtype, self.device, self.has_neg_inf,
+                       self.scratch)
 
-    @staticmethod
-    def backward(ctx, grad_kl):
-        refuse_second_derivative("the fused KL")
-        hidden_p, _, _, hidden_q, *stats = ctx.saved_tensors
-        heads, stats = ctx.heads, KLStats(*stats)
-        grads = two_pass_grads(heads, (hidden_p, hidden_q), ctx.plan, _kl_accumulators(*heads, hidden_p, ctx.kernels),
-                               stats, KLGrads(grad_kl.to(stats.kl.dtype)), ctx.needs_input_grad[:3])
-        return (*grads, None, None, None, None, None)
+    def second_sweep(self, rows: slice, first: KLStats) -> None:
+        return None
+
+    def outputs(self, stats: KLStats) -> tuple[torch.Tensor]:
+        return (stats.kl,)
+
+    def row_grads(self, grad_outputs: tuple, stats: KLStats) -> KLGrads:
+        return KLGrads(grad_outputs[0].to(stats.kl.dtype))
 
 
 def _heads_kl(hidden_p: torch.Tensor, head_p: LinearHead, hidden_q: torch.Tensor, head_q: LinearHead,
               block_sizes: BlockSizes, impl: str) -> torch.Tensor:
     """KL(p || q) per token of flat hidden_p (N, H_p) and hidden_q (N, H_q) under two `LinearHead`s."""
     check_same_vocabulary(head_p, head_q, ("p", "q"))
-    fixed_q = fixed_head(head_q)
-    if impl == "reference":
-        return reference.kl_from_log_probs(torch.log_softmax(head_p.logits(hidden_p), dim=-1),
-                                           torch.log_softmax(fixed_q.logits(hidden_q.detach()), dim=-1))
-    kernels = chunk_kernels(hidden_p.device, stat_dtype(hidden_p.dtype), impl, pytorch=kl_blocks)
+    fixed_q, dtype = fixed_head(head_q), stat_dtype(hidden_p.dtype)
+    chosen = implementation(impl, hidden_p.device, dtype)
+    if chosen.materializes:
+        return reference.kl_from_log_probs(torch.log_softmax(reference.head_logits(hidden_p, head_p), dim=-1),
+                                           torch.log_softmax(reference.head_logits(hidden_q.detach(), fixed_q), dim=-1))
+    accumulator = KLAccumulator(head_p, fixed_q, chosen.kernels(PYTORCH_BLOCKS), dtype, hidden_p.device)
     plan = plan_blocks(hidden_p.shape[0], head_p, hidden_p.device, block_sizes)
-    return LinearKL.apply(hidden_p, head_p.weight, head_p.bias, hidden_q.detach(), head_p, fixed_q, plan, kernels)
+    (kl,) = LinearStats.apply(accumulator, plan, hidden_p, head_p.weight, head_p.bias, hidden_q.detach())
+    return kl
 
 
 @checked_keywords(wholes={"head_p": ("weight_p", "bias_p", *HEAD_PARTS[2:]),

@@ -11,7 +11,7 @@ import operator
 
 import torch
 
-from logitless._tensor_checks import check_tensor
+from logitless._checks import check_tensor
 from logitless.ops.head import LinearHead, stat_dtype
 
 

@@ -16,9 +16,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from logitless._checks import check_positive_finite
-from logitless._tensor_checks import check_tensor
-from logitless.ops.grpo_settings import GRPOSettings
+from logitless._checks import check_positive_finite, check_tensor
+from logitless.ops.settings import GRPOSettings
 from logitless.ops.head import LinearHead, op_head, stat_dtype
 
 

@@ -1,7 +1,7 @@
 """Triton versions of the block math, for fp32 blocks on GPUs: `update_stats` and `block_logits_grad` (the
-softmax accumulator's, twins of `chunks.py`), `kl_update_stats` and `kl_block_logits_grad` (the KL's, twins
-of `kl_blocks.py`), `jsd_update_stats` and `jsd_block_logits_grad` (the generalized JSD's, twins of
-`jsd_blocks.py`, whose first sweep is `kl_update_stats`).
+softmax accumulator's, twins of `softmax.py`'s), `kl_update_stats` and `kl_block_logits_grad` (the KL's, twins
+of `kl.py`'s), `jsd_update_stats` and `jsd_block_logits_grad` (the generalized JSD's, twins of `jsd.py`'s, whose
+first sweep is `kl_update_stats`): every function of the ``PYTORCH_BLOCKS`` of those modules.
 
 Same signatures and results as the PyTorch twins. Every kernel tiles tokens and vocabulary with a
 `BlockSizes` tile: the statistics kernels give each program ``tokens`` rows and stream the block's
@@ -18,12 +18,12 @@ import os
 
 import torch
 
-from logitless.ops.blocks import BlockSizes
-from logitless.ops.chunks import OnlineSoftmax, StatGrads
+from logitless.ops.engine import Scratch
 from logitless.ops.head import LinearHead
-from logitless.ops.jsd_blocks import JSDStats, MixtureSums
-from logitless.ops.kl_blocks import KLStats, KLSums
-from logitless.ops.scratch import Scratch
+from logitless.ops.jsd import JSDStats, MixtureSums
+from logitless.ops.kl import KLStats, KLSums
+from logitless.ops.settings import BlockSizes
+from logitless.ops.softmax import OnlineSoftmax, StatGrads
 
 try:
     import triton
@@ -216,7 +216,7 @@ if triton is not None:
                 left = c0 + cols[None, :] < target_column[:, None]
                 left_max = tl.maximum(left_max, tl.max(tl.where(left, z, float("-inf")), axis=1))
 
-        # move the running sums to the new max (chunks.OnlineSoftmax.rescale)
+        # move the running sums to the new max (softmax.OnlineSoftmax.rescale)
         old_shift = tl.load(shift_ptr + rows, mask=in_rows, other=0.0)
         total = tl.load(total_ptr + rows, mask=in_rows, other=0.0)
         new_max = tl.maximum(tl.load(max_ptr + rows, mask=in_rows, other=float("-inf")), block_max)
@@ -320,7 +320,7 @@ if triton is not None:
             block_max_q = tl.maximum(block_max_q, tl.max(tl.load(q_rows + c0 + cols[None, :], mask=tile,
                                                                  other=float("-inf")), axis=1))
 
-        # move the running sums to the new shifts (chunks.OnlineSoftmax.rescale, for both heads, and the gap)
+        # move the running sums to the new shifts (softmax.OnlineSoftmax.rescale, for both heads, and the gap)
         old_shift_p = tl.load(shift_p_ptr + rows, mask=in_rows, other=0.0)
         old_shift_q = tl.load(shift_q_ptr + rows, mask=in_rows, other=0.0)
         total_p = tl.load(total_p_ptr + rows, mask=in_rows, other=0.0)

@@ -8,7 +8,7 @@ import dataclasses
 
 import torch
 
-from logitless._tensor_checks import check_mask, check_tensor
+from logitless._checks import check_mask, check_tensor
 from logitless.ops.head import LinearHead, op_head
 
 

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
-from logitless.ops.backend import chunk_kernels
 from logitless.ops.head import stat_dtype
+from logitless.ops.plan import implementation
 
 SHARD_ON_CPU = ("load the model sharded instead: AutoModelForCausalLM.from_pretrained(..., "
                 "distributed_config=DistributedConfig(fsdp_size=WORLD_SIZE)) (docs/trl.md, Distributed)")
@@ -44,8 +44,8 @@ def scoring_line(model, accelerator, cast_lm_head_to_fp32: bool = False,
                  what: str = "tokens scored by logitless's fused LM head") -> str:
     """One line saying ``what`` logitless computes, the kernels it runs and the policy's layout."""
     head_dtype = model.get_output_embeddings().weight.dtype
-    kernels = chunk_kernels(accelerator.device, stat_dtype(head_dtype))
-    blocks = "Triton kernels" if kernels.__name__.endswith("triton") else "PyTorch blocks"
+    chosen = implementation("auto", accelerator.device, stat_dtype(head_dtype))
+    blocks = "Triton kernels" if chosen.triton else "PyTorch blocks"
     precision = ", fp32" if cast_lm_head_to_fp32 else ""
     vocabulary = model.config.get_text_config().vocab_size
     return (f"logitless: {what} ({blocks} on {accelerator.device.type}{precision}, "

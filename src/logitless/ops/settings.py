@@ -1,7 +1,8 @@
-"""`GRPOSettings`: every option of the GRPO loss that is a setting, not a tensor, validated in one place.
+"""The ops' settings that are not tensors, validated where they are made, without PyTorch or JAX: the PyTorch ops,
+the JAX ops and the oracles share them, and a jitted function may close over them (frozen and hashable).
 
-Shared by the PyTorch op, the JAX op and the oracle; frozen and hashable, so a jitted function may close
-over it.
+* `BlockSizes`: tokens per row chunk and vocabulary entries per block of logits.
+* `GRPOSettings`: every option of the GRPO loss that is a setting.
 """
 
 from __future__ import annotations
@@ -9,8 +10,33 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from logitless._checks import check_choice, check_finite_number, check_positive_int
-from logitless._keywords import unknown_keyword
+from logitless._checks import check_choice, check_finite_number, check_positive_int, unknown_keyword
+
+@dataclass(frozen=True)
+class BlockSizes:
+    """Tokens per row chunk and vocabulary entries per block of logits; None takes the per-device default
+    (`logitless.ops.plan.default_block_sizes`). Larger blocks make larger matmuls and keep more logits at once."""
+
+    tokens: int | None = None
+    vocab: int | None = None
+
+    def __post_init__(self):
+        for name in ("tokens", "vocab"):
+            if getattr(self, name) is not None:
+                check_positive_int(f"block_sizes.{name}", getattr(self, name))
+
+    @classmethod
+    def of(cls, block_sizes: BlockSizes | None) -> BlockSizes:
+        """An op's ``block_sizes`` argument: a BlockSizes, or None for every default."""
+        if block_sizes is None:
+            return cls()
+        if not isinstance(block_sizes, BlockSizes):
+            raise TypeError(f"block_sizes: expected a BlockSizes, got {type(block_sizes).__name__}")
+        return block_sizes
+
+    def or_defaults(self, defaults: BlockSizes) -> BlockSizes:
+        return BlockSizes(self.tokens or defaults.tokens, self.vocab or defaults.vocab)
+
 
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")  # TRL 1.16's
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")

@@ -1,7 +1,20 @@
-"""How the block engine cuts its work: `BlockSizes` (tokens per row chunk, vocabulary entries per block),
-their per-device defaults, and the schedule (`BlockPlan`: one pass or two).
+"""How one op call runs: its implementation (`implementation`, the registry behind every op's ``impl``), and for
+the block engine its schedule and block sizes (`plan_blocks`: a `BlockPlan`, one pass or two).
 
-Per-device defaults (`default_block_sizes`), sized by the bytes of one block's fp32 logits:
+Implementations (`IMPLEMENTATIONS`, one for each value of ``impl`` in `logitless._checks.IMPLS` but "auto"):
+
+* ``"reference"``: the materialized oracle (`ops/reference.py`), the whole (N, V) logits;
+* ``"chunked"``: the block engine with the PyTorch block math of the op's accumulator module (`softmax.py`,
+  `kl.py`, `jsd.py`);
+* ``"triton"``: the block engine with the Triton kernels of `triton.py`, on CUDA (or anywhere under
+  ``TRITON_INTERPRET=1``) for fp32 block logits.
+
+``"auto"`` takes the first usable of `AUTO_ORDER`: Triton on CUDA for fp32 block logits where triton works,
+the PyTorch blocks everywhere else. ``LOGITLESS_TRITON`` sets what "auto" picks: ``0`` turns Triton off; ``1``
+asks for it wherever it can run (with TRITON_INTERPRET=1 that includes the CPU, which is how the tests check
+the kernels end to end).
+
+Per-device default block sizes (`default_block_sizes`), sized by the bytes of one block's fp32 logits:
 
 * Two passes: a block holds up to 16 MB on a CPU (its last-level cache holds tens of MB) and 256 MB
   on a GPU (which wants matmuls of thousands of rows and columns). All tokens go in one row chunk
@@ -25,12 +38,15 @@ machine (``LOGITLESS_ONE_PASS=1 logitless bench lmhead ...``).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from types import ModuleType, SimpleNamespace
 
 import torch
 
-from logitless._checks import check_positive_int, switch_setting
+from logitless._checks import check_impl, switch_setting
 from logitless.ops.head import LinearHead, stat_dtype
+from logitless.ops.settings import BlockSizes
 
 BLOCK_BYTES = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}  # two passes: one block's logits
 MIN_VOCAB_BLOCK = 256  # blocks narrower than this make thin matmuls: take fewer tokens per chunk instead
@@ -40,35 +56,6 @@ MAX_VOCAB_BLOCK = {"cpu": 32768}
 CHUNK_BYTES = 224 * 2**20  # one pass: a row chunk keeps at most this many bytes of logits
 SINGLE_PASS_VOCAB_BLOCK = 4096
 SINGLE_PASS_DEVICES = ("cpu",)  # measured faster there; GPUs keep the two passes, as TRL's head does
-
-
-def _positive_int_or_none(name: str, value) -> int | None:
-    return None if value is None else check_positive_int(name, value)
-
-
-@dataclass(frozen=True)
-class BlockSizes:
-    """Tokens per row chunk and vocabulary entries per block of logits; None takes the per-device default
-    (`default_block_sizes`). Larger blocks make larger matmuls and keep more logits at once."""
-
-    tokens: int | None = None
-    vocab: int | None = None
-
-    def __post_init__(self):
-        _positive_int_or_none("block_sizes.tokens", self.tokens)
-        _positive_int_or_none("block_sizes.vocab", self.vocab)
-
-    @classmethod
-    def of(cls, block_sizes: BlockSizes | None) -> BlockSizes:
-        """An op's ``block_sizes`` argument: a BlockSizes, or None for every default."""
-        if block_sizes is None:
-            return cls()
-        if not isinstance(block_sizes, BlockSizes):
-            raise TypeError(f"block_sizes: expected a BlockSizes, got {type(block_sizes).__name__}")
-        return block_sizes
-
-    def or_defaults(self, defaults: BlockSizes) -> BlockSizes:
-        return BlockSizes(self.tokens or defaults.tokens, self.vocab or defaults.vocab)
 
 
 def default_block_sizes(device: torch.device | str, dtype: torch.dtype, *, num_tokens: int, vocab_size: int,
@@ -112,3 +99,60 @@ def plan_blocks(num_tokens: int, head: LinearHead, device: torch.device, request
     sizes = requested.or_defaults(defaults)
     return BlockPlan(BlockSizes(max(1, min(sizes.tokens, num_tokens)), min(sizes.vocab, head.vocab_size)),
                      single_pass)
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One way to run the ops (one of `IMPLEMENTATIONS`): materialize the logits, or run the block engine with a
+    block math."""
+
+    name: str
+    materializes: bool = False  # the whole (N, V) logits, through the oracles of `reference.py`
+    triton: bool = False  # the block math of `triton.py`, instead of the accumulator module's own
+
+    def unusable(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why this implementation cannot run blocks of ``dtype`` statistics on ``device`` (None: it can)."""
+        if not self.triton:
+            return None
+        from logitless.ops import triton as triton_kernels
+
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        if not triton_kernels.available() or not (device.type == "cuda" or interpreted):
+            return (f"'triton' needs a CUDA device with triton installed (or TRITON_INTERPRET=1), got {device.type}"
+                    f"{'' if triton_kernels.triton is not None else ' without triton'}")
+        if dtype != torch.float32:
+            return f"'triton' runs fp32 block logits (float32, bfloat16 or float16 inputs), got {dtype} statistics"
+        return None
+
+    def kernels(self, pytorch: SimpleNamespace) -> SimpleNamespace | ModuleType:
+        """The block math an accumulator runs: ``pytorch`` (the ``PYTORCH_BLOCKS`` of its module: `softmax`, `kl`,
+        `jsd`) or the module `triton`, which has every function of theirs."""
+        if not self.triton:
+            return pytorch
+        from logitless.ops import triton as triton_kernels
+
+        return triton_kernels
+
+
+IMPLEMENTATIONS = {implementation.name: implementation for implementation in (
+    Implementation("reference", materializes=True), Implementation("chunked"), Implementation("triton", triton=True))}
+AUTO_ORDER = ("triton", "chunked")  # what "auto" tries, first usable wins
+
+
+def implementation(impl: str, device: torch.device, dtype: torch.dtype) -> Implementation:
+    """The implementation that runs an op for ``impl`` on ``device`` with ``dtype`` statistics: the one named, or for
+    "auto" the first usable of `AUTO_ORDER` (Triton only on CUDA, or wherever ``LOGITLESS_TRITON=1`` asks for it).
+    A named one that cannot run here is a ValueError naming ``impl``."""
+    check_impl(impl)
+    if impl != "auto":
+        reason = IMPLEMENTATIONS[impl].unusable(device, dtype)
+        if reason is not None:
+            raise ValueError(f"impl: {reason}")
+        return IMPLEMENTATIONS[impl]
+    setting = switch_setting("LOGITLESS_TRITON")
+    for name in AUTO_ORDER:
+        chosen = IMPLEMENTATIONS[name]
+        wanted = not chosen.triton or setting == "1" or (setting == "auto" and device.type == "cuda")
+        if wanted and chosen.unusable(device, dtype) is None:
+            return chosen
+    raise AssertionError("the PyTorch blocks run everywhere")
