@@ -10,7 +10,7 @@ import torch
 
 from logitless import (LinearHead, fused_grpo_loss, fused_linear_cross_entropy, fused_linear_jsd, fused_linear_kl,
                        fused_linear_logprobs, get_response_log_probs)
-from logitless._checks import SPELLINGS, check_impl
+from logitless._checks import SPELLINGS
 from logitless.ops import BlockSizes, reference
 from logitless.ops.fused import linear_token_stats
 
@@ -55,12 +55,23 @@ def test_the_signature_table_is_the_codes():
         assert rows[name][0] == _signature_text(op), name
 
 
-def test_the_table_says_what_the_jax_ops_take_after_the_renames():
+def _parameters(op) -> dict[str, object]:
+    """An op's parameters by name with their defaults (the keyword-only ones in any order)."""
+    return {name: parameter.default for name, parameter in inspect.signature(op).parameters.items()}
+
+
+def test_the_tables_jax_column_is_what_logitless_jax_has():
+    """A row says "the same" exactly where `logitless.jax` has the op with the PyTorch op's parameters and
+    defaults, and "not in JAX" where it has none (the column said "not in JAX" of three ops that were in JAX)."""
+    jax_ops = pytest.importorskip("logitless.jax")
     rows = _table_rows()
-    for name in ("fused_linear_logprobs", "fused_grpo_loss"):
-        assert rows[name][1] == "the same, `impl` one of auto, reference, chunked"
-    assert all(rows[name][1].startswith("not in JAX") for name in OPS if name not in ("fused_linear_logprobs",
-                                                                                      "fused_grpo_loss"))
+    for name, op in OPS.items():
+        twin = getattr(jax_ops, name, None)
+        if twin is None:
+            assert rows[name][1].startswith("not in JAX"), name
+        else:
+            assert _parameters(twin) == _parameters(op), name
+            assert rows[name][1] == "the same, `impl` one of auto, reference, chunked", name
 
 
 def _every_op_call(vocab=37, hidden_size=8):
@@ -117,14 +128,25 @@ def test_the_impl_of_another_vocabulary_names_its_spelling(name, impl):
         _every_op_call()[name](impl=impl)
 
 
-def test_every_impl_of_get_response_log_probs_agrees(tiny_model):
-    input_ids = torch.randint(0, 151936, (1, 6))
-    with torch.no_grad():
-        results = {impl: get_response_log_probs(tiny_model, input_ids, input_ids.roll(-1, 1), impl=impl)["log_probs"]
-                   for impl in ("auto", "chunked", "reference")}
-    for impl in ("chunked", "reference"):
-        torch.testing.assert_close(results[impl], results["auto"], atol=1e-5, rtol=0)
-    assert check_impl("chunked") == "chunked"
+def test_every_impl_of_get_response_log_probs_agrees_and_only_reference_runs_the_models_head(tiny_model):
+    """"reference" is the model's own forward (its lm_head makes the (B, T, V) logits), the others the fused head
+    from hidden states: the same log-probs, and the model's head runs for "reference" alone."""
+    input_ids = torch.randint(0, 151936, (1, 6), generator=torch.Generator().manual_seed(0))
+    head_calls = []
+    hook = tiny_model.get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(1))
+    try:
+        results = {}
+        for impl in ("auto", "chunked", "reference"):
+            head_calls.clear()
+            with torch.no_grad():
+                results[impl] = get_response_log_probs(tiny_model, input_ids, input_ids.roll(-1, 1),
+                                                       impl=impl)["log_probs"]
+            assert len(head_calls) == (impl == "reference"), impl
+    finally:
+        hook.remove()
+    rounding = 64 * torch.finfo(torch.float32).eps * results["reference"].abs().max().item()
+    for impl in ("auto", "chunked"):
+        torch.testing.assert_close(results[impl], results["reference"], atol=rounding, rtol=0)
 
 
 def test_the_head_is_given_in_parts_or_whole_never_both():

@@ -1,5 +1,6 @@
 """Every ```python block in README.md and docs/*.md runs as written."""
 
+import itertools
 import os
 import re
 import subprocess
@@ -132,3 +133,19 @@ def test_the_history_guard_reads_history_and_not_usage():
         assert HISTORY.search(text), text
     for text in ("the mask is used to pick rows", "as used to build the records", "seed 0 gives"):
         assert not HISTORY.search(text), text
+
+
+def test_the_readme_calls_untested_what_docs_trl_marks_untested():
+    """The README said reward functions read `completion_logits` "whichever way the completions were generated
+    (transformers, vLLM, ...)" while docs/trl.md's table marks vLLM generation untested end to end: a README sentence
+    naming a setup of that table whose scoring is untested says so."""
+    lines = (ROOT / "docs" / "trl.md").read_text().splitlines()
+    header = lines.index("| setup | scoring | `completion_logits` | checked by |")
+    table = itertools.takewhile(lambda line: line.startswith("|"), lines[header + 2:])
+    rows = [line.strip("|").split(" | ") for line in table]
+    untested = " ".join(setup for setup, scoring, *_ in rows if scoring.strip().startswith("untested"))
+    sentences = re.split(r"(?<=\.)\s", " ".join((ROOT / "README.md").read_text().split()))
+    for setup in ("vLLM", "vision-language", "continuous batching"):
+        assert setup in untested, f"docs/trl.md no longer marks {setup} untested: update this test's list"
+        claims = [sentence for sentence in sentences if setup in sentence and "untested" not in sentence]
+        assert claims == [], setup

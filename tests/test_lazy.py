@@ -28,11 +28,21 @@ def test_softcapped_and_scaled_rows():
     torch.testing.assert_close(view[1:3], 1.5 * torch.tanh(2.0 * (hidden[1:3] @ weight.T) / 1.5) / 0.5)
 
 
-def test_keeps_no_vocabulary_sized_tensor():
-    weight = torch.randn(151936, 8)
-    view = CompletionLogits(torch.randn(100, 8), LinearHead(weight))
+def test_builds_no_completion_sized_logits():
+    """Made and read, the view allocates the rows asked for and nothing larger: never the completion's (C, V)
+    logits, nor a copy of the head."""
+    from torch.profiler import ProfilerActivity, profile
+
+    num_tokens, vocab = 100, 151936
+    weight = torch.randn(vocab, 8)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        view = CompletionLogits(torch.randn(num_tokens, 8), LinearHead(weight))
+        rows = view[10:13]  # (3, V)
+        row = view[37]  # (V,)
+    largest = max(event.self_cpu_memory_usage for event in prof.events())  # one allocation's bytes
+    assert rows.shape == (3, vocab) and row.shape == (vocab,)
+    assert 3 * vocab * 4 <= largest <= 3 * vocab * 4 + 4096  # the three rows, not the 100 of (C, V)
     assert view.head.weight.data_ptr() == weight.data_ptr()  # shared, not copied
-    assert view.hidden.numel() == 800
 
 
 def test_bad_input():

@@ -270,3 +270,36 @@ def test_the_one_pass_blocks_shared_out_among_threads_give_the_same_bits_whoever
     thread.start()
     thread.join()
     assert torch.get_num_threads() == threads and seen == [threads]
+
+
+def _cap_before_scale(self, raw):
+    """`LinearHead.finish_` with the soft cap applied before the logit scale."""
+    if self.softcap is not None:
+        raw = torch.tanh(raw / self.softcap) * self.softcap
+    return raw * self.logit_scale / self.temperature
+
+
+def _temperature_before_cap(self, raw):
+    """`LinearHead.finish_` with the temperature applied before the soft cap."""
+    raw = raw * self.logit_scale / self.temperature
+    return raw if self.softcap is None else torch.tanh(raw / self.softcap) * self.softcap
+
+
+@pytest.mark.parametrize("wrong", [_cap_before_scale, _temperature_before_cap], ids=lambda f: f.__name__)
+def test_the_oracle_catches_a_head_transform_in_the_wrong_order(wrong, monkeypatch):
+    """The engine's and the device tests' oracle (``impl="reference"``) builds its logits from the head's fields
+    (`reference.head_logits`), sharing no code with `LinearHead.logits`, which the engine runs: a transform of the
+    head applied in the wrong order fails both tests (with the oracle on `LinearHead.logits` they passed)."""
+    import test_devices
+
+    from logitless.ops.head import LinearHead
+
+    monkeypatch.setattr(LinearHead, "finish_", wrong)
+    x = _inputs()
+    fused, oracle = (OPS["kl"](x, impl=impl, block_sizes=BLOCKS)[0][0] for impl in ("chunked", "reference"))
+    assert not torch.allclose(fused, oracle, rtol=1e-3, atol=1e-3)  # the values alone show it, not only gradients
+    with pytest.raises(AssertionError):
+        test_each_impl_matches_the_reference("kl", "chunked")
+    with pytest.raises(AssertionError):
+        test_devices.test_fused_op_on_this_device_matches_the_fp64_oracle("kl", "auto", torch.float32, "cpu",
+                                                                          monkeypatch)

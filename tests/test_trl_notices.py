@@ -31,7 +31,8 @@ def _zero_reward(completions, **kwargs):
     return [0.0] * len(completions)
 
 
-def test_training_starts_with_one_line_naming_the_head_and_nothing_else(tmp_path, tokenizer, capsys, caplog):
+def test_training_starts_with_one_line_naming_the_head_and_nothing_else(tmp_path, tokenizer, caplog):
+    """The line is the library logger's (INFO, on stderr unless the application configures logging), not a print."""
     model_dir = save_model_and_tokenizer(tiny_qwen2(seed=0), tokenizer, tmp_path / "model")
     args = trl.GRPOConfig(output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, activation_checkpointing=False,
                           per_device_train_batch_size=2, num_generations=2, max_completion_length=4, max_steps=1,
@@ -39,13 +40,28 @@ def test_training_starts_with_one_line_naming_the_head_and_nothing_else(tmp_path
     dataset = Dataset.from_dict({"prompt": ["Say hi."] * 2})
     trainer = GRPOTrainerWithLogits(model=str(model_dir), reward_funcs=_zero_reward, args=args,
                                     processing_class=tokenizer, train_dataset=dataset)
-    capsys.readouterr()
-    with caplog.at_level(logging.WARNING, logger="logitless"):
+    with caplog.at_level(logging.INFO, logger="logitless"):
         trainer.train()
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("logitless:")]
-    assert lines == ["logitless: tokens scored by logitless's fused LM head (PyTorch blocks on cpu, fp32, "
-                     "151,936-token vocabulary, no (batch, seq, vocab) logits); policy: one process"]
-    assert not [record for record in caplog.records if record.name.startswith("logitless")]
+    said = [(record.levelno, record.getMessage()) for record in caplog.records if record.name.startswith("logitless")]
+    assert said == [(logging.INFO, "logitless: tokens scored by logitless's fused LM head (PyTorch blocks on cpu, "
+                                   "fp32, 151,936-token vocabulary, no (batch, seq, vocab) logits); policy: one process")]
+
+
+def test_the_library_logger_reaches_stderr_unless_the_application_configured_logging():
+    """As transformers' logger does: a script that configures nothing sees the INFO line; one that configured the
+    root logger gets no second handler."""
+    import subprocess
+    import sys
+
+    script = ("import logging, sys\n{configure}import logitless\n"
+              "logging.getLogger('logitless.trl.seam').info('hello from logitless')\n"
+              "print(len(logging.getLogger('logitless').handlers))")
+    alone = subprocess.run([sys.executable, "-c", script.format(configure="")], capture_output=True, text=True)
+    assert alone.stderr.strip() == "hello from logitless" and alone.stdout.strip() == "1"
+    configured = subprocess.run([sys.executable, "-c", script.format(
+        configure="logging.basicConfig(level=logging.WARNING, format='%(name)s %(message)s')\n")],
+                                capture_output=True, text=True)
+    assert configured.stdout.strip() == "0" and configured.stderr.strip() == ""
 
 
 def test_the_line_names_the_layout(model):

@@ -4,9 +4,11 @@
 use, so that the command line answers ``--help`` without loading PyTorch.
 """
 
+from logitless import _logging
 from logitless._lazy import exports
 
 __version__ = "0.1.0"
+_logging.configure()
 
 _EXPORTS = {
     "tokenize_prompt_and_output": "logitless.data",
@@ -15,7 +17,7 @@ _EXPORTS = {
                      "compute_naive_policy_gradient_loss", "compute_policy_gradient_loss",
                      "grpo_microbatch_train_step", "sft_microbatch_train_step"), "logitless.losses"),
     **dict.fromkeys(("masked_mean", "masked_normalize"), "logitless.masked"),
-    **dict.fromkeys(("GRPOSettings", "LinearHead", "compute_entropy", "fused_grpo_loss", "fused_linear_cross_entropy",
+    **dict.fromkeys(("BlockSizes", "GRPOSettings", "LinearHead", "compute_entropy", "fused_grpo_loss", "fused_linear_cross_entropy",
                      "fused_linear_jsd", "fused_linear_kl", "fused_linear_logprobs"), "logitless.ops"),
     "math_reward": "logitless.rewards.math",
     "MultichoiceJudge": "logitless.multichoice.judge",

@@ -10,6 +10,7 @@ answer at once.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import warnings
 
@@ -55,9 +56,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"{command}: {stop.code}") from None
             raise
         except (KeyboardInterrupt, interrupts.Terminated) as interrupt:
-            interrupts.close_progress_bars()
-            print(interrupts.summary(name), file=sys.stderr)
-            return interrupts.EXIT_STATUS[type(interrupt)]
+            stopped_by = type(interrupt)
+    # out of the except clause the interrupted frames are released, and with them the progress bars they held, which
+    # close (drawing their last state) now rather than after the summary line when the process exits
+    gc.collect()
+    print(interrupts.summary(name), file=sys.stderr)
+    return interrupts.EXIT_STATUS[stopped_by]
 
 
 if __name__ == "__main__":

@@ -123,14 +123,6 @@ def handling():
         _requested = None
 
 
-def close_progress_bars() -> None:
-    """Close the open tqdm bars now, so that they do not redraw after the summary line when the process exits."""
-    from tqdm import tqdm
-
-    for bar in list(getattr(tqdm, "_instances", ())):
-        bar.close()
-
-
 def summary(command: str) -> str:
     """"logitless grpo: interrupted at step 3 of 4; last complete checkpoint: step 2 (runs/g/checkpoint-2);
     rerun the same command to resume", or in a `stage`, "logitless demo: interrupted in phase 1 of 4 (the warm-up

@@ -64,9 +64,10 @@ class LogitlessHead:
 
 
 def announce_start(trainer, model, what: str) -> None:
-    """On the main process: one line saying ``what`` logitless computes and how, and the launch's warnings."""
+    """On the main process, through the library's logger: one line saying ``what`` logitless computes and how (INFO),
+    and the launch's warnings."""
     if trainer.accelerator.is_main_process:
-        print(scoring_line(model, trainer.accelerator, getattr(trainer.args, "cast_lm_head_to_fp32", False), what),
-              flush=True)
+        logger.info(scoring_line(model, trainer.accelerator, getattr(trainer.args, "cast_lm_head_to_fp32", False),
+                                 what))
         for warning in launch_warnings(model, trainer.accelerator, trainer.args):
             logger.warning(warning)
