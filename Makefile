@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 DEEPSPEED_PIN := deepspeed==0.19.8
 
-.PHONY: install demo test test-loaded gpu-wheels clean
+.PHONY: install demo test test-fast lint test-loaded gpu-wheels clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -25,12 +25,21 @@ install: $(BIN)/.installed
 demo: install
 	$(BIN)/logitless demo
 
-test: install $(BIN)/.installed-deepspeed
-	$(BIN)/python -m pytest -q
+# every test, in two worker processes (pytest-xdist; a test file's tests stay in one worker), after the lint
+test: lint $(BIN)/.installed-deepspeed
+	$(BIN)/python -m pytest -q -n 2
+
+# the edit-test loop: the tests not marked slow, distributed or interpreter (pyproject.toml), the fuzz tests at a
+# tenth of their examples; `make test` before a commit
+test-fast: install
+	HYPOTHESIS_PROFILE=fast $(BIN)/python -m pytest -q -n 2 -m "not slow and not distributed and not interpreter"
+
+lint: install
+	$(BIN)/ruff check src tests bench
 
 # the suite with two processes keeping two cores busy beside it, as on a shared machine
-test-loaded: install $(BIN)/.installed-deepspeed
-	$(BIN)/python -m logitless.bench.busy 2 $(BIN)/python -m pytest -q
+test-loaded: lint $(BIN)/.installed-deepspeed
+	$(BIN)/python -m logitless.bench.busy 2 $(BIN)/python -m pytest -q -n 2
 
 # bench/gpu.sh's packages that a GPU machine without PyPI may lack, as wheels in .whl/ for its Python 3.12
 GPU_WHEELS := trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 liger-kernel==0.8.5 \

@@ -1,10 +1,31 @@
+import os
 import signal
 import sys
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
-from logitless.models import qwen_tokenizer, tiny_qwen2
+from logitless.models import qwen_tokenizer, save_model_and_tokenizer, tiny_qwen2
+
+# the fuzz tests' examples: "ci" (the default, `make test`) keeps every case; "fast" (`make test-fast`) a tenth
+settings.register_profile("ci", max_examples=500, deadline=None, derandomize=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("fast", settings.get_profile("ci"), max_examples=50)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+SESSION_FIXTURES = ("warm_policy",)  # a module using one runs in the worker of the others that do (pytest -n)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``-n``, ``--dist loadgroup``): a test file's tests in one worker, so that its module
+    fixtures are made once; the files that use a session fixture of `SESSION_FIXTURES` in one worker too."""
+    modules = {}
+    for item in items:
+        modules.setdefault(item.module.__name__, set()).update(item.fixturenames)
+    for item in items:
+        shared = [name for name in SESSION_FIXTURES if name in modules[item.module.__name__]]
+        item.add_marker(pytest.mark.xdist_group(shared[0] if shared else item.module.__name__))
 
 
 @pytest.fixture(scope="session")
@@ -15,6 +36,13 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def tiny_model():
     return tiny_qwen2(seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    """The embedded tiny Qwen2 (seed 0) and the Qwen tokenizer saved once per test session (per worker under -n): the
+    model directory the trainer tests and the launches load."""
+    return save_model_and_tokenizer(tiny_qwen2(seed=0), tokenizer, tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(autouse=True)

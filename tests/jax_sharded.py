@@ -76,7 +76,8 @@ def inputs() -> dict:
 def step(loss):
     """jit(value_and_grad) in hidden, weight and bias; the GRPO loss reads its ids where the mask keeps them."""
     def value(hidden, weight, bias, arrays):
-        arrays = dict(arrays, targets=jnp.where(arrays["mask"] > 0, arrays["targets"], 0)) if loss in (grpo, grpo_sequence) else arrays
+        arrays = (dict(arrays, targets=jnp.where(arrays["mask"] > 0, arrays["targets"], 0))
+                  if loss in (grpo, grpo_sequence) else arrays)
         return loss(hidden, weight, bias, **arrays)
 
     return jax.jit(jax.value_and_grad(value, argnums=(0, 1, 2)))

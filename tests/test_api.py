@@ -114,7 +114,8 @@ def test_a_keyword_of_another_spelling_names_this_one(name, keyword):
 
 def test_the_grpo_options_are_checked_by_name_too():
     call = _every_op_call()["fused_grpo_loss"]
-    with pytest.raises(TypeError, match=r"^fused_grpo_loss: unknown keyword `epsilon_hgh`; did you mean `epsilon_high`"):
+    with pytest.raises(TypeError, match=r"^fused_grpo_loss: unknown keyword `epsilon_hgh`; "
+                                        r"did you mean `epsilon_high`"):
         call(epsilon_hgh=0.28)
     loss, _ = call(epsilon_high=0.28, loss_type="dapo")
     assert loss.dim() == 0

@@ -5,6 +5,7 @@ import pytest
 from logitless.cli import main
 
 
+@pytest.mark.slow
 def test_bench_lmhead_small_shape(tmp_path, capsys):
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     assert main(["bench", "lmhead", "-B", "2", "-T", "16", "-H", "8", "-V", "1009", "--repeats", "1",
@@ -25,7 +26,17 @@ def test_bench_lmhead_small_shape(tmp_path, capsys):
     assert "logitless" in capsys.readouterr().out
 
 
-def test_bench_lmhead_kl(tmp_path, capsys):
+@pytest.fixture
+def lmhead_in_process(monkeypatch):
+    """bench lmhead's implementations run in this process, one after another: the results but the peaks are the same
+    as in fresh processes, which test_bench_lmhead_small_shape spawns."""
+    from logitless.bench import lmhead, lmhead_steps
+
+    monkeypatch.setattr(lmhead, "_spawn", lambda implementation, shape, repeats, grads_path, profile:
+                        lmhead_steps.run_worker(implementation, shape, repeats, grads_path, profile))
+
+
+def test_bench_lmhead_kl(tmp_path, capsys, lmhead_in_process):
     out_json = tmp_path / "kl.json"
     assert main(["bench", "lmhead", "--loss", "kl", "-B", "2", "-T", "16", "-H", "8", "-V", "1009", "--repeats", "1",
                  "--masked-fraction", "0.25", "--block-tokens", "5", "--profile", "--json", str(out_json)]) == 0
@@ -45,7 +56,8 @@ def test_bench_lmhead_kl(tmp_path, capsys):
     assert "where the time of logitless@5's step goes (torch.profiler)" in out
 
 
-def test_bench_lmhead_reports_a_failing_peer_and_measures_the_others(tmp_path, capsys, monkeypatch):
+def test_bench_lmhead_reports_a_failing_peer_and_measures_the_others(tmp_path, capsys, monkeypatch,
+                                                                     lmhead_in_process):
     """A peer whose worker fails (a kernel that does not build on this machine) is reported with its error, and the
     run still measures and writes the rest; a yardstick that fails ends the run, as every row needs it."""
     from logitless.bench import lmhead
@@ -78,7 +90,7 @@ def test_bench_lmhead_reports_a_failing_peer_and_measures_the_others(tmp_path, c
         main(argv)
 
 
-def test_bench_lmhead_block_curve_with_a_busy_process_beside_it(tmp_path, capsys):
+def test_bench_lmhead_block_curve_with_a_busy_process_beside_it(tmp_path, capsys, lmhead_in_process):
     """--block-tokens with several values: logitless once per value, each row with the chunk it ran and the logits
     it held; --busy: every implementation measured with busy processes beside it."""
     out_json = tmp_path / "curve.json"
@@ -113,6 +125,7 @@ def test_bench_bad_options(argv, match):
         main(["bench", "lmhead", *argv])
 
 
+@pytest.mark.slow
 def test_bench_trl_small(tmp_path):
     """A trainer that does not generate and one that does (distillation at short completions), stock TRL and
     logitless, at a tiny size: the same losses, and every time and peak measured (tests/test_trl_trainers.py checks
@@ -131,6 +144,7 @@ def test_bench_trl_small(tmp_path):
         assert results["logitless"]["losses"] == pytest.approx(results["trl"]["losses"], rel=1e-5, abs=1e-6), name
 
 
+@pytest.mark.slow
 def test_bench_grpo_small(tmp_path, capsys):
     """On a model directory of the user's (a tokenizer-sized vocabulary, so the report must read it from there)."""
     from logitless.models import qwen_tokenizer, save_model_and_tokenizer, tiny_qwen2
@@ -172,6 +186,7 @@ def test_bench_device_and_model_options_name_the_option(argv, match):
         main(["bench", *argv])
 
 
+@pytest.mark.slow
 def test_bench_reward_logits_path_makes_no_policy_forward(tmp_path):
     out_json = tmp_path / "r.json"
     assert main(["bench", "reward", "--completions", "4", "--completion-length", "12", "--num-generations", "2",

@@ -50,6 +50,7 @@ def _assert_resumed_steps_equal(whole_dir, split_dir, resumed_from: int, steps):
         before = whole
 
 
+@pytest.mark.slow
 def test_sft_stopped_after_step_2_and_resumed_equals_the_uninterrupted_run(tmp_path, capsys):
     sft = ["sft", "--batch-size", "2", "--save-every", "1"]
     assert main([*sft, "--steps", "4", "--output-dir", str(tmp_path / "whole")]) == 0
@@ -62,6 +63,7 @@ def test_sft_stopped_after_step_2_and_resumed_equals_the_uninterrupted_run(tmp_p
 
 # -- exact GRPO resume on a policy that learns ---------------------------------------------------------
 
+@pytest.mark.slow
 def test_grpo_stopped_after_step_2_and_resumed_equals_the_uninterrupted_run(tmp_path, warm_policy, capsys):
     """A resume from checkpoint-2 of a warm-started policy ended 1.6e-3 away from the uninterrupted run at step 3."""
     policy, questions = warm_policy
@@ -126,12 +128,14 @@ def test_a_data_file_of_another_command_is_refused_by_name(tmp_path, no_model_lo
         main([*argv, "--data", str(data), "--output-dir", str(tmp_path / "run")])
 
 
+@pytest.mark.slow
 def test_a_shorter_steps_than_done_is_refused_and_allow_changed_takes_the_flag_spelling(tmp_path, capsys,
                                                                                          monkeypatch):
     out = str(tmp_path / "run")
     sft = ["sft", "--batch-size", "2", "--save-every", "1", "--output-dir", out]
     assert main([*sft, "--steps", "2"]) == 0
-    with pytest.raises(SystemExit, match=r"^logitless sft: --steps: the run in .* is already at step 2, past 1; pass a larger "):
+    with pytest.raises(SystemExit, match=r"^logitless sft: --steps: the run in .* is already at step 2, past 1; "
+                                         r"pass a larger "):
         main([*sft, "--steps", "1"])
     capsys.readouterr()
     files = {path: (path.stat().st_mtime_ns, path.read_bytes()) for path in (tmp_path / "run").rglob("*")
@@ -139,7 +143,8 @@ def test_a_shorter_steps_than_done_is_refused_and_allow_changed_takes_the_flag_s
     with monkeypatch.context() as patched:  # a finished run is told so before any model loads, and writes nothing
         patched.setattr("logitless.recipes.common.load_model_and_tokenizer", _refuse_to_load)
         assert main([*sft, "--steps", "2"]) == 0
-    assert capsys.readouterr().out == f"logitless sft: the run in {out} is already at step 2 of 2; nothing left to train\n"
+    assert capsys.readouterr().out == (f"logitless sft: the run in {out} is already at step 2 of 2; "
+                                       "nothing left to train\n")
     assert {path: (path.stat().st_mtime_ns, path.read_bytes()) for path in (tmp_path / "run").rglob("*")
             if path.is_file()} == files
     assert main([*sft, "--steps", "3", "--learning-rate", "0.01", "--allow-changed", "learning-rate"]) == 0
@@ -174,6 +179,7 @@ def _interrupt_after(command: list[str], out: Path, checkpoint: str, sent: signa
     return process.returncode, stdout, stderr
 
 
+@pytest.mark.slow
 def test_sigint_mid_grpo_run_says_where_to_resume_in_one_line_and_keeps_its_history(tmp_path, warm_policy):
     """Ctrl-C printed a 30-60 line traceback and left no history.json or plot (written only at the end)."""
     policy, questions = warm_policy
@@ -190,6 +196,7 @@ def test_sigint_mid_grpo_run_says_where_to_resume_in_one_line_and_keeps_its_hist
     assert (out / "reward.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_sigterm_mid_sft_run_exits_143_with_the_summary(tmp_path):
     out = tmp_path / "run"
     code, _, stderr = _interrupt_after(["sft", "--steps", "400", "--batch-size", "2", "--save-every", "2"], out,
@@ -201,6 +208,7 @@ def test_sigterm_mid_sft_run_exits_143_with_the_summary(tmp_path):
 
 # -- GRPO that can learn, and checkpoints -----------------------------------------------------------------
 
+@pytest.mark.slow
 def test_grpo_warns_when_rewards_are_all_equal_and_resumes_quietly_keeping_the_newest_checkpoints(tmp_path, capfd):
     """The untrained default model: reward 0 at every step, exit 0, no word. A resume warned of a missing
     lm_head.weight (tied embeddings), and every checkpoint was kept."""
@@ -230,7 +238,8 @@ def test_overwrite_never_replaces_a_file_the_run_did_not_write(tmp_path):
     (out / "checkpoint-1" / "notes.txt").write_text("the user's")
     (out / "data.csv").write_text("the user's")
     for argv in (["sft", "--steps", "1"], [*GRPO, "--steps", "1"]):
-        with pytest.raises(SystemExit, match=r"^logitless (sft|grpo): --output-dir: .* holds checkpoint-1, where this run would write"):
+        with pytest.raises(SystemExit, match=r"^logitless (sft|grpo): --output-dir: .* holds checkpoint-1, "
+                                             r"where this run would write"):
             main([*argv, "--overwrite", "--output-dir", str(out)])
     assert (out / "checkpoint-1" / "notes.txt").read_text() == "the user's"
     (out / "checkpoint-1" / "notes.txt").unlink()
@@ -239,6 +248,7 @@ def test_overwrite_never_replaces_a_file_the_run_did_not_write(tmp_path):
     assert (out / "data.csv").read_text() == "the user's" and (out / "checkpoint-1").is_dir()
 
 
+@pytest.mark.slow
 def test_an_sft_resume_needs_its_checkpoint_not_the_hub(tmp_path, monkeypatch):
     """The model check ran before the resume was found: an SFT run of a hub model could not resume offline
     although its checkpoint holds the model."""
@@ -251,7 +261,8 @@ def test_an_sft_resume_needs_its_checkpoint_not_the_hub(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     hub_model = ["--model", "some-org/not-cached"]
     assert main([*sft, *hub_model, "--steps", "2", "--output-dir", str(tmp_path / "run")]) == 0
-    with pytest.raises(SystemExit, match=r"^logitless sft: --model: 'some-org/not-cached' is not a local model directory"):
+    with pytest.raises(SystemExit, match=r"^logitless sft: --model: 'some-org/not-cached' "
+                                         r"is not a local model directory"):
         main([*sft, *hub_model, "--steps", "1", "--output-dir", str(tmp_path / "new")])
 
 

@@ -89,6 +89,7 @@ def _readme_step_memory_ratio() -> float:
     return float(re.search(r"\| peak memory of one GRPO step .*\((\d\.\d+)x\) \|", readme).group(1))
 
 
+@pytest.mark.slow
 def test_the_demo_measures_what_the_fused_head_saves_in_a_grpo_step(demo_run):
     """The demo's own measurement (16 completions x 16 tokens of the embedded model, `bench grpo` in fresh
     processes): stock TRL's step holds the (B, T, V) logits and its gradient, GRPOTrainerWithLogits's does not. The

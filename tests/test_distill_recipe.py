@@ -25,6 +25,7 @@ def teacher(tmp_path_factory):
     return str(warm_start_policy(tmp_path_factory.mktemp("teacher"), steps=20, progress=False)[1])
 
 
+@pytest.mark.slow
 def test_the_divergence_to_the_teacher_falls(tmp_path, teacher, capsys):
     assert main([*SMALL, "--teacher", teacher, "--steps", "12", "--output-dir", str(tmp_path / "run")]) == 0
     divergence = json.loads((tmp_path / "run" / "history.json").read_text())["loss"]
@@ -33,6 +34,7 @@ def test_the_divergence_to_the_teacher_falls(tmp_path, teacher, capsys):
     assert (tmp_path / "run" / "divergence.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("beta", ["0.5", "0.0"])
 def test_a_run_stopped_after_step_2_and_resumed_equals_the_uninterrupted_run(tmp_path, teacher, capsys, beta):
     run = [*SMALL, "--teacher", teacher, "--beta", beta]
@@ -42,7 +44,8 @@ def test_a_run_stopped_after_step_2_and_resumed_equals_the_uninterrupted_run(tmp
     assert main([*run, "--steps", "4", "--output-dir", str(tmp_path / "split")]) == 0
     assert "logitless distill: resuming from step 2" in capsys.readouterr().out
     _assert_resumed_steps_equal(tmp_path / "whole", tmp_path / "split", resumed_from=2, steps=(3, 4))
-    histories = [json.loads((tmp_path / run_dir / "history.json").read_text())["loss"] for run_dir in ("whole", "split")]
+    histories = [json.loads((tmp_path / run_dir / "history.json").read_text())["loss"]
+                 for run_dir in ("whole", "split")]
     assert histories[0] == histories[1]
     if beta == "0.5":
         _assert_a_rerun_of_a_finished_run_loads_and_writes_nothing([*run, "--steps", "4"], tmp_path / "whole")
@@ -73,7 +76,8 @@ def _assert_a_rerun_of_a_finished_run_loads_and_writes_nothing(argv: list[str], 
     before = _snapshot(run_dir)
     imported, done = _imported_and_said([*argv, "--output-dir", str(run_dir)])
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == f"logitless distill: the run in {run_dir} is already at step 4 of 4; nothing left to train"
+    assert done.stdout.strip() == (f"logitless distill: the run in {run_dir} is already at step 4 of 4; "
+                                   "nothing left to train")
     assert sorted(imported & set(HEAVY_MODULES)) == [] and _snapshot(run_dir) == before
 
 
@@ -94,6 +98,7 @@ def test_a_teacher_of_another_vocabulary_is_refused_in_one_line_before_any_model
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_the_built_in_teacher_is_warm_started_once(tmp_path, capsys):
     run = [*SMALL, "--teacher-steps", "3", "--output-dir", str(tmp_path / "run")]
     assert main([*run, "--steps", "1"]) == 0

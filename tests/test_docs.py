@@ -76,7 +76,8 @@ def test_grade_doc_defaults_are_the_librarys_and_the_commands():
     for name, cell in table.items():
         value = ast.literal_eval(cell.strip("`"))
         assert value == library[name] == command[name] and type(value) is type(library[name]), \
-            f"docs/grade.md: {name} shows {cell}; GradeConfig's default is {library[name]!r}, the command's {command[name]!r}"
+            (f"docs/grade.md: {name} shows {cell}; GradeConfig's default is {library[name]!r}, "
+             f"the command's {command[name]!r}")
 
 
 def test_grade_doc_shows_the_commands_own_defaults_and_its_help_the_same():

@@ -90,7 +90,8 @@ def test_gradcheck_float64(softcap):
 def test_softcapped_logits_values_and_grads(dtype):
     # logits of std ~3 against a cap of 2: most rows sit on the tanh's bend, where the cap matters
     hidden, weight, bias, targets = _inputs(45, 16, 509, dtype, batch=3)
-    inputs, oracle_inputs = (hidden, weight, bias), [t.detach().float().requires_grad_() for t in (hidden, weight, bias)]
+    inputs, oracle_inputs = (hidden, weight, bias), [t.detach().float().requires_grad_()
+                                                     for t in (hidden, weight, bias)]
     log_probs, entropy = fused_linear_logprobs(hidden, weight, targets, bias=bias, temperature=0.8,
                                                return_token_entropy=True, block_sizes=BlockSizes(tokens=8), softcap=2.0)
     ref_log_probs, ref_entropy = linear_logprobs(*oracle_inputs[:2], targets, bias=oracle_inputs[2], temperature=0.8,
@@ -148,7 +149,8 @@ def test_neg_inf_bias_is_exact_in_entropy_and_its_gradient():
     log_probs, entropy = fused_linear_logprobs(hidden, weight, targets, bias=bias, return_token_entropy=True,
                                                block_sizes=BlockSizes(5, 16))
     # the oracle: the same distribution over the 40 real rows only
-    ref_log_probs, ref_entropy = linear_logprobs(hidden, weight[:40], targets, bias=bias[:40], return_token_entropy=True)
+    ref_log_probs, ref_entropy = linear_logprobs(hidden, weight[:40], targets, bias=bias[:40],
+                                                 return_token_entropy=True)
     _close(log_probs, ref_log_probs, torch.float32)
     _close(entropy, ref_entropy, torch.float32)
     got = _grads((log_probs + entropy).sum(), (hidden, weight))
@@ -168,7 +170,8 @@ def test_several_row_chunks_and_vocabulary_blocks_match_one():
     hidden, weight, bias, targets = _inputs(40, 8, 997)
     outputs = []
     for blocks in (dict(), dict(block_sizes=BlockSizes(7, 64)), dict(block_sizes=BlockSizes(40, 1))):
-        log_probs, entropy = fused_linear_logprobs(hidden, weight, targets, bias=bias, return_token_entropy=True, **blocks)
+        log_probs, entropy = fused_linear_logprobs(hidden, weight, targets, bias=bias, return_token_entropy=True,
+                                                   **blocks)
         outputs.append([log_probs, entropy, *_grads((log_probs * 0.3 - entropy).sum(), (hidden, weight, bias))])
     for other in outputs[1:]:
         for got, want in zip(other, outputs[0]):
@@ -220,7 +223,8 @@ def test_bad_input_errors_name_the_argument():
         (dict(targets=torch.zeros(3, dtype=torch.long)), ValueError, "targets: shape"),
         (dict(bias=torch.zeros(4)), ValueError, "bias: length"),
         (dict(weight=torch.randn(5, 3, dtype=torch.float64)), TypeError, "weight: dtype"),
-        (dict(chunk_size=0), TypeError, r"fused_linear_logprobs: keyword `chunk_size` is spelled `block_sizes=BlockSizes\(tokens="),
+        (dict(chunk_size=0), TypeError,
+         r"fused_linear_logprobs: keyword `chunk_size` is spelled `block_sizes=BlockSizes\(tokens="),
         (dict(softcap=-30.0), ValueError, "softcap: expected a finite number > 0"),
         (dict(softcap=float("inf")), ValueError, "softcap: expected a finite number > 0"),
         (dict(temperature=float("inf")), ValueError, "temperature: expected a finite number > 0"),

@@ -2,7 +2,8 @@
 
 Each op gets at least 500 random cases: shapes (no tokens at all, N not a multiple of the chunk, V
 prime or tiny), dtypes (fp32 tight; bf16 to the rounding of a result to bf16; both judged against the oracle in
-float64 on the same inputs), masks, biases with -inf entries (padded vocabulary rows), temperatures, soft caps, logit scales,
+float64 on the same inputs), masks, biases with -inf entries (padded vocabulary rows), temperatures, soft caps,
+logit scales,
 chunk and vocabulary-block sizes, and for the GRPO loss every option of `GRPOSettings` with gradient
 accumulation and ``num_items_in_batch``. Values and the gradients of hidden, weight and bias are compared.
 ``derandomize`` keeps CI's cases the same from run to run.
@@ -10,14 +11,14 @@ accumulation and ``num_items_in_batch``. Values and the gradients of hidden, wei
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from logitless import GRPOSettings, fused_grpo_loss, fused_linear_cross_entropy, fused_linear_kl, fused_linear_logprobs
 from logitless.ops import BlockSizes, fused_linear_jsd, reference
 from logitless.ops.settings import GRPO_LOSS_TYPES
 
-FUZZ = settings(max_examples=500, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings()  # the session's hypothesis profile (tests/conftest.py): 500 examples each, or 50 in make test-fast
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -110,7 +111,8 @@ def test_logprobs_and_entropy(case, with_mask):
     log_probs, entropy = fused_linear_logprobs(**_head(fused), targets=case["targets"], return_token_entropy=True,
                                                mask=mask, **case["options"])
     ref_log_probs, ref_entropy = reference.linear_logprobs(**_head(oracle), targets=case["targets"],
-                                                           return_token_entropy=True, **_oracle_options(case["options"]))
+                                                           return_token_entropy=True,
+                                                           **_oracle_options(case["options"]))
     if mask is not None:
         ref_log_probs, ref_entropy = ref_log_probs * mask, ref_entropy * mask
     got = [log_probs, entropy, *_grads((log_probs * upstream[0] + entropy * upstream[1]).sum(), fused)]
@@ -122,7 +124,8 @@ def test_logprobs_and_entropy(case, with_mask):
 @FUZZ
 @given(case=heads(), reduction=st.sampled_from(["mean", "sum", "none"]), smoothing=st.sampled_from([0.0, 0.2]))
 def test_cross_entropy(case, reduction, smoothing):
-    if smoothing and case["bias"] is not None and torch.isneginf(case["bias"]).any() and case["options"]["softcap"] is None:
+    if (smoothing and case["bias"] is not None and torch.isneginf(case["bias"]).any()
+            and case["options"]["softcap"] is None):
         smoothing = 0.0  # smoothing over a -inf logit is an infinite loss, in PyTorch too
     fused, oracle = _leaves(case)
     targets = case["targets"].masked_fill(~case["mask"], -100)

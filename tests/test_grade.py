@@ -231,7 +231,8 @@ def test_a_rollout_step_runs_no_softmax_over_the_vocabulary(monkeypatch):
     config = GradeConfig(max_new_tokens=3, batch_size=4, gumbel_topk=5)
     trainer = GumbelTrainerMemoryEfficient(byte_model(), TokenSetReward(list(range(97, 123))), config, tokenizer=BYTES)
     widths, softmax = [], torch.softmax
-    monkeypatch.setattr(torch, "softmax", lambda input, *a, **k: widths.append(input.shape[-1]) or softmax(input, *a, **k))
+    monkeypatch.setattr(torch, "softmax",
+                        lambda input, *a, **k: widths.append(input.shape[-1]) or softmax(input, *a, **k))
     metrics = trainer.train_step(PROMPTS)
     assert widths and set(widths) == {5} and 0 < metrics["topk_tail_mass"] < 1
 

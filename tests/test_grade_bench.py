@@ -13,6 +13,7 @@ from logitless.bench.ratios import add_ratios
 from logitless.cli import main
 
 
+@pytest.mark.slow
 def test_bench_grade_workers_report_what_the_table_prints():
     """The two workers in this process (each runs in a fresh one under `logitless bench grade`)."""
     config = GradeBenchConfig(steps=1, batch_size=2, max_new_tokens=2, gumbel_topk=8)
@@ -43,6 +44,7 @@ def test_bench_grade_variance_bad_options(argv, match):
         main(["bench", "grade-variance", *argv])
 
 
+@pytest.mark.slow
 def test_bench_grade_variance_report():
     report = run_variance(GradeVarianceConfig(minibatches=2, batch_size=8, max_new_tokens=2, gumbel_topk=8,
                                               reference_samples=8), progress=False)

@@ -32,6 +32,7 @@ def _noise(batch, steps, seed):
     return gumbel_noise((batch, steps, BYTE_VOCAB), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("straight_through", [False, True])
 def test_efficient_with_full_vocabulary_equals_legacy_over_three_steps(tokenizer, straight_through):
     config = GradeConfig(straight_through=straight_through, gumbel_topk=BYTE_VOCAB, max_new_tokens=3, batch_size=2,

@@ -1,6 +1,7 @@
 """The reference gradients of GRADE's objective (`logitless.grade.gradients`), and GRADE's minibatch gradients
 approaching the exact one."""
 
+import pytest
 import torch
 
 from grade_helpers import ByteTokenizer, byte_model
@@ -23,6 +24,7 @@ def test_exact_reference_gradient_for_one_token_completions():
     torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.slow
 def test_grade_gradient_converges_to_the_exact_gradient_faster_than_grpo():
     """One-token completions on a 263-token vocabulary, where the exact gradient of E[reward] is known: the
     mean of GRADE's minibatch gradients approaches it (up to the relaxation's bias), and faster than GRPO's."""

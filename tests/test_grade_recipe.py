@@ -28,6 +28,7 @@ def _weights(directory):
     return load_file(str(last_complete_checkpoint(directory)[0] / "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_reward_rises_over_a_short_cpu_run(tmp_path):
     run = GradeRunConfig.from_dict(dict(output_dir=str(tmp_path), steps=12, max_new_tokens=4, batch_size=4,
                                         save_every=12, seed=0))
@@ -42,6 +43,7 @@ def test_reward_rises_over_a_short_cpu_run(tmp_path):
     assert (tmp_path / "gumbel" / "reward.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path):
     options = ["--steps", "5", "--max-new-tokens", "2", "--batch-size", "2", "--gumbel-topk", "16",
                "--save-every", "2", "--method", "ste"]
@@ -50,7 +52,8 @@ def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path):
     process = subprocess.Popen([sys.executable, "-m", "logitless.cli", "grade", "--output-dir", str(killed), *options],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
-    while last_complete_checkpoint(killed / "ste")[0] is None and process.poll() is None and time.monotonic() < deadline:
+    while (last_complete_checkpoint(killed / "ste")[0] is None and process.poll() is None
+           and time.monotonic() < deadline):
         time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
     process.wait()
@@ -62,7 +65,8 @@ def test_killed_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path):
     resumed, whole = _weights(killed / "ste"), _weights(tmp_path / "whole" / "ste")
     for name in whole:
         assert torch.equal(resumed[name], whole[name]), name
-    assert any(not torch.equal(at_kill[name], resumed[name]) for name in at_kill), "the steps after the kill moved nothing"
+    assert any(not torch.equal(at_kill[name], resumed[name]) for name in at_kill), \
+        "the steps after the kill moved nothing"
     rows = (killed / "ste" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in rows] == [1, 2, 3, 4, 5]
     with pytest.raises(SystemExit, match="--learning-rate: resuming the run .* changed options"):
@@ -104,6 +108,7 @@ def test_command_line_errors_name_the_option(argv, message, tmp_path):
         main(["grade", "--output-dir", str(tmp_path), *argv])
 
 
+@pytest.mark.slow
 def test_lora_run_resumes_from_its_adapter_checkpoint(tmp_path):
     pytest.importorskip("peft")  # in the dev extra
     settings = dict(max_new_tokens=2, batch_size=2, gumbel_topk=8, lora_rank=2, save_every=1)
@@ -142,6 +147,7 @@ def test_the_default_config_file_spells_out_the_commands_defaults():
     assert [name for name in result if used(name) and name not in values] == []
 
 
+@pytest.mark.slow
 def test_method_all_ends_with_a_table_and_a_plot_of_every_methods_held_out_reward(tmp_path, capsys):
     assert not set(EVAL_PROMPTS) & set(DEFAULT_PROMPTS)  # held out: never trained on
     argv = ["grade", "--method", "all", "--steps", "2", "--eval-every", "1", "--max-new-tokens", "2",
@@ -160,7 +166,8 @@ def test_method_all_ends_with_a_table_and_a_plot_of_every_methods_held_out_rewar
 def test_eval_every_without_held_out_prompts_is_refused(tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"prompt": "Hello"}) + "\n")
-    with pytest.raises(SystemExit, match=r"^logitless grade: --eval-every: has no effect on this run \(there are no held-out prompts"):
+    with pytest.raises(SystemExit, match=r"^logitless grade: --eval-every: has no effect on this run "
+                                         r"\(there are no held-out prompts"):
         main(["grade", "--data", str(data), "--eval-every", "2", "--output-dir", str(tmp_path / "run")])
 
 
@@ -181,10 +188,12 @@ def test_config_file_keys_that_are_no_options_keep_their_names_in_errors(tmp_pat
     """straight_through is each method's (ste, ste_legacy); a --config error lists the keys as the file spells them."""
     config = tmp_path / "grade.yaml"
     config.write_text("straight_through: true\n")
-    with pytest.raises(SystemExit, match=r"^logitless grade: straight_through: has no effect on this run \(each --method fixes it"):
+    with pytest.raises(SystemExit, match=r"^logitless grade: straight_through: has no effect on this run "
+                                         r"\(each --method fixes it"):
         main(["grade", "--config", str(config), "--output-dir", str(tmp_path / "run")])
     config.write_text("topk: 3\n")
-    with pytest.raises(SystemExit, match=r"^logitless grade: --config: unknown key\(s\) \['topk'\]; known: \[.*'batch_size', 'data'"):
+    with pytest.raises(SystemExit, match=r"^logitless grade: --config: unknown key\(s\) \['topk'\]; "
+                                         r"known: \[.*'batch_size', 'data'"):
         main(["grade", "--config", str(config), "--output-dir", str(tmp_path / "run")])
 
 
@@ -193,7 +202,8 @@ def test_config_file_keys_that_are_no_options_keep_their_names_in_errors(tmp_pat
     ("reward: token\nreward_suffix: 5\n", r"^logitless grade: --reward-suffix: expected a string, got int$"),
     ("reward: token\nreward_token: 5\n", r"^logitless grade: --reward-token: expected a string, got int$"),
     ("lora_rank: 2\nlora_target_modules: []\n", r"^logitless grade: lora_target_modules: the list is empty"),
-    ("lora_rank: 2\nlora_target_modules: [qproj]\n", r"^logitless grade: lora_target_modules: .*qproj.* \(this model's linear modules: "
+    ("lora_rank: 2\nlora_target_modules: [qproj]\n", r"^logitless grade: lora_target_modules: .*qproj.* "
+                                                       r"\(this model's linear modules: "
                                                        r"down_proj, .*q_proj"),
 ])
 def test_config_file_values_of_the_wrong_kind_are_named_in_one_line(yaml_text, message, tmp_path):
@@ -214,6 +224,7 @@ def test_a_reward_model_that_cannot_be_loaded_is_named_in_one_line(tmp_path):
     assert "\n" not in str(stopped.value)
 
 
+@pytest.mark.slow
 def test_another_method_in_the_same_directory_keeps_the_first_ones_results(tmp_path, capsys):
     """The directory is one run: a second method joins it (options compared), never deletes the first's results."""
     common = ["--output-dir", str(tmp_path), "--steps", "1", "--max-new-tokens", "2", "--batch-size", "2",
@@ -227,8 +238,10 @@ def test_another_method_in_the_same_directory_keeps_the_first_ones_results(tmp_p
     files = {path: (path.stat().st_mtime_ns, path.read_bytes()) for path in tmp_path.rglob("*") if path.is_file()}
     capsys.readouterr()
     assert main(["grade", "--method", "ste", *options]) == 0  # finished: nothing loaded, trained or written
-    assert capsys.readouterr().out == f"logitless grade: the run in {tmp_path} is already at step 1 of 1; nothing left to train\n"
-    assert {path: (path.stat().st_mtime_ns, path.read_bytes()) for path in tmp_path.rglob("*") if path.is_file()} == files
+    assert capsys.readouterr().out == (f"logitless grade: the run in {tmp_path} is already at step 1 of 1; "
+                                       "nothing left to train\n")
+    assert {path: (path.stat().st_mtime_ns, path.read_bytes()) for path in tmp_path.rglob("*")
+            if path.is_file()} == files
     with pytest.raises(SystemExit, match="resuming the run .* with changed options"):  # the same run's options
         main(["grade", "--method", "grpo", *common, "--grpo-group-size", "2", "--kl-coef", "0.5"])
     assert main(["grade", "--no-resume", "--method", "ste", *options]) == 0  # starting over is explicit

@@ -133,7 +133,8 @@ def test_frozen_weight_skips_its_gradient_and_no_grad_skips_all():
     loss.backward()
     assert batch["weight"].grad is None and batch["hidden"].grad.abs().sum() > 0
     reference, _ = grpo_loss(batch["hidden"], batch["weight"], batch["completion_ids"], batch["completion_mask"],
-                             batch["advantages"], old_log_probs=batch["old_log_probs"], ref_log_probs=batch["ref_log_probs"])
+                             batch["advantages"], old_log_probs=batch["old_log_probs"],
+                             ref_log_probs=batch["ref_log_probs"])
     (want,) = torch.autograd.grad(reference, batch["hidden"])
     torch.testing.assert_close(batch["hidden"].grad, want, atol=1e-5, rtol=1e-5)
     with torch.no_grad():

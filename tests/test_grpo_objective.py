@@ -52,7 +52,8 @@ CASES = (
        Case({"loss_type": "grpo", "importance_sampling_level": "sequence", "beta": 0.1}),
        Case({"loss_type": "dapo", "top_entropy_quantile": 0.5, "entropy_coef": 0.01}, accumulation=2),
        Case({"loss_type": "grpo", "off_policy_mask_threshold": 0.05}, per_token_advantages=True),
-       Case({"loss_type": "bnpo", "off_policy_mask_threshold": 0.05, "top_entropy_quantile": 0.3}, importance_ratio=True),
+       Case({"loss_type": "bnpo", "off_policy_mask_threshold": 0.05, "top_entropy_quantile": 0.3},
+            importance_ratio=True),
        Case({"loss_type": "grpo", "delta": 1.2, "beta": 0.1, "use_bias_correction_kl": False}),
        Case({"loss_type": "sapo", "sapo_temperature_pos": 2.0, "sapo_temperature_neg": 0.5}, per_token_advantages=True),
        Case({"loss_type": "vespo", "vespo_k_pos": 1.5, "vespo_lambda_neg": 1.0, "vespo_k_neg": 2.0,
@@ -154,6 +155,7 @@ def _assert_same(got, want, tolerance):
         assert value == pytest.approx(metrics[name], abs=1e-6, rel=1e-6, nan_ok=True), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_grpo_loss_equals_trls(case, model_dir, tmp_path):
     trainer = _trainer(model_dir, case, tmp_path)

@@ -87,6 +87,7 @@ GRPO_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", GRPO_CASES)
 def test_grpo_loss_matches_pytorch(case):
     options = dict(GRPO_CASES[case])
@@ -128,6 +129,7 @@ LOGPROB_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", LOGPROB_CASES)
 def test_logprobs_and_entropy_match_pytorch(case):
     options = dict(LOGPROB_CASES[case])

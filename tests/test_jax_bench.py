@@ -7,6 +7,7 @@ import pytest
 from logitless.cli import main
 
 
+@pytest.mark.slow
 def test_bench_jax_runs_every_implementation_and_they_agree(tmp_path, capsys):
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     assert main(["bench", "jax", "--loss", "grpo", "-B", "2", "-T", "8", "-H", "8", "-V", "1009",
@@ -33,6 +34,7 @@ def test_bench_jax_runs_every_implementation_and_they_agree(tmp_path, capsys):
     assert "seq_chunked" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_bench_jax_compile_only_allocates_nothing(tmp_path, monkeypatch):
     import logitless.bench.jax as bench
 
@@ -65,6 +67,7 @@ def test_bench_jax_bad_options(argv, match):
         main(["bench", "jax", *argv])
 
 
+@pytest.mark.slow
 def test_peak_worker_runs_one_step_in_a_fresh_process():
     """The worker behind the GPU/TPU peak_bytes_in_use column; on CPU the device keeps no such counter."""
     import subprocess

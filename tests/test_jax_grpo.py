@@ -33,6 +33,7 @@ def _jax_step(settings, ids, mask, advantages, tensors, num_items, impl):
     return step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_jax_grpo_loss_equals_pytorch_and_the_plain_jax_oracle(case):
     settings = _settings(case)

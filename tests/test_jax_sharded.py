@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test reads one fresh process's report
+
 N, H = 32, 16  # tests/jax_sharded.py's tokens and hidden size
 ROW_STATISTICS = 32 * N * 4  # bytes: a few dozen fp32 numbers per token
 DH_PARTIAL = N * H * 4  # bytes: dh's fp32 partial sum over a device's columns, before the vocabulary shards' sum

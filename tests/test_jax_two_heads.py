@@ -45,6 +45,7 @@ CASES = {
 SIDES = {"kl": ("p", "q"), "jsd": ("s", "t")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_student_values_and_gradients_match_pytorch(case):
     options = dict(CASES[case])
@@ -98,6 +99,7 @@ def test_student_values_and_gradients_match_pytorch(case):
         assert (np.asarray(divergence)[~inputs["mask"]] == 0).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op, beta", [("kl", None), ("jsd", 0.0), ("jsd", 0.4), ("jsd", 1.0)])
 def test_teacher_gradient_is_the_plain_jax_one_and_is_computed_only_when_asked(op, beta):
     inputs = {k: jnp.asarray(v) for k, v in two_heads(seed=3).items()}

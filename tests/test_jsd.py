@@ -1,4 +1,5 @@
-"""fused_linear_jsd (two heads in parts or whole), the generalized JSD of a student's head from a teacher's, against the fp64
+"""fused_linear_jsd (two heads in parts or whole), the generalized JSD of a student's head from a teacher's,
+against the fp64
 materialized oracle (`reference.generalized_jsd`) and TRL's ChunkedDivergenceFunction: values, the student's
 entropy and gradients, every beta TRL treats apart, teacher hidden size != student's, soft cap, logit scale and
 bias on each side, masks, -inf logits, prime V, odd N, gradcheck in fp64. The Triton twin is checked in

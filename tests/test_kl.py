@@ -88,7 +88,8 @@ def test_bf16_inputs_close_to_fp32():
 
 def test_same_distribution_gives_zero_kl_and_zero_gradient():
     tensors = _inputs(6, 8, 8, 17)
-    tensors["hidden_q"], tensors["weight_q"] = tensors["hidden_p"].detach().clone(), tensors["weight_p"].detach().clone()
+    tensors["hidden_q"], tensors["weight_q"] = (tensors["hidden_p"].detach().clone(),
+                                                tensors["weight_p"].detach().clone())
     fused = fused_linear_kl(**tensors)
     torch.testing.assert_close(fused, torch.zeros(6), atol=1e-6, rtol=0)
     assert all(g.abs().max() < 1e-5 for g in _grads(fused, tensors).values())

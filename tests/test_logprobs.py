@@ -116,7 +116,8 @@ def test_one_head_definition_of_scale_softcap_and_temperature():
     head = LinearHead(weight, temperature=0.9, softcap=0.6, logit_scale=0.25)
     logits = 0.6 * torch.tanh(0.25 * (hidden @ weight.T) / 0.6) / 0.9
     torch.testing.assert_close(head.logits(hidden.reshape(10, 8)), logits.reshape(10, 53))
-    torch.testing.assert_close(head.logits(hidden.reshape(10, 8), torch.tensor([3, 50])), logits.reshape(10, 53)[:, [3, 50]])
+    torch.testing.assert_close(head.logits(hidden.reshape(10, 8), torch.tensor([3, 50])),
+                               logits.reshape(10, 53)[:, [3, 50]])
     got = fused_linear_logprobs(hidden, weight, targets, temperature=0.9, softcap=0.6, logit_scale=0.25)
     want = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
     torch.testing.assert_close(got, want)

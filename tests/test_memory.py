@@ -61,12 +61,13 @@ print(peak.exact, peak.megabytes)
 
 def test_where_the_peak_cannot_be_reset_it_is_the_processs_peak_beyond_the_start():
     """`make demo` (GRADE logs each step's peak) failed off Linux, where /proc/self/clear_refs does not exist: there
-    the process's peak since it began is measured (getrusage), beyond the resident set at the start, and the
-    measurement says it is not exact. In a fresh process the work is the process's highest point: 256 MB."""
+    the process's peak since it began is measured (getrusage), beyond the resident set at the start: at least the
+    work's own 256 MB, and more where the process was higher before (on Linux a child's getrusage counts its
+    parent's resident set at the fork), which the measurement says by not being exact."""
     done = subprocess.run([sys.executable, "-c", WITHOUT_PROC], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     exact, megabytes = done.stdout.split()
-    assert exact == "False" and 240 < float(megabytes) < 320, done.stdout
+    assert exact == "False" and float(megabytes) > 240, done.stdout
 
 
 def test_each_grade_step_logs_its_own_peak():
@@ -92,5 +93,6 @@ def test_each_grade_step_logs_its_own_peak():
 
 def test_no_other_module_measures_peak_memory_its_own_way():
     counters = re.compile(r"ru_maxrss|VmHWM|max_memory_allocated|reset_peak_memory_stats")
-    found = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py") if counters.search(path.read_text()))
+    found = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
+                   if counters.search(path.read_text()))
     assert found == ["memory.py"]

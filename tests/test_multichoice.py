@@ -254,6 +254,7 @@ def trained_judge_model(tokenizer):
     return model.eval()
 
 
+@pytest.mark.slow
 def test_judge_given_the_answer_scores_near_one_without_stripping(tokenizer, trained_judge_model):
     records = synthetic_multichoice(24, seed=99)
     questions = [format_question(r["question"], r["choices"]) for r in records]

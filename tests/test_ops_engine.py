@@ -113,6 +113,7 @@ def test_a_second_sweep_starts_from_each_chunks_first_statistics(num_rows):
     torch.testing.assert_close(stats.lse, torch.logsumexp(head.logits(hidden), dim=-1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", OPS)
 def test_blocks_reuse_their_buffers(name):
     """A step allocates a handful of block-sized buffers, however many blocks it visits: a fresh tensor per block

@@ -39,4 +39,5 @@ def test_the_command_line_options_reach_trl(tmp_path, monkeypatch):
               "--seed", "3", "--learning-rate", "2e-4", "--save-every", "3", "--save-total-limit", "2"])
     assert {key: seen[key] for key in ("loss_type", "temperature", "seed", "learning_rate", "save_steps",
                                        "save_total_limit")} == dict(loss_type="cispo", temperature=0.7, seed=3,
-                                                                    learning_rate=2e-4, save_steps=3, save_total_limit=2)
+                                                                    learning_rate=2e-4, save_steps=3,
+                                                                    save_total_limit=2)

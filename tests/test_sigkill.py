@@ -3,6 +3,7 @@ of an uninterrupted run (tests/sigkill.py; LOGITLESS_KILL_POINTS=N runs N kills 
 
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from sigkill import check_sigkill_anywhere, kill_points, safetensors_weights
@@ -16,6 +17,7 @@ def _last_weights(run):
     return safetensors_weights(last_complete_checkpoint(run)[0])
 
 
+@pytest.mark.slow
 def test_sft_survives_sigkill_anywhere(tmp_path):
     command = CLI + ["sft", "--steps", "4", "--batch-size", "2", "--save-every", "1"]
     report = check_sigkill_anywhere(command, "--output-dir", _last_weights, tmp_path, kill_points=kill_points(3))
@@ -23,6 +25,7 @@ def test_sft_survives_sigkill_anywhere(tmp_path):
     assert report["kills"] == kill_points(3) and report["resumed"] >= 1
 
 
+@pytest.mark.slow
 def test_grpo_survives_sigkill_anywhere_on_a_policy_that_learns(tmp_path, warm_policy):
     policy, questions = warm_policy
     command = CLI + ["grpo", "--model", str(policy), "--data", str(questions), "--steps", "3",
@@ -35,6 +38,7 @@ def test_grpo_survives_sigkill_anywhere_on_a_policy_that_learns(tmp_path, warm_p
     assert max((end[name] - start[name]).abs().max().item() for name in start) > 1e-4  # the weights moved
 
 
+@pytest.mark.slow
 def test_grade_survives_sigkill_anywhere(tmp_path):
     command = CLI + ["grade", "--method", "ste", "--steps", "3", "--max-new-tokens", "2", "--batch-size", "2",
                      "--gumbel-topk", "16", "--save-every", "1"]

@@ -17,7 +17,8 @@ BLOCKS = BlockSizes(tokens=5, vocab=64)  # 37 rows: 8 chunks, the last of 2; 100
 def _head(weight, bias, options, dtype=None):
     dtype = dtype or weight.dtype
     return LinearHead(weight.to(dtype), bias=None if bias is None else bias.to(dtype),
-                      temperature=options["temperature"], softcap=options["softcap"], logit_scale=options["logit_scale"])
+                      temperature=options["temperature"], softcap=options["softcap"],
+                      logit_scale=options["logit_scale"])
 
 
 def _random_case(n=37, hidden_size=8, vocab=1009, seed=0, neg_inf=True):
@@ -77,7 +78,8 @@ OPTIONS = [dict(temperature=1.0, softcap=None, logit_scale=1.0), dict(temperatur
 @pytest.mark.parametrize("block_sizes", [BLOCKS, None], ids=["blocks", "default"])
 def test_extras_match_the_fp64_oracle(options, block_sizes):
     hidden, weight, bias, targets = _random_case()
-    log_probs, entropy, _, extras = linear_token_stats(hidden, targets=targets, head=_head(weight, bias, options), extras=EXTRAS,
+    log_probs, entropy, _, extras = linear_token_stats(hidden, targets=targets,
+                                                       head=_head(weight, bias, options), extras=EXTRAS,
                                                        block_sizes=block_sizes, impl="chunked")
     want_log_probs, want_entropy, want = _oracle(hidden, weight, bias, targets, options)
     assert extras["log_sum_sq_probs"].dtype == extras["mean_logits"].dtype == torch.float32
@@ -111,7 +113,8 @@ def test_extras_match_trls_fused_head_on_kept_tokens(options):
     labels[0, :7], labels[2, 15:] = -100, -100
     kept = labels != -100
     kept_hidden, kept_labels = hidden[kept], labels[kept]  # (K, H), (K,)
-    log_probs, entropy, _, extras = linear_token_stats(kept_hidden, targets=kept_labels, head=_head(weight, bias, options),
+    log_probs, entropy, _, extras = linear_token_stats(kept_hidden, targets=kept_labels,
+                                                       head=_head(weight, bias, options),
                                                        extras=EXTRAS, block_sizes=BLOCKS, impl="chunked")
     trl_log_probs, trl_entropy, trl_extras = _trl(kept_hidden, weight, bias, kept_labels, options)
     for got, want in ((log_probs, trl_log_probs), (entropy, trl_entropy),
@@ -173,7 +176,8 @@ def test_bf16_inputs_give_fp32_statistics():
 def test_no_tokens():
     _, weight, bias, _ = _random_case()
     no_ids = torch.zeros(0, dtype=torch.long)
-    *_, extras = linear_token_stats(torch.zeros(0, 8), targets=no_ids, head=_head(weight, bias, OPTIONS[0]), extras=EXTRAS,
+    *_, extras = linear_token_stats(torch.zeros(0, 8), targets=no_ids,
+                                    head=_head(weight, bias, OPTIONS[0]), extras=EXTRAS,
                                     impl="chunked")
     assert all(value.shape == (0,) for value in extras.values())
 

@@ -90,7 +90,8 @@ if INTERPRETED or torch.cuda.is_available():
         hidden, weight, bias, targets = (t.to(DEVICE) for t in (hidden, weight, bias, targets))
         for softcap in (None, 2.0):
             head = LinearHead(weight, bias=bias, temperature=0.7, softcap=softcap, logit_scale=1.3)
-            got, want = (linear_token_stats(hidden, targets=targets, head=head, extras=extras, block_sizes=BlockSizes(4, 300),
+            got, want = (linear_token_stats(hidden, targets=targets, head=head,
+                                            extras=extras, block_sizes=BlockSizes(4, 300),
                                             impl=impl) for impl in ("triton", "chunked"))
             for name, g, w in zip(("log_probs", "entropy"), got, want):
                 _assert_close(g, w, name)
@@ -336,7 +337,8 @@ if INTERPRETED or torch.cuda.is_available():
         mask[1, 4:] = False
         advantages, old = torch.tensor([1.0, -0.5], device=DEVICE), torch.full((2, 7), -5.0, device=DEVICE)
         ops = [
-            lambda **o: sum(fused_linear_logprobs(hidden, weight, ids, mask=mask, return_token_entropy=True, softcap=3.0,
+            lambda **o: sum(fused_linear_logprobs(hidden, weight, ids, mask=mask,
+                                                  return_token_entropy=True, softcap=3.0,
                                                   **o)).sum(),
             lambda **o: fused_linear_cross_entropy(hidden, weight, ids.masked_fill(~mask, -100), label_smoothing=0.1,
                                                    **o),
@@ -400,7 +402,8 @@ if INTERPRETED or torch.cuda.is_available():
                 for what, g, w in zip(("value", "grad hidden", "grad weight"),
                                       (got, *_grads_or_zeros((got * weights).sum(), (hidden, weight))),
                                       (want, *_grads_or_zeros((want * weights).sum(), (hidden, weight)))):
-                    torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m, n=f"{name} {what}": f"{n}: {m}")
+                    torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4,
+                                               msg=lambda m, n=f"{name} {what}": f"{n}: {m}")
         finally:
             blocks.SINGLE_PASS_DEVICES = single_pass_devices
             _os.environ.pop("LOGITLESS_TRITON")
@@ -414,6 +417,7 @@ if INTERPRETED or torch.cuda.is_available():
 
 else:
 
+    @pytest.mark.interpreter
     def test_kernels_in_interpreter():
         child = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],

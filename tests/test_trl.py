@@ -23,8 +23,8 @@ PROMPTS = ["What is 2+2?", "Name a color.", "Say hi.", "Count to three:"]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tokenizer):
-    return str(save_model_and_tokenizer(tiny_qwen2(seed=0), tokenizer, tmp_path_factory.mktemp("tiny")))
+def model_dir(tiny_model_dir):
+    return str(tiny_model_dir)
 
 
 def _config(tmp_path, **overrides):
@@ -331,7 +331,8 @@ def test_logit_aware_rewards_during_training(model_dir, tokenizer, tmp_path):
         hook.remove()
     assert checks["calls"] == 2 and checks["rows"] == 8
     assert checks["forwards_during_reward"] == [0, 0]
-    passes = [e["logitless/reward_body_passes"] for e in trainer.state.log_history if "logitless/reward_body_passes" in e]
+    passes = [e["logitless/reward_body_passes"] for e in trainer.state.log_history
+              if "logitless/reward_body_passes" in e]
     assert passes == [0.0, 0.0]  # the rows came from the hidden states generate computed
     logged = [entry for entry in trainer.state.log_history if "entropy" in entry]
     assert logged and all(entry["entropy"] > 0 for entry in logged)

@@ -10,7 +10,6 @@ import torch
 
 pytest.importorskip("trl")
 
-from logitless.models import save_model_and_tokenizer, tiny_qwen2  # noqa: E402
 
 
 def _free_port() -> int:
@@ -19,8 +18,9 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_two_processes_sync_and_match_stock_trl(tmp_path, tokenizer):
-    model_dir = save_model_and_tokenizer(tiny_qwen2(seed=0), tokenizer, tmp_path / "model")
+@pytest.mark.distributed
+def test_two_processes_sync_and_match_stock_trl(tmp_path, tiny_model_dir):
+    model_dir = tiny_model_dir
     script = Path(__file__).with_name("distributed_grpo.py")
     output = str(tmp_path / "rank{rank}.pt")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",

@@ -16,6 +16,7 @@ pytest.importorskip("trl")
 from test_trl_distributed import _free_port  # noqa: E402
 
 
+@pytest.mark.distributed
 def test_fsdp2_gradients_and_completion_rows_equal_one_process(tmp_path):
     output = tmp_path / "fsdp.pt"
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",

@@ -26,7 +26,6 @@ from safetensors.torch import load_file  # noqa: E402
 from test_trl_distributed import _free_port  # noqa: E402
 
 import logitless  # noqa: E402
-from logitless.models import save_model_and_tokenizer, tiny_qwen2  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("grpo_launch.py")
 LIBRARY_ROOT = str(Path(logitless.__file__).parents[1])  # the script imports the logitless under test
@@ -46,8 +45,8 @@ def torchrun(*flags: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tokenizer) -> Path:
-    return save_model_and_tokenizer(tiny_qwen2(seed=0), tokenizer, tmp_path_factory.mktemp("launch") / "model")
+def model_dir(tiny_model_dir) -> Path:
+    return tiny_model_dir
 
 
 def _run(launcher: list[str], model_dir: Path, run_dir: Path, *options: str, script: Path = SCRIPT,
@@ -89,6 +88,7 @@ def _assert_same_step(saved: dict, reference: dict, model_dir: Path) -> None:
         assert saved["log"][metric] == pytest.approx(reference["log"][metric], rel=1e-5), metric
 
 
+@pytest.mark.distributed
 def test_ddp_by_accelerate_launch_on_cpu_equals_one_process(model_dir, tmp_path, one_process):
     """`accelerate launch --multi_gpu --num_processes 2` starts 2 processes on CPU too (use_cpu=True in the script)."""
     saved, log = _run(accelerate_launch("--multi_gpu", "--num_processes", "2"), model_dir, tmp_path)
@@ -98,6 +98,7 @@ def test_ddp_by_accelerate_launch_on_cpu_equals_one_process(model_dir, tmp_path,
     _assert_same_step(saved, one_process, model_dir)
 
 
+@pytest.mark.distributed
 def test_ddp_by_torchrun_equals_one_process(model_dir, tmp_path, one_process):
     saved, log = _run(torchrun("--nproc_per_node", "2"), model_dir, tmp_path)
     assert saved["wrapper"] == "DistributedDataParallel" and saved["layouts"] == ["whole"]
@@ -105,6 +106,7 @@ def test_ddp_by_torchrun_equals_one_process(model_dir, tmp_path, one_process):
     _assert_same_step(saved, one_process, model_dir)
 
 
+@pytest.mark.distributed
 def test_fsdp2_sharded_at_load_trains_sharded_and_equals_one_process(model_dir, tmp_path, one_process):
     """A model loaded with DistributedConfig(fsdp_size=2) trains as DTensor shards, on CPU, through the trainer's own
     train(); a second trainer then generates with transformers' generate on the sharded model."""
@@ -118,6 +120,7 @@ def test_fsdp2_sharded_at_load_trains_sharded_and_equals_one_process(model_dir, 
     assert math.isfinite(saved["generated_log"]["grad_norm"]) and saved["generated_log"]["grad_norm"] > 0
 
 
+@pytest.mark.distributed
 def test_accelerate_fsdp_flags_on_cpu_train_ddp_and_say_so(model_dir, tmp_path, one_process):
     """`--use_fsdp --fsdp_version 2` on CPU: accelerate trains with DDP (a whole model per process); the trainer warns
     once, and the step is still the one-process step."""
@@ -128,6 +131,7 @@ def test_accelerate_fsdp_flags_on_cpu_train_ddp_and_say_so(model_dir, tmp_path, 
     _assert_same_step(saved, one_process, model_dir)
 
 
+@pytest.mark.distributed
 def test_deepspeed_zero3_by_accelerate_launch_equals_one_process(model_dir, tmp_path, one_process):
     """ZeRO-3 partitions every parameter; the fused head gathers the output embedding before reading it, in forward,
     in backward and for completion_logits; a second trainer generates with the partitioned model."""
@@ -141,6 +145,7 @@ def test_deepspeed_zero3_by_accelerate_launch_equals_one_process(model_dir, tmp_
     assert math.isfinite(saved["generated_log"]["grad_norm"]) and saved["generated_log"]["grad_norm"] > 0
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("trainer", ["sft", "dpo"])
 def test_sft_and_dpo_by_torchrun_equal_one_process(trainer, model_dir, tmp_path):
     """logitless's SFTTrainer and DPOTrainer under DDP (2 processes, gloo): one SGD step ends with the one-process

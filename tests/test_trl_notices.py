@@ -11,7 +11,7 @@ trl = pytest.importorskip("trl")
 from accelerate.utils import DistributedType  # noqa: E402
 from datasets import Dataset  # noqa: E402
 
-from logitless.models import save_model_and_tokenizer, tiny_qwen2  # noqa: E402
+from logitless.models import tiny_qwen2  # noqa: E402
 from logitless.trl import GRPOTrainerWithLogits  # noqa: E402
 from logitless.trl.notices import launch_warnings, policy_layout, scoring_line  # noqa: E402
 
@@ -31,9 +31,9 @@ def _zero_reward(completions, **kwargs):
     return [0.0] * len(completions)
 
 
-def test_training_starts_with_one_line_naming_the_head_and_nothing_else(tmp_path, tokenizer, caplog):
+def test_training_starts_with_one_line_naming_the_head_and_nothing_else(tmp_path, tiny_model_dir, tokenizer, caplog):
     """The line is the library logger's (INFO, on stderr unless the application configures logging), not a print."""
-    model_dir = save_model_and_tokenizer(tiny_qwen2(seed=0), tokenizer, tmp_path / "model")
+    model_dir = tiny_model_dir
     args = trl.GRPOConfig(output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, activation_checkpointing=False,
                           per_device_train_batch_size=2, num_generations=2, max_completion_length=4, max_steps=1,
                           report_to="none", save_strategy="no", cast_lm_head_to_fp32=True)
@@ -44,7 +44,8 @@ def test_training_starts_with_one_line_naming_the_head_and_nothing_else(tmp_path
         trainer.train()
     said = [(record.levelno, record.getMessage()) for record in caplog.records if record.name.startswith("logitless")]
     assert said == [(logging.INFO, "logitless: tokens scored by logitless's fused LM head (PyTorch blocks on cpu, "
-                                   "fp32, 151,936-token vocabulary, no (batch, seq, vocab) logits); policy: one process")]
+                                   "fp32, 151,936-token vocabulary, no (batch, seq, vocab) logits); "
+                                   "policy: one process")]
 
 
 def test_the_library_logger_reaches_stderr_unless_the_application_configured_logging():

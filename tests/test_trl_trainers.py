@@ -24,8 +24,8 @@ COMMON = dict(use_cpu=True, bf16=False, per_device_train_batch_size=4, max_steps
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tokenizer):
-    return str(save_model_and_tokenizer(tiny_qwen2(seed=0), tokenizer, tmp_path_factory.mktemp("policy")))
+def model_dir(tiny_model_dir):
+    return str(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

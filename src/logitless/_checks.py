@@ -230,7 +230,8 @@ def check_tensor(name: str, value, *, ndim: int | Sequence[int] | None = None, f
     if ndim is not None:
         allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
         if value.dim() not in allowed:
-            raise ValueError(f"{name}: expected {' or '.join(map(str, allowed))} dimensions, got shape {tuple(value.shape)}")
+            raise ValueError(f"{name}: expected {' or '.join(map(str, allowed))} dimensions, "
+                             f"got shape {tuple(value.shape)}")
     if floating and not value.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point tensor, got {value.dtype}")
     if integer and value.dtype not in (torch.int64, torch.int32):

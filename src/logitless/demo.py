@@ -63,7 +63,8 @@ def sampled_accuracy(model_dir: str | Path, questions: list[dict], samples: int 
     for index, row in enumerate(generated[:, encoded["input_ids"].shape[1]:].tolist()):
         ids = row[: row.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in row else row
         position = find_answer_position(ids, tokenizer)
-        right += position is not None and tokenizer.decode(ids[position]).strip() == questions[index // samples]["answer"]
+        right += (position is not None
+                  and tokenizer.decode(ids[position]).strip() == questions[index // samples]["answer"])
     return right / len(prompts)
 
 

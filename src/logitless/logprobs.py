@@ -46,7 +46,8 @@ def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor,
     check_token_ids("labels", targets, model.get_output_embeddings().weight.shape[0])
 
     if impl == "reference":
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask),
+        logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                       position_ids=position_ids_for(attention_mask),
                        use_cache=False).logits  # (B, T, V)
         log_probs, entropy = logprobs_from_logits(logits, targets, temperature, return_token_entropy)  # (B, T) each
     else:

@@ -58,7 +58,8 @@ def compute_group_normalized_rewards(reward_fn: Callable[[str, str], dict], roll
     check_finite("reward_fn (its 'reward' values)", raw_rewards)
 
     advantages, constant_group = group_normalized_advantages(raw_rewards, group_size, advantage_eps, normalize_by_std)
-    metadata = {"reward_mean": raw_rewards.mean().item(), "reward_std": raw_rewards.std().item() if len(scores) > 1 else 0.0,
+    metadata = {"reward_mean": raw_rewards.mean().item(),
+                "reward_std": raw_rewards.std().item() if len(scores) > 1 else 0.0,
                 "reward_max": raw_rewards.max().item(), "reward_min": raw_rewards.min().item(),
                 "constant_groups": constant_group.float().mean().item()}
     for key in scores[0]:

@@ -21,7 +21,8 @@ def masked_normalize(tensor: torch.Tensor, mask: torch.Tensor, normalize_constan
     """Sum of ``tensor`` where ``mask`` is set, over ``dim`` (all dims if None), divided by ``normalize_constant``."""
     check_tensor("tensor", tensor, floating=True)
     keep = check_mask("mask", mask, "tensor", tensor)
-    if isinstance(normalize_constant, bool) or not isinstance(normalize_constant, (int, float)) or normalize_constant == 0:
+    if (isinstance(normalize_constant, bool) or not isinstance(normalize_constant, (int, float))
+            or normalize_constant == 0):
         raise ValueError(f"normalize_constant: expected a non-zero number, got {normalize_constant!r}")
     return _masked_sum(tensor, keep, dim) / normalize_constant
 

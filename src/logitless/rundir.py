@@ -97,7 +97,8 @@ def _check_allow_changed(allow_changed: Iterable[str], result_options: tuple, fi
     changeable = set(result_options) - set(fixed_options)
     unknown = sorted(set(allow_changed) - changeable)
     if unknown:
-        raise ValueError(f"allow_changed: {unknown} are not options a resume may change; those are {sorted(changeable)}")
+        raise ValueError(f"allow_changed: {unknown} are not options a resume may change; "
+                         f"those are {sorted(changeable)}")
 
 
 class RunDirectory:
@@ -211,7 +212,8 @@ class RunDirectory:
         else:
             _check_allow_changed(allow_changed, tuple(result_options), tuple(fixed_options))
             changes = {}
-        record = {"command": self.command, "options": options, "changes": list((self.previous or {}).get("changes", []))}
+        record = {"command": self.command, "options": options,
+                  "changes": list((self.previous or {}).get("changes", []))}
         if changes:
             record["changes"].append({"time": time.strftime("%Y-%m-%d %H:%M:%S"), "step": step, "options": changes})
         try:

@@ -93,7 +93,8 @@ def format_table(report: dict) -> str:
                 f"{format_ratio(r['peak_ratio'], 10)}{r['reward']:>9.4f}{r['kl']:>9.4f}")
 
     return "\n".join([
-        f"GRADE ({c['method']}), {c['steps']} steps of {c['batch_size']} rollouts x {c['max_new_tokens']} tokens, top-k "
+        f"GRADE ({c['method']}), {c['steps']} steps of {c['batch_size']} rollouts x "
+        f"{c['max_new_tokens']} tokens, top-k "
         f"{c['gumbel_topk']}, activation checkpointing {'on' if c['activation_checkpointing'] else 'off'}, "
         f"{c['model']}, {c['device']}",
         f"{'trainer':<10}{'step s':>9}{'x legacy':>10}{'peak MB':>10}{'x legacy':>10}{'reward':>9}{'kl':>9}",

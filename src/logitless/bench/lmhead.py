@@ -31,7 +31,8 @@ distillation use it. Implementations:
 
 Each runs in a fresh subprocess (`bench.lmhead_steps`, where the implementations are): one warm-up step, a
 steady-state step whose peak memory beyond the inputs is measured (`logitless.memory.PeakMemory`), the same with
-the gradient outputs counted, then timed repeats (the median is reported; on a GPU each is timed by CUDA events). Gradients go to a temporary safetensors
+the gradient outputs counted, then timed repeats (the median is reported; on a GPU each is timed by CUDA events).
+Gradients go to a temporary safetensors
 file and are compared with the materialized path's in the parent.
 
 ``block_tokens`` (``--block-tokens N [N ...]``): logitless runs once per value, its tokens per row chunk
@@ -178,7 +179,8 @@ def _number(value, width: int, spec: str) -> str:
 
 def format_table(report: dict) -> str:
     lines = [f"{LOSSES[report['shape']['loss']]} fwd+bwd through the LM head, {report['tokens']} valid tokens, "
-             f"shape {report['shape']}" + (f", {report['busy']} busy processes beside it" if report.get("busy") else ""),
+             f"shape {report['shape']}"
+             + (f", {report['busy']} busy processes beside it" if report.get("busy") else ""),
              f"{'impl':<21}{'time s':>8}{'x mat':>7}{'x min':>7}{'tok/s':>8}{'bound':>7}{'peak MB':>9}{'x mat':>7}"
              f"{'x min':>7}{'loss diff':>11}{'max|dgrad|':>12}"]
     for name, r in report["results"].items():
@@ -210,7 +212,8 @@ def plot(report: dict, path: str | Path) -> Path:
     s = report["shape"]
     title = (f"{LOSSES[s['loss']]} fwd+bwd, B={s['batch']} T={s['seq']} H={s['hidden']} V={s['vocab']} "
              f"{s['dtype']} {s['device']}, {report['tokens']} valid tokens"
-             + (f", {report['busy']} busy processes beside it" if report.get("busy") else "") + "\nlabels: x materialized_minimal")
+             + (f", {report['busy']} busy processes beside it" if report.get("busy") else "")
+             + "\nlabels: x materialized_minimal")
     return ratio_bar_panels(report["results"], panels, colors, title, path, rotate_names=True)
 
 

@@ -89,7 +89,8 @@ def run_worker(variant: str, policy_dir: str, config: RewardBenchConfig) -> dict
             train_dataset=to_trl_dataset(records), processing_class=tokenizer)
         torch.manual_seed(0)
         trainer.train()
-    return {"reward_time_s": sum(c["seconds"] for c in calls), "policy_forwards": sum(c["policy_forwards"] for c in calls),
+    return {"reward_time_s": sum(c["seconds"] for c in calls),
+            "policy_forwards": sum(c["policy_forwards"] for c in calls),
             "peak_mb": max(c["peak_mb"] for c in calls), "mean_reward": [c["mean_reward"] for c in calls],
             "reward_calls": len(calls)}
 
@@ -100,7 +101,8 @@ def run(config: RewardBenchConfig, progress: bool = True) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         _, policy_dir = warm_start_policy(scratch, steps=config.warm_start_steps, progress=False)
         results = run_variants("logitless.bench.reward", VARIANTS, ["--policy-dir", str(policy_dir), "--config",
-                                                                    json.dumps(asdict(config))], "bench reward", progress)
+                                                                    json.dumps(asdict(config))],
+                               "bench reward", progress)
     add_ratios(results, "fallback", time_key="reward_time_s")
     return {"config": asdict(config), "results": results}
 
@@ -112,7 +114,8 @@ def format_table(report: dict) -> str:
              f"{'variant':<10}{'reward s':>10}{'x fallback':>12}{'policy fwd':>12}{'peak MB':>10}{'x fallback':>12}"
              "  mean reward per step"]
     for name, r in report["results"].items():
-        lines.append(f"{name:<10}{r['reward_time_s']:>10.2f}{format_ratio(r['time_ratio'], 12)}{r['policy_forwards']:>12d}"
+        lines.append(f"{name:<10}{r['reward_time_s']:>10.2f}{format_ratio(r['time_ratio'], 12)}"
+                     f"{r['policy_forwards']:>12d}"
                      f"{r['peak_mb']:>10.0f}{format_ratio(r['peak_ratio'], 12)}  "
                      f"{', '.join(f'{x:.4f}' for x in r['mean_reward'])}")
     return "\n".join(lines)

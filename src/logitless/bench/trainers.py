@@ -4,7 +4,8 @@ logitless's drop-in of the same name, a few steps each in a fresh process.
 Same model (an embedded one, the tiny Qwen2 by default, with the real 151,936-token Qwen vocabulary; or a
 local model directory), same data, same config and steps for both: the median wall time of a training
 step after the first (the first allocates what the later ones reuse) and of the loss with its backward
-within it, and the peak memory of the whole run beyond what the process held once the trainer was built (`logitless.memory.PeakMemory`). The data are
+within it, and the peak memory of the whole run beyond what the process held once the trainer was built
+(`logitless.memory.PeakMemory`). The data are
 synthetic texts of one token per word, so both score the same tokens: SFT ``batch`` (prompt, completion)
 pairs of ``seq`` tokens; DPO ``batch`` pairs (chosen and rejected: twice the sequences, and the
 reference model's pass); KTO ``batch`` examples (and TRL's KL batch); RLOO and GRPO ``completions``

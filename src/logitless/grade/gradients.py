@@ -64,7 +64,8 @@ def reinforce_reward_gradient(policy, reward, prompts: PromptBatch, *, samples_p
 def exact_reward_gradient(policy, reward, prompts: PromptBatch) -> torch.Tensor:
     """The true gradient of -E[reward] (P,) for one-token completions and a reward linear in the soft token."""
     parts = CausalLMParts.of(policy, "policy")
-    hidden = final_hidden_states(policy, prompts.input_ids, prompts.attention_mask)[:, -1]  # left padded: last prompt token
+    hidden = final_hidden_states(policy, prompts.input_ids,
+                                 prompts.attention_mask)[:, -1]  # left padded: last prompt token
     probs = torch.softmax(parts.logits(hidden), dim=-1)  # (P, V): the next-token distribution
     (-reward(RewardInputs(prompts, SoftTokens(probs.unsqueeze(1)))).mean()).backward()
     return flat_gradient([p for p in policy.parameters() if p.requires_grad])

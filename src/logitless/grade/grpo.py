@@ -53,7 +53,8 @@ class GRPOBaseline(TrainerBase):
         kl, log_ratio = self._kl(hidden.detach(), input_ids, attention, completion_ids)
         shaped = rewards - config.kl_coef * log_ratio  # (B,)
         advantages, _ = group_normalized_advantages(shaped, group, advantage_eps=1e-6, normalize_by_std=True)
-        loss, _ = fused_grpo_loss(hidden, completion_ids=completion_ids, completion_mask=torch.ones_like(completion_ids),
+        loss, _ = fused_grpo_loss(hidden, completion_ids=completion_ids,
+                                  completion_mask=torch.ones_like(completion_ids),
                                   advantages=advantages.to(hidden.device), head=self.policy.head,
                                   settings=BASELINE_SETTINGS)
         (loss / config.gradient_accumulation_steps).backward()

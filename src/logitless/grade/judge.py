@@ -42,7 +42,8 @@ class MultichoiceJudgeReward(SoftReward):
                                  f"got {record.get('answer')!r}")
         device = inputs.prompt.input_ids.device
         prefix = PromptBatch.from_records(
-            [{"prompt": f"{r.get('question', r['prompt'])}\nReasoning: "} for r in records], self.judge.tokenizer, device)
+            [{"prompt": f"{r.get('question', r['prompt'])}\nReasoning: "} for r in records], self.judge.tokenizer,
+            device)
         batch = sequence_inputs(self.parts.embedding, prefix, inputs.completion, self.suffix_ids)
         hidden = self.parts.body(**batch, use_cache=False).last_hidden_state[:, -1]  # (B, H)
         letter_log_probs = self.judge.letter_log_probs(hidden, self.parts.head)  # (B, L)

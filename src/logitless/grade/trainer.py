@@ -58,7 +58,8 @@ class TrainerBase:
         self.policy = CausalLMParts.of(base_of(policy), "policy")
         self.reference = CausalLMParts.of(reference.eval().requires_grad_(False), "reference")
         if self.reference.vocab_size != self.policy.vocab_size:
-            raise ValueError(f"reference: vocabulary of {self.reference.vocab_size}, the policy's {self.policy.vocab_size}")
+            raise ValueError(f"reference: vocabulary of {self.reference.vocab_size}, "
+                             f"the policy's {self.policy.vocab_size}")
         reward.check_vocabulary(self.policy.vocab_size)
         self.reward, self.config, self.tokenizer = reward, config, tokenizer
         self.parameters = [p for p in policy.parameters() if p.requires_grad]

@@ -36,7 +36,8 @@ def answer_probability_by_recomputing(policy, tokenizer, prompt: str, completion
     policy.eval()
     try:
         with torch.no_grad():
-            hidden = final_hidden_states(policy, input_ids)[0, len(prompt_ids) - 1: -1]  # (C, H): row t predicts token t
+            hidden = final_hidden_states(policy,
+                                         input_ids)[0, len(prompt_ids) - 1: -1]  # (C, H): row t predicts token t
             completion_logits = lm_head_of(policy, temperature).logits(hidden)  # (C, V) fp32, materialized
     finally:
         policy.train(was_training)

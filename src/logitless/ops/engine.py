@@ -326,7 +326,8 @@ class InputGrads:
             else:
                 self.weight = torch.empty(weight.shape, dtype=weight.dtype if num_chunks == 1 else dtype,
                                           device=weight.device)
-        self.bias = torch.zeros(bias.shape, dtype=dtype, device=bias.device) if needs_bias and bias is not None else None
+        self.bias = (torch.zeros(bias.shape, dtype=dtype, device=bias.device) if needs_bias and bias is not None
+                     else None)
         self.first_chunk = True
 
     def hidden_sum(self, chunk_hidden: torch.Tensor) -> torch.Tensor | None:

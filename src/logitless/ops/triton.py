@@ -223,7 +223,8 @@ if triton is not None:
         new_shift = tl.where(new_max == float("-inf"), 0.0, new_max)
         factor = tl.where(total > 0, tl.exp(old_shift - new_shift), 0.0)
         if HAS_WEIGHTED:
-            weighted = factor * (tl.load(weighted_ptr + rows, mask=in_rows, other=0.0) + (old_shift - new_shift) * total)
+            weighted = factor * (tl.load(weighted_ptr + rows, mask=in_rows, other=0.0)
+                                 + (old_shift - new_shift) * total)
         if HAS_SQUARE_TOTAL:
             square_total = factor * factor * tl.load(square_total_ptr + rows, mask=in_rows, other=0.0)
         total = factor * total

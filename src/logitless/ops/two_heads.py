@@ -1,5 +1,6 @@
 """The inputs of the ops that read two LM heads (`fused_linear_kl`, `fused_linear_jsd`): each side's `LinearHead`
-(whole or in parts) and checks, the fixed side's head without gradient, and the tokens both sides keep. A side is named by the
+(whole or in parts) and checks, the fixed side's head without gradient, and the tokens both sides keep.
+A side is named by the
 suffix of its arguments (``p`` and ``q``, ``s`` and ``t``), and so is every error (``weight_q: ...``)."""
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def check_same_vocabulary(head: LinearHead, other: LinearHead, sides: tuple[str,
 
 def fixed_head(head: LinearHead) -> LinearHead:
     """``head`` with its weight and bias detached: a fixed target (a reference, a teacher) gets no gradient."""
-    return dataclasses.replace(head, weight=head.weight.detach(), bias=None if head.bias is None else head.bias.detach())
+    return dataclasses.replace(head, weight=head.weight.detach(),
+                               bias=None if head.bias is None else head.bias.detach())
 
 
 def kept_rows(hidden: torch.Tensor, other_hidden: torch.Tensor, mask, sides: tuple[str, str]):

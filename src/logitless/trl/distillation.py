@@ -4,7 +4,8 @@ TRL 1.16's DistillationTrainer computes its generalized JSD (``beta`` 0: forward
 1: reverse KL(student || teacher), otherwise the JSD with the mixture ``(1 - beta) p_student + beta
 p_teacher``; ``temperature``) from the student's and the teacher's final hidden states and heads, through
 one function, ``_chunked_divergence_loss``. `divergence_loss` has its signature and answers it with
-`logitless.ops.fused_linear_jsd` of the two heads: exact over the full vocabulary, no ``(B, T, V)`` tensor of either model,
+`logitless.ops.fused_linear_jsd` of the two heads: exact over the full vocabulary,
+no ``(B, T, V)`` tensor of either model,
 no gradient for the teacher, whose hidden size may differ from the student's.
 """
 

@@ -42,7 +42,8 @@ HiddenObserver = Callable[[torch.Tensor, torch.Tensor], None]
 
 
 def add_logitless_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
-                          outputs: tuple[str, ...] = ("log_probs",), *, on_hidden: HiddenObserver | None = None) -> None:
+                          outputs: tuple[str, ...] = ("log_probs",), *,
+                          on_hidden: HiddenObserver | None = None) -> None:
     """Make ``model(..., labels=labels, fused_lm_head=True)`` return TRL's `FusedCausalLMOutput` from logitless's
     fused ops; without ``fused_lm_head`` the forward (and so generation) is the model's own.
 

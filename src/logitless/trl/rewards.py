@@ -76,7 +76,8 @@ def _policy_adapters_on(model) -> bool:
     return not any(isinstance(module, BaseTunerLayer) and module.disable_adapters for module in model.modules())
 
 class LogitAwareRewards:
-    """Mixin for `trl.GRPOTrainer` and `trl.RLOOTrainer`: hands ``completion_logits`` / ``completion_logprobs`` to the reward functions
+    """Mixin for `trl.GRPOTrainer` and `trl.RLOOTrainer`: hands ``completion_logits`` / ``completion_logprobs``
+    to the reward functions
     that declare them. `LogitlessHead`, after it in the bases, installs `keep_scored_hidden` as the fused LM head's
     observer of the hidden states it scores."""
 
