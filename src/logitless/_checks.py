@@ -34,6 +34,15 @@ def check_positive_finite(name: str, value) -> float:
     return float(check_finite_number(name, value))
 
 
+def set_head_numbers(head) -> None:
+    """Check a frozen head dataclass's ``temperature``, ``logit_scale`` and ``softcap`` (None: no cap), each a
+    finite number > 0, and store them as floats: the PyTorch `LinearHead` and the JAX `Head` alike."""
+    for name in ("temperature", "logit_scale", "softcap"):
+        value = getattr(head, name)
+        if value is not None or name != "softcap":
+            object.__setattr__(head, name, check_positive_finite(name, value))
+
+
 def check_choice(name: str, value, choices: Sequence[str]) -> str:
     if value not in choices:
         raise ValueError(f"{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}")

@@ -100,16 +100,13 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-SUMMARY = "every TRL trainer (SFT, DPO, KTO, RLOO, GRPO, distillation): TRL's own head vs logitless's"
-DESCRIPTION = ("A few training steps of each TRL 1.16 trainer that scores tokens, stock TRL (its own fused LM "
-               "head) and logitless's drop-in of the same name, on the same model, data, config and steps, "
-               "each in a fresh process: the median step time after the first, the peak memory of the run, "
-               "and the logged losses.")
-
-
 def add_parser(targets) -> None:
+    parser = benchmark_parser(
+        targets, "trl", "every TRL trainer (SFT, DPO, KTO, RLOO, GRPO, distillation): TRL's own head vs logitless's",
+        "A few training steps of each TRL 1.16 trainer that scores tokens, stock TRL (its own fused LM head) and "
+        "logitless's drop-in of the same name, on the same model, data, config and steps, each in a fresh process: "
+        "the median step time after the first, the peak memory of the run, and the logged losses.")
     defaults = TRLBenchConfig()
-    parser = benchmark_parser(targets, "trl", SUMMARY, DESCRIPTION)
     parser.add_argument("--trainers", nargs="+", default=list(TRAINERS), metavar=choices_metavar(TRAINERS),
                         help="which trainers to run (default: all)")
     parser.add_argument("--steps", type=int, default=defaults.steps,

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from logitless._checks import check_positive_finite
+from logitless._checks import set_head_numbers
 
 HEAD_PARTS = ("weight", "bias", "temperature", "softcap", "logit_scale")  # the keywords that give a head in parts
 
@@ -46,10 +46,7 @@ class Head:
     logit_scale: float = 1.0
 
     def __post_init__(self):
-        object.__setattr__(self, "temperature", check_positive_finite("temperature", self.temperature))
-        object.__setattr__(self, "logit_scale", check_positive_finite("logit_scale", self.logit_scale))
-        if self.softcap is not None:
-            object.__setattr__(self, "softcap", check_positive_finite("softcap", self.softcap))
+        set_head_numbers(self)
 
     @property
     def vocab_size(self) -> int:

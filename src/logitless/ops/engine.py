@@ -55,6 +55,11 @@ class Sweep(Protocol):
         """Fold in ``other``, a sweep of the same rows over other blocks (the one-pass schedule sweeps each block
         with a sweep of its own)."""
 
+    def across(self, shard) -> None:
+        """Combine with the sweeps of the same rows that the other ranks of ``shard`` (a `sharded.VocabShard`) ran
+        over their vocabulary shards, in rank order, so that every rank holds the same sums over the whole
+        vocabulary (`logitless.jax.engine`'s ``Sweep.across`` over mesh axes)."""
+
     def finish(self) -> NamedTuple:
         """The chunk's per-row statistics, (n,) each (None for one not computed)."""
 
@@ -83,11 +88,29 @@ class Accumulator(Protocol):
     def row_grads(self, grad_outputs: tuple, stats: NamedTuple) -> NamedTuple:
         """The per-row gradients `Sweep.block_grad` reads, from the outputs' gradients (None where zero)."""
 
+    def every_rank(self, gather: Callable[[torch.Tensor], torch.Tensor]) -> Accumulator:
+        """The accumulator for every rank's tokens, its per-row inputs (target ids) ``gather``-ed: what
+        data-parallel vocabulary shards sweep (`sharded.py`)."""
+
 
 NewSweep = Callable[[slice], Sweep]  # a row chunk's slice of all tokens (within bounds) -> its sweep
 # chunk_loss(rows, stats) -> (the loss summed over the chunk's tokens (), its per-row gradients; None when no
 # gradient is needed)
 ChunkLoss = Callable[[slice, tuple], tuple[torch.Tensor, "tuple | None"]]
+
+
+def merged_across(sums, shard):
+    """Running sums (an object with ``state()``, ``with_state(values)`` and ``merge(other)``: `softmax.OnlineSoftmax`,
+    `kl.KLSums`...) merged in rank order with the sums of the same rows that the other ranks of ``shard`` kept over
+    their vocabulary shards: one gather of O(rows) numbers, and every rank gets the same bits."""
+    merged = None
+    for values in shard.gather(torch.stack(sums.state())):
+        peer = sums.with_state(list(values))
+        if merged is None:
+            merged = peer
+        else:
+            merged.merge(peer)
+    return merged
 
 
 def refuse_second_derivative(op: str) -> None:
@@ -142,9 +165,13 @@ def _block_logits(heads: Sequence[LinearHead], chunk_hiddens: list[torch.Tensor]
 
 def _sweep(heads: Sequence[LinearHead], chunk_hiddens: list[torch.Tensor] | None, plan: BlockPlan, sweep: Sweep,
            scratch: Scratch) -> NamedTuple:
-    """Every vocabulary block of one row chunk through ``sweep``; its finished statistics (no block without rows)."""
+    """Every vocabulary block of one row chunk through ``sweep``, combined with the other ranks' sweeps of their
+    vocabulary shards where the head is sharded; its finished statistics (no block without rows)."""
+    offset = 0 if plan.shard is None else plan.shard.offset
     for start, columns in vocab_blocks(heads[0].vocab_size, plan) if chunk_hiddens is not None else ():
-        sweep.update(start, _block_logits(heads, chunk_hiddens, start, columns, scratch))
+        sweep.update(offset + start, _block_logits(heads, chunk_hiddens, start, columns, scratch))
+    if plan.shard is not None:
+        sweep.across(plan.shard)
     return sweep.finish()
 
 
@@ -169,7 +196,7 @@ def two_pass_grads(accumulator: Accumulator, hiddens: Sequence[torch.Tensor], pl
     """Pass 2 of two: (grad_hidden, grad_weight, grad_bias) of the first head's inputs (None where not
     needed), from pass 1's ``stats`` and the loss's per-row gradients ``row_grads``, (N,) each."""
     heads, num_rows = accumulator.heads, hiddens[0].shape[0]
-    head = heads[0]
+    head, offset = heads[0], 0 if plan.shard is None else plan.shard.offset
     grads, scratch = InputGrads(head, hiddens[0], needs, _num_chunks(num_rows, plan)), Scratch()
     for rows in row_chunks(num_rows, plan):
         chunk_hiddens = [compute_operand(hidden[rows]) for hidden in hiddens]
@@ -177,7 +204,7 @@ def two_pass_grads(accumulator: Accumulator, hiddens: Sequence[torch.Tensor], pl
         hidden_sum = grads.hidden_sum(chunk_hiddens[0])
         for start, columns in vocab_blocks(head.vocab_size, plan):
             block = _block_logits(heads, chunk_hiddens, start, columns, scratch)
-            block_grad = sweep.block_grad(start, block, chunk_stats, chunk_grads)
+            block_grad = sweep.block_grad(offset + start, block, chunk_stats, chunk_grads)
             grads.add_block(columns, block_grad, chunk_hiddens[0], hidden_sum, head.weight[columns])
         grads.finish_chunk(rows, hidden_sum)
     return grads.result(head)
@@ -249,18 +276,25 @@ class LinearStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, accumulator: Accumulator, plan: BlockPlan, hidden, weight, bias, *other_hiddens):
         hiddens = (hidden, *other_hiddens)
+        if plan.counts is not None:  # data-parallel vocabulary shards: every rank's tokens, kept for backward
+            def every_rank(rows):
+                return plan.shard.gather_rows(rows, plan.counts)
+
+            hiddens, accumulator = tuple(every_rank(tensor) for tensor in hiddens), accumulator.every_rank(every_rank)
         stats = two_pass_stats(accumulator, hiddens, plan)
         ctx.save_for_backward(*hiddens, *stats)
         ctx.accumulator, ctx.plan, ctx.num_hiddens, ctx.stats_type = accumulator, plan, len(hiddens), type(stats)
-        ctx.set_materialize_grads(False)
+        ctx.set_materialize_grads(plan.shard is not None)  # every rank gathers the same gradients in backward
         outputs = accumulator.outputs(stats)
+        if plan.counts is not None:
+            outputs = tuple(plan.shard.own_rows(output, plan.counts) for output in outputs)
         ctx.mark_non_differentiable(*(output for output, differentiable in zip(outputs, accumulator.differentiable)
                                       if not differentiable))
         return outputs
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        accumulator = ctx.accumulator
+        accumulator, plan = ctx.accumulator, ctx.plan
         refuse_second_derivative(accumulator.name)
         nothing = (None,) * (2 + 2 + ctx.num_hiddens)
         if all(grad is None for grad, differentiable in zip(grad_outputs, accumulator.differentiable)
@@ -268,8 +302,14 @@ class LinearStats(torch.autograd.Function):
             return nothing
         saved = ctx.saved_tensors
         hiddens, stats = saved[:ctx.num_hiddens], ctx.stats_type(*saved[ctx.num_hiddens:])
-        grads = two_pass_grads(accumulator, hiddens, ctx.plan, stats, accumulator.row_grads(grad_outputs, stats),
+        if plan.counts is not None:  # every rank's tokens' gradients, for this rank's vocabulary shard
+            grad_outputs = tuple(plan.shard.gather_rows(grad, plan.counts) for grad in grad_outputs)
+        grads = two_pass_grads(accumulator, hiddens, plan, stats, accumulator.row_grads(grad_outputs, stats),
                                ctx.needs_input_grad[2:5])
+        if plan.shard is not None:
+            head = accumulator.heads[0]
+            dtypes = (hiddens[0].dtype, head.weight.dtype, None if head.bias is None else head.bias.dtype)
+            grads = plan.shard.input_grads(grads, plan.counts, dtypes)
         return (None, None, grads[0], grads[1], grads[2], *nothing[5:])
 
 
@@ -311,21 +351,26 @@ class InputGrads:
 
     dW: each row chunk's blocks are added in; the first chunk writes them (no zero fill, no re-read),
     the others add into an fp32 sum (the result itself when the weight is fp32). With one row chunk,
-    the usual case of the two-pass schedule, each block is final when computed.
+    the usual case of the two-pass schedule, each block is final when computed. A head that holds a shard of the
+    vocabulary (``head.shard``) keeps every gradient in fp32: they are partial sums that the ranks combine before
+    they are rounded to the inputs' dtypes (`sharded.VocabShard.input_grads`).
     """
 
     def __init__(self, head: LinearHead, hidden: torch.Tensor, needs: tuple[bool, bool, bool], num_chunks: int):
         weight, bias = head.weight, head.bias
         self.needs_hidden, needs_weight, needs_bias = needs
         dtype = stat_dtype(weight.dtype)
-        self.hidden = torch.empty_like(hidden) if self.needs_hidden else None
+        self.partial = head.shard is not None
+        self.hidden = (torch.empty(hidden.shape, dtype=stat_dtype(hidden.dtype) if self.partial else hidden.dtype,
+                                   device=hidden.device) if self.needs_hidden else None)
         self.weight = None
         if needs_weight:
             if num_chunks == 0:  # no tokens, no gradient (as PyTorch gives for an empty or all-ignored batch)
-                self.weight = torch.zeros_like(weight)
-            else:
-                self.weight = torch.empty(weight.shape, dtype=weight.dtype if num_chunks == 1 else dtype,
+                self.weight = torch.zeros(weight.shape, dtype=dtype if self.partial else weight.dtype,
                                           device=weight.device)
+            else:
+                self.weight = torch.empty(weight.shape, dtype=weight.dtype if num_chunks == 1 and not self.partial
+                                          else dtype, device=weight.device)
         self.bias = (torch.zeros(bias.shape, dtype=dtype, device=bias.device) if needs_bias and bias is not None
                      else None)
         self.first_chunk = True
@@ -372,7 +417,10 @@ class InputGrads:
         self.first_chunk = False
 
     def result(self, head: LinearHead):
-        """(grad_hidden, grad_weight, grad_bias) in the inputs' dtypes, None where not needed."""
+        """(grad_hidden, grad_weight, grad_bias) in the inputs' dtypes (fp32 partial sums for a vocabulary shard),
+        None where not needed."""
+        if self.partial:
+            return self.hidden, self.weight, self.bias
         weight = self.weight
         if weight is not None and weight.dtype != head.weight.dtype:
             weight = weight.to(head.weight.dtype)

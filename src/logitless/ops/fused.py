@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from logitless._checks import (HEAD_PARTS, check_choice, check_head_shapes, check_impl, check_mask, check_strings,
                                check_tensor, check_token_ids, checked_keywords)
@@ -29,6 +30,7 @@ from logitless.ops.grpo import check_grpo_inputs, grpo_objective, grpo_token_los
 from logitless.ops.head import LinearHead, op_head, stat_dtype
 from logitless.ops.plan import BlockPlan, implementation, plan_blocks
 from logitless.ops.settings import GRPO_OPTIONS, BlockSizes, GRPOSettings
+from logitless.ops.sharded import on_this_rank
 from logitless.ops.softmax import PYTORCH_BLOCKS, TOKEN_EXTRAS, SoftmaxAccumulator, TokenStats, stat_grads
 from logitless.ops.workers import block_workers
 
@@ -121,6 +123,8 @@ def linear_token_stats(hidden: torch.Tensor, weight: torch.Tensor | None = None,
         check_choice(f"extras[{index}]", name, TOKEN_EXTRAS)
     extras = tuple(dict.fromkeys(extras))
     check_impl(impl, ("auto", "chunked", "triton"))
+    if isinstance(head.weight, DTensor):  # sharded on the vocabulary: this rank's shard (`sharded.py`)
+        head, hidden = on_this_rank(head, hidden)
     dtype = stat_dtype(hidden.dtype)
     accumulator = SoftmaxAccumulator(head, targets, implementation(impl, hidden.device, dtype).kernels(PYTORCH_BLOCKS),
                                      dtype, need_entropy=need_entropy, need_mean_log_prob=need_mean_log_prob,
@@ -165,6 +169,15 @@ def linear_loss(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, t
     return loss, log_probs.detach(), entropy.detach() if need_entropy else None
 
 
+def _on_this_rank(head: LinearHead, hidden, impl: str):
+    """(head, hidden) of an op on this rank (`sharded.on_this_rank`): a head sharded on the vocabulary runs its local
+    shard, or whole for the materialized oracle; a plain head and plain hidden states as they are."""
+    if not isinstance(head.weight, DTensor):
+        return head, hidden
+    return on_this_rank(head, hidden, materialize=implementation(impl, hidden.device, stat_dtype(hidden.dtype))
+                        .materializes)
+
+
 def _linear_inputs(head: LinearHead, hidden, targets, mask, targets_name="targets"):
     """Validate and flatten: (hidden (..., H) -> (N, H), targets (...) -> (N,), kept row ids or None).
 
@@ -177,7 +190,7 @@ def _linear_inputs(head: LinearHead, hidden, targets, mask, targets_name="target
     if mask is not None:
         kept = check_mask("mask", mask, targets_name, targets).reshape(-1).nonzero().squeeze(1)
         flat_hidden, flat_targets = flat_hidden.index_select(0, kept), flat_targets[kept]
-    check_token_ids(targets_name, flat_targets, head.vocab_size)
+    check_token_ids(targets_name, flat_targets, head.whole_vocab_size)
     return flat_hidden, flat_targets, kept
 
 
@@ -211,6 +224,7 @@ def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor | None = No
     head = op_head(head, weight, bias, temperature, softcap, logit_scale)
     check_impl(impl)
     sizes = BlockSizes.of(block_sizes)
+    head, hidden = _on_this_rank(head, hidden, impl)
     flat_hidden, flat_targets, kept = _linear_inputs(head, hidden, targets, mask)
     if implementation(impl, hidden.device, stat_dtype(hidden.dtype)).materializes:  # the (K, V) logits of the kept
         log_probs, entropy = reference.logprobs_from_logits(reference.head_logits(flat_hidden, head), flat_targets,
@@ -245,6 +259,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor | None
         raise TypeError(f"ignore_index: expected an int, got {ignore_index!r}")
     sizes = BlockSizes.of(block_sizes)
     check_tensor("targets", targets, integer=True)
+    head, hidden = _on_this_rank(head, hidden, impl)
     keep = targets != ignore_index
     flat_hidden, flat_targets, kept = _linear_inputs(head, hidden, targets, keep)
     if implementation(impl, hidden.device, stat_dtype(hidden.dtype)).materializes:
@@ -313,6 +328,7 @@ def fused_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor | None = None,
                               stat_dtype(hidden.dtype))
     tensors = dict(old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, sampling_log_probs=sampling_log_probs,
                    importance_sampling_ratio=importance_sampling_ratio, num_items_in_batch=num_items_in_batch)
+    head, hidden = _on_this_rank(head, hidden, impl)
     if implementation(impl, hidden.device, stat_dtype(hidden.dtype)).materializes:
         return reference.grpo_loss(hidden, completion_ids=completion_ids, completion_mask=completion_mask,
                                    advantages=advantages, head=head, settings=settings, **tensors)

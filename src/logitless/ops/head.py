@@ -15,10 +15,14 @@ logit_scale=``); `op_head` turns either into the one the op reads.
 from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from logitless._checks import check_positive_finite, check_tensor
+from logitless._checks import check_tensor, set_head_numbers
+
+if TYPE_CHECKING:
+    from logitless.ops.sharded import VocabShard
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -58,6 +62,7 @@ class LinearHead:
     temperature: float = 1.0
     softcap: float | None = None
     logit_scale: float = 1.0
+    shard: VocabShard | None = None  # the weight is this rank's rows of a vocabulary sharded over ranks (`sharded.py`)
 
     def __post_init__(self):
         check_tensor("weight", self.weight, ndim=2, floating=True)
@@ -69,14 +74,17 @@ class LinearHead:
             if bool(torch.isnan(self.bias).any() | torch.isposinf(self.bias).any()):
                 raise ValueError("bias: contains NaN or +inf (only -inf, for vocabulary rows that can never be "
                                  "sampled, is allowed)")
-        object.__setattr__(self, "temperature", check_positive_finite("temperature", self.temperature))
-        object.__setattr__(self, "logit_scale", check_positive_finite("logit_scale", self.logit_scale))
-        if self.softcap is not None:
-            object.__setattr__(self, "softcap", check_positive_finite("softcap", self.softcap))
+        set_head_numbers(self)
 
     @property
     def vocab_size(self) -> int:
+        """The vocabulary rows of the weight this head holds (a shard's, where it holds one)."""
         return self.weight.shape[0]
+
+    @property
+    def whole_vocab_size(self) -> int:
+        """The whole vocabulary, of which a sharded head holds `vocab_size` rows."""
+        return self.vocab_size if self.shard is None else self.shard.vocab_size
 
     @property
     def hidden_size(self) -> int:

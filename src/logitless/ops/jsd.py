@@ -35,6 +35,7 @@ times the per-row gradient, carried back through the soft cap and logit factor o
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
@@ -44,13 +45,13 @@ import torch
 
 from logitless._checks import HEAD_PARTS, check_impl, checked_keywords
 from logitless.ops import reference
-from logitless.ops.engine import LinearStats, Scratch
+from logitless.ops.engine import LinearStats, Scratch, merged_across
 from logitless.ops.head import LinearHead, stat_dtype
 from logitless.ops.kl import KLStats, KLSums, kl_block_logits_grad, kl_stats, kl_update_stats
 from logitless.ops.plan import implementation, plan_blocks
 from logitless.ops.settings import BlockSizes
-from logitless.ops.two_heads import check_same_vocabulary, check_side, fixed_head, kept_rows, op_heads, scatter_kept
-
+from logitless.ops.two_heads import (check_same_vocabulary, check_side, fixed_head, kept_rows, op_heads,
+                                     scatter_kept, sides_on_this_rank)
 
 
 class JSDStats(NamedTuple):
@@ -69,6 +70,19 @@ class MixtureSums:
     def __init__(self, num_rows: int, dtype: torch.dtype, device: torch.device):
         self.student_kl = torch.zeros(num_rows, dtype=dtype, device=device)
         self.teacher_kl = torch.zeros(num_rows, dtype=dtype, device=device)
+
+    def state(self) -> list[torch.Tensor]:
+        return [self.student_kl, self.teacher_kl]
+
+    def with_state(self, values: list[torch.Tensor]) -> MixtureSums:
+        peer = copy.copy(self)
+        peer.student_kl, peer.teacher_kl = values
+        return peer
+
+    def merge(self, other: MixtureSums) -> None:
+        """Fold in ``other``: the same rows' terms over other vocabulary entries (sums of their own)."""
+        self.student_kl = self.student_kl + other.student_kl
+        self.teacher_kl = self.teacher_kl + other.teacher_kl
 
 
 def jsd_stats(normalizers: JSDStats, sums: MixtureSums, beta: float) -> JSDStats:
@@ -155,6 +169,9 @@ class JSDSweep:
         pair = (logits_s, logits_t) if self.student_is_p else (logits_t, logits_s)
         self.kernels.kl_update_stats(self.sums, *pair, self.has_neg_inf, scratch=self.scratch)
 
+    def across(self, shard) -> None:
+        self.sums = merged_across(self.sums, shard)
+
     def finish(self) -> JSDStats:
         student, teacher = (self.sums.p, self.sums.q) if self.student_is_p else (self.sums.q, self.sums.p)
         divergence = None if self.sums.gap is None else kl_stats(self.sums).kl
@@ -183,6 +200,9 @@ class MixtureSweep:
     def update(self, start: int, logits: list[torch.Tensor]) -> None:
         self.kernels.jsd_update_stats(self.sums, *logits, self.normalizers.lse_s, self.normalizers.lse_t, self.beta,
                                       self.has_neg_inf, scratch=self.scratch)
+
+    def across(self, shard) -> None:
+        self.sums = merged_across(self.sums, shard)
 
     def finish(self) -> JSDStats:
         return jsd_stats(self.normalizers, self.sums, self.beta)
@@ -213,6 +233,9 @@ class JSDAccumulator:
         return JSDSweep(self.head_s, self.beta, self.kernels, rows.stop - rows.start, self.dtype, self.device,
                         self.has_neg_inf, self.scratch)
 
+    def every_rank(self, gather) -> JSDAccumulator:
+        return self  # no per-row inputs: the hidden states are all
+
     def second_sweep(self, rows: slice, first: JSDStats) -> MixtureSweep | None:
         if self.beta in (0.0, 1.0):
             return None
@@ -235,7 +258,6 @@ def _heads_jsd(hidden_s: torch.Tensor, head_s: LinearHead, hidden_t: torch.Tenso
                block_sizes: BlockSizes, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(divergence (N,), the student's entropy (N,)) of flat hidden_s (N, H_s) and hidden_t (N, H_t) under two
     `LinearHead`s; the divergence is differentiable on the student's side, the entropy is not."""
-    check_same_vocabulary(head_s, head_t, ("s", "t"))
     fixed_t, dtype = fixed_head(head_t), stat_dtype(hidden_s.dtype)
     chosen = implementation(impl, hidden_s.device, dtype)
     if chosen.materializes:
@@ -278,6 +300,9 @@ def fused_linear_jsd(hidden_s: torch.Tensor, weight_s: torch.Tensor | None = Non
     sizes = BlockSizes.of(block_sizes)
     check_side("s", hidden_s, head_s)
     check_side("t", hidden_t, head_t)
+    check_same_vocabulary(head_s, head_t, ("s", "t"))
+    materialize = implementation(impl, hidden_s.device, stat_dtype(hidden_s.dtype)).materializes
+    head_s, hidden_s, head_t, hidden_t = sides_on_this_rank(head_s, hidden_s, head_t, hidden_t, materialize, ("s", "t"))
     flat_s, flat_t, kept = kept_rows(hidden_s, hidden_t, mask, ("s", "t"))
     divergence, entropy = _heads_jsd(flat_s, head_s, flat_t, head_t, beta, sizes, impl)
     divergence = scatter_kept(divergence, kept, hidden_s.shape[:-1])

@@ -32,6 +32,7 @@ true value: q cannot explain what p does.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
 from typing import NamedTuple
@@ -40,13 +41,13 @@ import torch
 
 from logitless._checks import HEAD_PARTS, check_impl, checked_keywords
 from logitless.ops import reference
-from logitless.ops.engine import LinearStats, Scratch
+from logitless.ops.engine import LinearStats, Scratch, merged_across
 from logitless.ops.head import LinearHead, stat_dtype
 from logitless.ops.plan import implementation, plan_blocks
 from logitless.ops.settings import BlockSizes
 from logitless.ops.softmax import OnlineSoftmax
-from logitless.ops.two_heads import check_same_vocabulary, check_side, fixed_head, kept_rows, op_heads, scatter_kept
-
+from logitless.ops.two_heads import (check_same_vocabulary, check_side, fixed_head, kept_rows, op_heads,
+                                     scatter_kept, sides_on_this_rank)
 
 
 class KLSums:
@@ -58,6 +59,33 @@ class KLSums:
         self.p = OnlineSoftmax(num_rows, dtype, device, need_entropy=need_entropy[0], need_logit_sum=False)
         self.q = OnlineSoftmax(num_rows, dtype, device, need_entropy=need_entropy[1], need_logit_sum=False)
         self.gap = torch.zeros(num_rows, dtype=dtype, device=device) if need_gap else None
+
+    def state(self) -> list[torch.Tensor]:
+        """Both heads' running sums, then the gap, (n,) each: what another rank merges (`with_state`)."""
+        return [*self.p.state(), *self.q.state(), *([] if self.gap is None else [self.gap])]
+
+    def with_state(self, values: list[torch.Tensor]) -> KLSums:
+        peer = copy.copy(self)
+        split = len(self.p.state())
+        peer.p, peer.q = self.p.with_state(values[:split]), self.q.with_state(values[split:2 * split])
+        if self.gap is not None:
+            peer.gap = values[-1]
+        return peer
+
+    def merge(self, other: KLSums) -> None:
+        """Fold in ``other``: the sums of the same rows over other vocabulary entries. Each side's gap is measured
+        from its own shifts; both move to the merged ones as `kl_update_stats` moves a running gap."""
+        before = (self.p.shift, self.q.shift, self.p.total)
+        self.p.merge(other.p)
+        self.q.merge(other.q)
+        if self.gap is not None:
+            self.gap = (self._rebased(self.gap, *before)
+                        + self._rebased(other.gap, other.p.shift, other.q.shift, other.p.total))
+
+    def _rebased(self, gap, shift_p, shift_q, total_p) -> torch.Tensor:
+        """A gap measured from (shift_p, shift_q) with p's total ``total_p``, measured from this sums' shifts."""
+        factor = torch.where(total_p > 0, torch.exp(shift_p - self.p.shift), 0.0)
+        return factor * (gap + ((shift_p - self.p.shift) - (shift_q - self.q.shift)) * total_p)
 
 
 class KLStats(NamedTuple):
@@ -146,6 +174,9 @@ class KLSweep:
         """Fold in one block of both heads' logits (n, c); both are consumed."""
         self.kernels.kl_update_stats(self.sums, *logits, self.has_neg_inf, scratch=self.scratch)
 
+    def across(self, shard) -> None:
+        self.sums = merged_across(self.sums, shard)
+
     def finish(self) -> KLStats:
         return kl_stats(self.sums)
 
@@ -179,6 +210,9 @@ class KLAccumulator:
     def second_sweep(self, rows: slice, first: KLStats) -> None:
         return None
 
+    def every_rank(self, gather) -> KLAccumulator:
+        return self  # no per-row inputs: the hidden states are all
+
     def outputs(self, stats: KLStats) -> tuple[torch.Tensor]:
         return (stats.kl,)
 
@@ -189,7 +223,6 @@ class KLAccumulator:
 def _heads_kl(hidden_p: torch.Tensor, head_p: LinearHead, hidden_q: torch.Tensor, head_q: LinearHead,
               block_sizes: BlockSizes, impl: str) -> torch.Tensor:
     """KL(p || q) per token of flat hidden_p (N, H_p) and hidden_q (N, H_q) under two `LinearHead`s."""
-    check_same_vocabulary(head_p, head_q, ("p", "q"))
     fixed_q, dtype = fixed_head(head_q), stat_dtype(hidden_p.dtype)
     chosen = implementation(impl, hidden_p.device, dtype)
     if chosen.materializes:
@@ -227,5 +260,8 @@ def fused_linear_kl(hidden_p: torch.Tensor, weight_p: torch.Tensor | None = None
     sizes = BlockSizes.of(block_sizes)
     check_side("p", hidden_p, head_p)
     check_side("q", hidden_q, head_q)
+    check_same_vocabulary(head_p, head_q, ("p", "q"))
+    materialize = implementation(impl, hidden_p.device, stat_dtype(hidden_p.dtype)).materializes
+    head_p, hidden_p, head_q, hidden_q = sides_on_this_rank(head_p, hidden_p, head_q, hidden_q, materialize, ("p", "q"))
     flat_p, flat_q, kept = kept_rows(hidden_p, hidden_q, mask, ("p", "q"))
     return scatter_kept(_heads_kl(flat_p, head_p, flat_q, head_q, sizes, impl), kept, hidden_p.shape[:-1])

@@ -41,12 +41,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
 
 from logitless._checks import check_impl, switch_setting
 from logitless.ops.head import LinearHead, stat_dtype
 from logitless.ops.settings import BlockSizes
+
+if TYPE_CHECKING:
+    from logitless.ops.sharded import VocabShard
 
 BLOCK_BYTES = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}  # two passes: one block's logits
 MIN_VOCAB_BLOCK = 256  # blocks narrower than this make thin matmuls: take fewer tokens per chunk instead
@@ -82,6 +86,8 @@ def default_block_sizes(device: torch.device | str, dtype: torch.dtype, *, num_t
 class BlockPlan:
     sizes: BlockSizes  # concrete: tokens per row chunk, vocabulary entries per block
     single_pass: bool  # the one-pass driver: a chunk's logits are kept from its statistics to its gradient
+    shard: VocabShard | None = None  # the head's vocabulary is sharded over ranks: this rank's part (`sharded.py`)
+    counts: tuple[int, ...] | None = None  # data-parallel shards: every rank's number of tokens, in rank order
 
 
 def plan_blocks(num_tokens: int, head: LinearHead, device: torch.device, requested: BlockSizes = BlockSizes(),
@@ -89,16 +95,21 @@ def plan_blocks(num_tokens: int, head: LinearHead, device: torch.device, request
     """The schedule and block sizes for ``num_tokens`` tokens: ``requested`` sizes override the defaults.
 
     One pass when the loss is known at forward time, on a CPU, for an fp32 (or fp64) weight, unless
-    ``LOGITLESS_ONE_PASS`` says otherwise (see the module docstring).
+    ``LOGITLESS_ONE_PASS`` says otherwise (see the module docstring). A head that holds a shard of the vocabulary
+    (``head.shard``) takes the two passes, planned alike on every rank: for data-parallel shards over the tokens of
+    every rank, which the engine gathers.
     """
+    shard = head.shard
+    counts = tuple(shard.counts(num_tokens, device)) if shard is not None and shard.tokens_local else None
+    num_tokens = sum(counts) if counts is not None else num_tokens
     setting = switch_setting("LOGITLESS_ONE_PASS")
     by_default = device.type in SINGLE_PASS_DEVICES and head.weight.dtype == stat_dtype(head.weight.dtype)
-    single_pass = loss_known and (setting == "1" or (setting == "auto" and by_default))
+    single_pass = loss_known and shard is None and (setting == "1" or (setting == "auto" and by_default))
     defaults = default_block_sizes(device, head.weight.dtype, num_tokens=num_tokens, vocab_size=head.vocab_size,
                                    single_pass=single_pass, tokens=requested.tokens)
     sizes = requested.or_defaults(defaults)
     return BlockPlan(BlockSizes(max(1, min(sizes.tokens, num_tokens)), min(sizes.vocab, head.vocab_size)),
-                     single_pass)
+                     single_pass, shard, counts)
 
 
 @dataclass(frozen=True)

@@ -34,13 +34,15 @@ read from them). The block math is this module's or the Triton kernels', as the 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
 from typing import NamedTuple
 
 import torch
 
-from logitless.ops.engine import Scratch
+from logitless.ops.engine import Scratch, merged_across
 from logitless.ops.head import LinearHead
 
 
@@ -107,6 +109,20 @@ class OnlineSoftmax:
         if self.max_before_target is not None:
             self.max_before_target = torch.maximum(self.max_before_target, other.max_before_target)
         self.target_logit = torch.maximum(self.target_logit, other.target_logit)  # -inf where a state has none
+
+    SUMS = ("max", "shift", "total", "weighted", "logit_sum", "square_total", "max_before_target", "target_logit")
+
+    def state(self) -> list[torch.Tensor]:
+        """The running sums that are kept, (n,) each, in `SUMS` order: what another rank merges (`with_state`)."""
+        return [getattr(self, name) for name in self.SUMS if getattr(self, name) is not None]
+
+    def with_state(self, values: list[torch.Tensor]) -> OnlineSoftmax:
+        """A copy holding ``values`` (another `state` of the same sums) instead of its own."""
+        peer, kept = copy.copy(self), iter(values)
+        for name in self.SUMS:
+            if getattr(self, name) is not None:
+                setattr(peer, name, next(kept))
+        return peer
 
     def lse(self) -> torch.Tensor:
         """log sum exp(z) (n,)."""
@@ -194,7 +210,10 @@ class StatGrads(NamedTuple):
     uniform: torch.Tensor | None  # g_m / V
 
 
-def stat_grads(head: LinearHead, grad_log_probs, grad_entropy, grad_mean_log_prob, dtype) -> StatGrads:
+def stat_grads(head: LinearHead, grad_log_probs, grad_entropy, grad_mean_log_prob, dtype,
+               vocab_size: int | None = None) -> StatGrads:
+    """The closed form's coefficients from the gradients sent to log p, the entropy and the mean log p over the
+    ``vocab_size`` entries of the whole vocabulary (default: the head's, which a vocabulary shard is a part of)."""
     factor = head.logit_factor
 
     def scaled(grad, by=1.0):
@@ -203,7 +222,7 @@ def stat_grads(head: LinearHead, grad_log_probs, grad_entropy, grad_mean_log_pro
     probs_terms = [g for g in (grad_log_probs, grad_mean_log_prob) if g is not None]
     probs = sum(probs_terms[1:], probs_terms[0]) if probs_terms else None
     return StatGrads(scaled(grad_log_probs), scaled(probs), scaled(grad_entropy),
-                     scaled(grad_mean_log_prob, 1.0 / head.vocab_size))
+                     scaled(grad_mean_log_prob, 1.0 / (vocab_size or head.vocab_size)))
 
 
 def block_logits_grad(head: LinearHead, logits: torch.Tensor, start: int, targets: torch.Tensor, lse: torch.Tensor,
@@ -274,9 +293,9 @@ class SoftmaxSweep:
 
     def __init__(self, head: LinearHead, targets: torch.Tensor, kernels: ModuleType, dtype: torch.dtype,
                  has_neg_inf: bool, need_entropy: bool, need_mean_log_prob: bool, extras: tuple[str, ...],
-                 keep: str | None, scratch: Scratch):
+                 keep: str | None, scratch: Scratch, vocab_size: int):
         self.head, self.targets, self.kernels, self.has_neg_inf, self.keep = head, targets, kernels, has_neg_inf, keep
-        self.scratch = scratch
+        self.scratch, self.vocab_size = scratch, vocab_size
         self.online = OnlineSoftmax(targets.shape[0], dtype, targets.device, need_entropy,
                                     need_logit_sum=need_mean_log_prob or "mean_logits" in extras,
                                     need_square_total="log_sum_sq_probs" in extras, need_top1="is_top1" in extras)
@@ -293,8 +312,11 @@ class SoftmaxSweep:
     def merge(self, other: SoftmaxSweep) -> None:
         self.online.merge(other.online)
 
+    def across(self, shard) -> None:
+        self.online = merged_across(self.online, shard)
+
     def finish(self) -> TokenStats:
-        return self.online.result(self.head.vocab_size)
+        return self.online.result(self.vocab_size)
 
     def block_grad(self, start: int, block, stats: TokenStats, coefs: StatGrads) -> torch.Tensor:
         if isinstance(block, KeptWeights):
@@ -324,16 +346,21 @@ class SoftmaxAccumulator:
     name = "the fused log-probs"
 
     def __post_init__(self):
+        self.vocab_size = self.head.whole_vocab_size  # of which a sharded head holds a part
         self.heads = (self.head,)
         self.differentiable = (True, self.need_entropy, self.need_mean_log_prob, *(False for _ in self.extras))
         self.has_neg_inf, self.scratch = self.head.may_have_neg_inf_logits, Scratch()
 
     def sweep(self, rows: slice) -> SoftmaxSweep:
         return SoftmaxSweep(self.head, self.targets[rows], self.kernels, self.dtype, self.has_neg_inf,
-                            self.need_entropy, self.need_mean_log_prob, self.extras, self.keep, self.scratch)
+                            self.need_entropy, self.need_mean_log_prob, self.extras, self.keep, self.scratch,
+                            self.vocab_size)
 
     def second_sweep(self, rows: slice, first: TokenStats) -> None:
         return None
+
+    def every_rank(self, gather) -> SoftmaxAccumulator:
+        return dataclasses.replace(self, targets=gather(self.targets))
 
     def outputs(self, stats: TokenStats) -> tuple[torch.Tensor, ...]:
         """(log_probs, entropy, mean_log_prob, *extras); the entropy is also kept for the mean logit, but returned
@@ -345,4 +372,4 @@ class SoftmaxAccumulator:
     def row_grads(self, grad_outputs: tuple, stats: TokenStats) -> StatGrads:
         grad_log_probs, grad_entropy, grad_mean_log_prob = grad_outputs[:3]
         return stat_grads(self.head, grad_log_probs, grad_entropy if self.need_entropy else None,
-                          grad_mean_log_prob if self.need_mean_log_prob else None, stats.lse.dtype)
+                          grad_mean_log_prob if self.need_mean_log_prob else None, stats.lse.dtype, self.vocab_size)

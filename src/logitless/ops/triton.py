@@ -191,6 +191,15 @@ if triton is not None:
                 second_ptr + wide_rows * second_row_stride)
 
     @triton.jit
+    def _shifted_tiles(first_rows, second_rows, c0, cols, in_rows, num_columns, first_shift, second_shift):
+        """Both heads' tiles of the columns from ``c0`` (rows x BLOCK_VOCAB), each row less its head's shift; -inf
+        outside the block."""
+        tile = in_rows[:, None] & (c0 + cols[None, :] < num_columns)
+        first = tl.load(first_rows + c0 + cols[None, :], mask=tile, other=float("-inf")) - first_shift[:, None]
+        second = tl.load(second_rows + c0 + cols[None, :], mask=tile, other=float("-inf")) - second_shift[:, None]
+        return first, second
+
+    @triton.jit
     def _update_stats_kernel(
         logits_ptr, num_rows, num_columns, row_stride,  # the block (n, c), fp32
         targets_ptr, start,  # (n,) target ids; the block's first column
@@ -349,9 +358,7 @@ if triton is not None:
         block_weighted_q = tl.zeros((BLOCK_TOKENS, BLOCK_VOCAB), tl.float32)
         block_gap = tl.zeros((BLOCK_TOKENS, BLOCK_VOCAB), tl.float32)
         for c0 in range(0, num_columns, BLOCK_VOCAB):
-            tile = in_rows[:, None] & (c0 + cols[None, :] < num_columns)
-            shifted_p = tl.load(p_rows + c0 + cols[None, :], mask=tile, other=float("-inf")) - shift_p[:, None]
-            shifted_q = tl.load(q_rows + c0 + cols[None, :], mask=tile, other=float("-inf")) - shift_q[:, None]
+            shifted_p, shifted_q = _shifted_tiles(p_rows, q_rows, c0, cols, in_rows, num_columns, shift_p, shift_q)
             weights = tl.exp(shifted_p)  # 0 outside the tile and where p = 0
             weights_q = tl.exp(shifted_q)
             block_total_p += weights
@@ -423,9 +430,7 @@ if triton is not None:
         block_student_kl = tl.zeros((BLOCK_TOKENS, BLOCK_VOCAB), tl.float32)
         block_teacher_kl = tl.zeros((BLOCK_TOKENS, BLOCK_VOCAB), tl.float32)
         for c0 in range(0, num_columns, BLOCK_VOCAB):
-            tile = in_rows[:, None] & (c0 + cols[None, :] < num_columns)
-            log_p_s = tl.load(s_rows + c0 + cols[None, :], mask=tile, other=float("-inf")) - lse_s[:, None]
-            log_p_t = tl.load(t_rows + c0 + cols[None, :], mask=tile, other=float("-inf")) - lse_t[:, None]
+            log_p_s, log_p_t = _shifted_tiles(s_rows, t_rows, c0, cols, in_rows, num_columns, lse_s, lse_t)
             log_m = _log_mixture(log_p_s, log_p_t, log_student_weight, log_teacher_weight)
             p_s = tl.exp(log_p_s)  # 0 outside the tile and at -inf logits, where the terms are 0
             p_t = tl.exp(log_p_t)

@@ -47,6 +47,23 @@ def fixed_head(head: LinearHead) -> LinearHead:
                                bias=None if head.bias is None else head.bias.detach())
 
 
+def sides_on_this_rank(head: LinearHead, hidden: torch.Tensor, fixed: LinearHead, fixed_hidden: torch.Tensor,
+                       materialize: bool, sides: tuple[str, str]):
+    """(head, hidden, fixed head, fixed hidden) of a two-head op on this rank. Where the trained side's weight is
+    sharded on the vocabulary: its local shard and the fixed side's rows of the same vocabulary (its own shard, or
+    those rows of its whole weight), or both heads whole for the materialized oracle and where gathering moves fewer
+    bytes (`sharded.on_this_rank`). Hidden states given as DTensors become their local tensors."""
+    from logitless.ops.sharded import fixed_local_head, gathered_head, is_sharded, on_this_rank
+
+    if not is_sharded(head.weight) and not is_sharded(fixed.weight):
+        return head, hidden, fixed, fixed_hidden
+    head, hidden = on_this_rank(head, hidden, materialize=materialize, name=f"weight_{sides[0]}")
+    fixed_hidden = fixed_hidden.to_local() if is_sharded(fixed_hidden) else fixed_hidden
+    if head.shard is not None:
+        return head, hidden, fixed_local_head(fixed, head.shard), fixed_hidden
+    return head, hidden, gathered_head(fixed), fixed_hidden
+
+
 def kept_rows(hidden: torch.Tensor, other_hidden: torch.Tensor, mask, sides: tuple[str, str]):
     """Both sides' hidden states (..., H_i) with the same leading dims -> (flat (K, H), flat other (K, H_other),
     the kept positions among the N = prod(leading dims), or None without ``mask``)."""

@@ -178,6 +178,23 @@ def refuse_other_commands_data(field: str, path: str | Path, command: str, kind:
                          f"of `logitless {found}`; `logitless {command}` reads {what} ({', '.join(keys)} per line)")
 
 
+def loading_snippet(output_dir: Path) -> str:
+    """The lines of a run card (README.md in a run directory) that load a checkpoint of the run."""
+    return f"""```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{output_dir}/checkpoint-STEP")
+tokenizer = AutoTokenizer.from_pretrained("{output_dir}/checkpoint-STEP")
+```
+"""
+
+
+def curve_line(what: str, values: list[float], history: dict, plot: Path, digits: int = 4) -> str:
+    """A run's last line: "WHAT first -> last over N steps[; K steps skipped (not finite)]; plot: PLOT"."""
+    return (f"{what} {values[0]:.{digits}f} -> {values[-1]:.{digits}f} over {plural(len(values), 'step')}"
+            f"{skipped_note(history)}; plot: {plot}")
+
+
 def plural(count: int, noun: str) -> str:
     """"1 step", "2 steps"."""
     return f"{count} {noun}{'' if count == 1 else 's'}"

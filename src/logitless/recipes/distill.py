@@ -25,8 +25,8 @@ from pathlib import Path
 from logitless import interrupts
 from logitless.checkpoint import CHECKPOINT_STAGING, STEP_CHECKPOINT
 from logitless.plots import plot_curve
-from logitless.recipes.common import (NONFINITE_ADVICE, RunPlan, check_model_sources, claim_run, load_model, plural,
-                                      refuse_other_commands_data, run_recipe, skipped_note)
+from logitless.recipes.common import (NONFINITE_ADVICE, RunPlan, check_model_sources, claim_run, curve_line, load_model,
+                                      loading_snippet, refuse_other_commands_data, run_recipe)
 from logitless.recipes.distill_options import (BUILT_IN_PROMPTS, FIXED_OPTIONS, RESULT_OPTIONS, DistillConfig)
 from logitless.rundir import remove_tree, write_json_atomically, write_text_atomically
 
@@ -184,13 +184,7 @@ student `{config.model}` from the teacher `{config.teacher or f"{output_dir / TE
 - the divergence per step: history.json (`loss`), divergence.png
 - checkpoints: `checkpoint-STEP/` (each complete or absent); rerun the same `logitless distill` command to resume
 
-```python
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-model = AutoModelForCausalLM.from_pretrained("{output_dir}/checkpoint-STEP")
-tokenizer = AutoTokenizer.from_pretrained("{output_dir}/checkpoint-STEP")
-```
-""")
+""" + loading_snippet(output_dir))
     return history
 
 
@@ -198,7 +192,5 @@ def run_command(config: DistillConfig, args: argparse.Namespace) -> int:
     plan, history = run_recipe("distill", config, args, prepare_distill, train_distill)
     if history is None:
         return 0
-    divergence = history["loss"]
-    print(f"divergence to the teacher {divergence[0]:.4f} -> {divergence[-1]:.4f} over "
-          f"{plural(len(divergence), 'step')}{skipped_note(history)}; plot: {plan.run.path / 'divergence.png'}")
+    print(curve_line("divergence to the teacher", history["loss"], history, plan.run.path / "divergence.png"))
     return 0

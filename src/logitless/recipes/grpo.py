@@ -22,8 +22,9 @@ from pathlib import Path
 
 from logitless.checkpoint import CHECKPOINT_STAGING, STEP_CHECKPOINT
 from logitless.plots import plot_curves
-from logitless.recipes.common import (NONFINITE_ADVICE, RunPlan, check_model_sources, claim_run, hub_reachable,
-                                      load_model, plural, refuse_other_commands_data, run_recipe, skipped_note)
+from logitless.recipes.common import (NONFINITE_ADVICE, RunPlan, check_model_sources, claim_run, curve_line,
+                                      hub_reachable, load_model, loading_snippet, plural, refuse_other_commands_data,
+                                      run_recipe)
 from logitless.recipes.grpo_options import (FIXED_OPTIONS, RESULT_OPTIONS, SYNTHETIC_QUESTIONS,
                                             MultichoiceGRPOConfig)
 from logitless.rundir import write_json_atomically, write_text_atomically
@@ -160,13 +161,7 @@ learning rate {config.learning_rate}, {config.num_generations} completions per q
   {trend} (history.json, reward.png)
 - checkpoints: `checkpoint-STEP/` (each complete or absent); rerun the same `logitless grpo` command to resume
 
-```python
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-model = AutoModelForCausalLM.from_pretrained("{output_dir}/checkpoint-STEP")
-tokenizer = AutoTokenizer.from_pretrained("{output_dir}/checkpoint-STEP")
-```
-""")
+""" + loading_snippet(output_dir))
 
 
 def run_command(config: MultichoiceGRPOConfig, args: argparse.Namespace) -> int:
@@ -174,8 +169,7 @@ def run_command(config: MultichoiceGRPOConfig, args: argparse.Namespace) -> int:
     if history is None:
         return 0
     rewards = history["reward"]
-    print(f"reward {rewards[0]:.4f} -> {rewards[-1]:.4f} over {plural(len(rewards), 'step')}"
-          f"{skipped_note(history)}; plot: {plan.run.path / 'reward.png'}")
+    print(curve_line("reward", rewards, history, plan.run.path / "reward.png"))
     stalled = stalled_steps(history)
     if stalled > len(rewards) / 2:
         print(f"logitless grpo: warning: in {stalled} of {plural(len(rewards), 'step')}, every completion of each "

@@ -1,0 +1,220 @@
+"""A head whose weight is a DTensor sharded on the vocabulary (``Shard(0)`` over a mesh dimension: tensor parallelism,
+FSDP2's ``fully_shard``), run without ever gathering the weight.
+
+Each rank runs the block engine over its own rows of the vocabulary, and the statistics of the softmax (and of the
+KL and the JSD) combine exactly across the shards: every sweep's running sums over its columns (the max, the sums
+of exponentials, the target's logit, the entropy's and the divergences' sums) are gathered, O(tokens) numbers per
+rank, and merged in rank order (`engine.Sweep.across`), so every rank holds the statistics over the whole
+vocabulary. The weight's gradient is computed where it lives, one shard per rank; the hidden states' gradient is
+summed over the shards. Two layouts of the tokens, told by the hidden states:
+
+* tensor-parallel: the same hidden states on every rank of the vocabulary's mesh dimension (a DTensor
+  ``Replicate()`` there). Each rank sweeps its shard for those tokens; dh is all-reduced. The weight's gradient is
+  the shard of the one loss every rank computes.
+* data-parallel (FSDP2): each rank has its own tokens (a plain tensor, or a DTensor ``Shard(0)`` there). The hidden
+  states of the group are all-gathered (tokens x H, far less than V x H at any realistic length), each rank
+  computes its shard's statistics for every rank's tokens, and keeps its own tokens' results; in backward the
+  per-token gradients are gathered, each rank's dh rows are reduce-scattered back to it, and the weight's gradient,
+  already the local shard, is the mean over the ranks of their losses' gradients, as FSDP2 averages every other
+  gradient. Where gathering the head would move fewer bytes (the group's tokens outnumber the vocabulary's rows:
+  tokens x P > V), the head is gathered instead, once per call, with the gradient averaged back to the shards.
+
+On a 2-D mesh (data x tensor) the weight is sharded on one dimension and replicated on the other: the vocabulary
+shards combine over the first, and the weight's gradient is averaged over the second, whose ranks each computed it
+for their own tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from logitless.ops.head import LinearHead
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's part of a vocabulary sharded over ``group``."""
+
+    group: dist.ProcessGroup  # the ranks that hold the vocabulary's shards
+    rank: int  # this rank's index in ``group``
+    size: int  # ranks in ``group``
+    offset: int  # this rank's first vocabulary id
+    vocab_size: int  # the whole vocabulary
+    tokens_local: bool  # each rank has its own tokens (data-parallel), else the same ones (tensor-parallel)
+    replicas: dist.ProcessGroup | None = None  # a 2-D mesh's other dimension, over which the weight is replicated
+
+    def gather(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``values`` (each rank's the same shape), in rank order."""
+        shape = values.shape
+        values = values.contiguous().reshape(-1)
+        gathered = torch.empty(self.size * values.numel(), dtype=values.dtype, device=values.device)
+        _all_gather(gathered, values, self.group)
+        return list(gathered.view(self.size, *shape))
+
+    def gather_rows(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every rank's ``rows`` (counts[r], ...) concatenated in rank order."""
+        longest = max(counts)
+        padded = rows.new_zeros((longest, *rows.shape[1:]))
+        padded[:rows.shape[0]] = rows
+        return torch.cat([part[:count] for part, count in zip(self.gather(padded), counts)])
+
+    def scatter_rows(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The sum over the ranks of ``rows`` (every rank's rows, in rank order, sum(counts), ...), each rank keeping
+        its own part (counts[rank], ...)."""
+        longest = max(counts)
+        padded = rows.new_zeros((self.size, longest, *rows.shape[1:]))
+        for part, start, count in zip(padded, _starts(counts), counts):
+            part[:count] = rows[start:start + count]
+        own = rows.new_empty((longest, *rows.shape[1:]))
+        _reduce_scatter(own, padded.reshape(-1, *rows.shape[1:]), self.group)
+        return own[:counts[self.rank]]
+
+    def own_rows(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """This rank's part of every rank's rows."""
+        start = _starts(counts)[self.rank]
+        return rows[start:start + counts[self.rank]]
+
+    def counts(self, num_rows: int, device: torch.device) -> list[int]:
+        """Every rank's number of rows."""
+        return [int(count) for count in self.gather(torch.tensor([num_rows], device=device))]
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks, in rank order (every rank gets the same bits)."""
+        return torch.stack(self.gather(values)).sum(dim=0)
+
+    def input_grads(self, grads: tuple, counts: tuple[int, ...] | None, dtypes: tuple) -> tuple:
+        """The gradients of this shard's inputs (hidden, weight, bias) in ``dtypes``, from their fp32 partial ones
+        computed over this rank's vocabulary rows (for every rank's tokens where ``counts`` gives them): dh summed
+        over the shards, each rank keeping its own tokens' rows; the weight's and the bias's shards averaged over the
+        ranks whose losses they sum (data-parallel) and over the replicas of a 2-D mesh, as FSDP2 and DDP average
+        every gradient. One rounding to each dtype, after the sums."""
+        grad_hidden, grad_weight, grad_bias = grads
+        if grad_hidden is not None:
+            grad_hidden = self.scatter_rows(grad_hidden, list(counts)) if counts is not None else self.sum(grad_hidden)
+        combined = (grad_hidden, *(self._averaged(grad, counts is not None) for grad in (grad_weight, grad_bias)))
+        return tuple(None if grad is None else grad.to(dtype) for grad, dtype in zip(combined, dtypes))
+
+    def _averaged(self, grad: torch.Tensor | None, over_ranks: bool) -> torch.Tensor | None:
+        if grad is None:
+            return None
+        if self.replicas is not None:  # as DDP averages a replicated parameter's gradient
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=self.replicas)
+            grad = grad / dist.get_world_size(self.replicas)
+        return grad / self.size if over_ranks else grad
+
+
+def _all_gather(output: torch.Tensor, values: torch.Tensor, group) -> None:
+    """Every rank's ``values`` into ``output`` (their concatenation on dim 0); torch's name of the day."""
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(output, values, group=group)
+
+
+def _reduce_scatter(output: torch.Tensor, values: torch.Tensor, group) -> None:
+    """The sum over the ranks of ``values`` (the ranks' parts concatenated on dim 0), this rank's part in ``output``."""
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, values, group=group)
+
+
+def _starts(counts: list[int]) -> list[int]:
+    return [sum(counts[:index]) for index in range(len(counts))]
+
+
+def is_sharded(tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def vocab_shard(head: LinearHead, hidden: torch.Tensor, name: str = "weight") -> VocabShard | None:
+    """The shard of ``head``'s vocabulary this rank holds (None when the weight is a plain tensor); errors name
+    ``name`` (the op's argument for the weight) or ``hidden``. Checks: the weight is sharded on its rows, evenly, and
+    replicated on any other mesh dimension; the bias is sharded as it is; the hidden states, when a DTensor, live on
+    the weight's mesh."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    weight = head.weight
+    if not isinstance(weight, DTensor):
+        return None
+    if not dist.is_initialized():
+        raise ValueError(f"{name}: a DTensor needs the process group it was made in, and none is initialized "
+                         "(torch.distributed.init_process_group)")
+    mesh, placements = weight.device_mesh, weight.placements
+    vocab_dims = [dim for dim, placement in enumerate(placements) if placement == Shard(0)]
+    others = [placement for dim, placement in enumerate(placements) if dim not in vocab_dims]
+    if len(vocab_dims) != 1 or any(not isinstance(placement, Replicate) for placement in others):
+        raise ValueError(f"{name}: expected a DTensor sharded on its rows (the vocabulary, Shard(0)) over one mesh "
+                         f"dimension and replicated on any other, got placements {tuple(placements)}; a weight sharded "
+                         "on the hidden dimension would need every logit summed over the ranks")
+    vocab_dim = vocab_dims[0]
+    size = mesh.size(vocab_dim)
+    if weight.shape[0] % size:
+        raise ValueError(f"{name}: its {weight.shape[0]} vocabulary rows do not split evenly over the {size} ranks of "
+                         "its mesh dimension; pad the vocabulary to a multiple of the ranks (padded rows with a -inf "
+                         "bias are never sampled)")
+    if head.bias is not None and (not isinstance(head.bias, DTensor) or head.bias.placements != placements):
+        raise ValueError(f"bias: expected a DTensor sharded as {name} is ({tuple(placements)}), got "
+                         f"{type(head.bias).__name__}{getattr(head.bias, 'placements', '')}")
+    tokens_local = True
+    if isinstance(hidden, DTensor):
+        if hidden.device_mesh != mesh:
+            raise ValueError(f"hidden: a DTensor on another mesh ({hidden.device_mesh}) than {name}'s ({mesh})")
+        tokens_local = not isinstance(hidden.placements[vocab_dim], Replicate)
+    rank = mesh.get_local_rank(vocab_dim)
+    local = weight.shape[0] // size
+    replicas = mesh.get_group(1 - vocab_dim) if mesh.ndim == 2 else None
+    return VocabShard(mesh.get_group(vocab_dim), rank, size, rank * local, weight.shape[0], tokens_local, replicas)
+
+
+def local_head(head: LinearHead, shard: VocabShard) -> LinearHead:
+    """``head`` over this rank's rows of the vocabulary: its weight's (and bias's) local shard, through which the
+    gradient reaches the DTensor."""
+    bias = None if head.bias is None else head.bias.to_local()
+    return dataclasses.replace(head, weight=head.weight.to_local(), bias=bias, shard=shard)
+
+
+def fixed_local_head(head: LinearHead, shard: VocabShard) -> LinearHead:
+    """A fixed head (a teacher, a reference) over the vocabulary rows of ``shard``: its own shard when it is sharded
+    the same way, else those rows of its whole weight."""
+    if is_sharded(head.weight):
+        return local_head(head, shard)
+    rows = slice(shard.offset, shard.offset + shard.vocab_size // shard.size)
+    bias = None if head.bias is None else head.bias[rows]
+    return dataclasses.replace(head, weight=head.weight[rows], bias=bias, shard=shard)
+
+
+def gathered_head(head: LinearHead) -> LinearHead:
+    """``head`` with its whole weight (and bias) gathered on every rank, once; the gradient goes back to the shards
+    averaged over the ranks, as FSDP2 averages every gradient."""
+    from torch.distributed.tensor.placement_types import Partial
+
+    def whole(tensor):
+        if tensor is None or not is_sharded(tensor):
+            return tensor
+        return tensor.full_tensor(grad_placements=[Partial("avg")] * tensor.device_mesh.ndim)
+
+    return dataclasses.replace(head, weight=whole(head.weight), bias=whole(head.bias))
+
+
+def gathering_is_cheaper(shard: VocabShard, num_tokens: int, device: torch.device) -> bool:
+    """Data-parallel: whether the group's tokens outnumber the vocabulary's rows (tokens x P > V), where moving the
+    weight (V x H, and its gradient back) costs less than moving the hidden states and their gradient (tokens x H
+    each way). The same answer on every rank."""
+    return shard.tokens_local and sum(shard.counts(num_tokens, device)) > shard.vocab_size
+
+
+def on_this_rank(head: LinearHead, hidden: torch.Tensor, *, materialize: bool = False,
+                 name: str = "weight") -> tuple[LinearHead, torch.Tensor]:
+    """(the head an op runs on this rank, this rank's hidden states) for a head whose weight is sharded on the
+    vocabulary: its local shard (``head.shard`` says which), or the whole head gathered once for the materialized
+    oracle (``materialize``) and where gathering moves fewer bytes. Hidden states given as a DTensor become their
+    local tensor, through which their gradient goes back. A plain head comes back as it is."""
+    shard = vocab_shard(head, hidden, name)
+    hidden = hidden.to_local() if is_sharded(hidden) else hidden
+    if shard is None:
+        return head, hidden
+    if materialize or gathering_is_cheaper(shard, hidden.numel() // max(hidden.shape[-1], 1), hidden.device):
+        return gathered_head(head), hidden
+    return local_head(head, shard), hidden
