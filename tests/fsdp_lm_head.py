@@ -1,18 +1,24 @@
 """Run by tests/test_trl_fsdp.py under torchrun (2 CPU processes, gloo): logitless's fused LM head, installed as
-GRPOTrainerWithLogits installs it, on a model sharded with FSDP2, against the same model in one process.
+GRPOTrainerWithLogits installs it, on a model sharded with FSDP2, and on one whose head alone is split by tensor
+parallelism, against the same model in one process.
 
 Each rank scores its own batch; the single-process reference scores both batches and averages the two losses, as
 FSDP2 averages gradients. Rank 0 saves the largest gradient difference of every parameter and the largest
-difference between `completion_logits` rows and the reference model's own forward."""
+difference between `completion_logits` rows and the reference model's own forward, and the warnings logitless
+logged on rank 0 while the sharded model trained (a head FSDP2 gathered before logitless could read it)."""
 
+import contextlib
 import copy
+import logging
 import os
 import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from logitless.models import tiny_qwen2
 from logitless.trl.lm_head import add_logitless_lm_head, detached_head
@@ -41,13 +47,18 @@ def compare(tied: bool, shard_head: bool, rank: int, world: int) -> dict:
     sum(step_loss(reference, input_ids[r], labels[r], advantages[r]) for r in range(world)).div(world).backward()
     expected = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
 
+    notices = []
+    logging.getLogger("logitless.trl.lm_head").addHandler(handler := logging.Handler())
+    handler.emit = lambda record: notices.append(record.getMessage())
     model = copy.deepcopy(base)
     for layer in model.model.layers:
         fully_shard(layer)
     if shard_head:  # the head in a unit of its own: its weight is a DTensor when the fused head reads it
         fully_shard(model.lm_head)
     fully_shard(model)
-    step_loss(model, input_ids[rank], labels[rank], advantages[rank]).backward()
+    with counted_reduce_scatters() as reduce_scatters:
+        step_loss(model, input_ids[rank], labels[rank], advantages[rank]).backward()
+    logging.getLogger("logitless.trl.lm_head").removeHandler(handler)
     differences = {}
     for name, p in model.named_parameters():
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
@@ -69,15 +80,55 @@ def compare(tied: bool, shard_head: bool, rank: int, world: int) -> dict:
         own = torch.stack([reference(input_ids=ids[None], fused_lm_head=False).logits[0, 3:-1] for ids in
                            input_ids[rank]]) / TEMPERATURE
     row_error = max((views[i][:] - own[i]).abs().max().item() for i in range(len(views)))
-    return {"gradient_errors": differences, "row_error": row_error,
+    return {"gradient_errors": differences, "row_error": row_error, "notices": notices,
+            "reduce_scatters": len(reduce_scatters),
             "head_was_dtensor": shard_head and isinstance(viewer.lm_head.weight, DTensor)}
+
+
+def compare_tensor_parallel(world: int) -> dict:
+    """The head alone split on the vocabulary by ``parallelize_module`` (ColwiseParallel), the rest of the model
+    replicated, every rank the same batch: the one loss's gradients, the head's gathered from its shards."""
+    base = tiny_qwen2(seed=0, tie_word_embeddings=False)
+    add_logitless_lm_head(base, TEMPERATURE, outputs=("log_probs", "entropy"))
+    generator = torch.Generator().manual_seed(99)
+    input_ids = torch.randint(0, 151646, (2, 9), generator=generator)
+    labels = input_ids.clone()
+    labels[:, :4] = -100
+    advantages = torch.randn(2, generator=generator)
+    reference = copy.deepcopy(base)
+    step_loss(reference, input_ids, labels, advantages).backward()
+    model = parallelize_module(copy.deepcopy(base), init_device_mesh("cpu", (world,)), {"lm_head": ColwiseParallel()})
+    with counted_reduce_scatters() as reduce_scatters:  # data-parallel tokens send dh rows back to their owners
+        step_loss(model, input_ids, labels, advantages).backward()
+    differences = {}
+    for (name, p), expected in zip(model.named_parameters(), reference.parameters()):
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        differences[name] = ((grad - expected.grad).abs().max() / expected.grad.abs().max()).item()
+    return {"gradient_errors": differences, "head_was_dtensor": isinstance(model.lm_head.weight, DTensor),
+            "head_grad_is_shard": isinstance(model.lm_head.weight.grad, DTensor),
+            "reduce_scatters": len(reduce_scatters)}
+
+
+@contextlib.contextmanager
+def counted_reduce_scatters():
+    """A list that holds one entry per reduce-scatter run while the context lasts."""
+    calls, names = [], [name for name in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, name)]
+    real = {name: getattr(dist, name) for name in names}
+    for name in names:
+        setattr(dist, name, lambda *args, _real=real[name], **kwargs: calls.append(1) or _real(*args, **kwargs))
+    try:
+        yield calls
+    finally:
+        for name in names:
+            setattr(dist, name, real[name])
 
 
 def main(output_path: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {f"tied={tied},shard_head={shard}": compare(tied, shard, rank, world)
-               for tied, shard in ((False, True), (True, False))}
+               for tied, shard in ((False, True), (False, False), (True, False))}
+    results["tensor_parallel"] = compare_tensor_parallel(world)
     if rank == 0:
         torch.save(results, output_path)
     dist.barrier()

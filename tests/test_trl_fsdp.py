@@ -1,7 +1,10 @@
 """logitless's fused LM head under FSDP2 (fully_shard), 2 CPU processes with gloo, against one process.
 
 The head alone, as GRPOTrainerWithLogits installs it, on tied and untied models, with the head in an FSDP unit of
-its own or in the root's; tests/test_trl_launch.py trains the trainer itself on a model sharded this way."""
+its own or in the root's, and split on the vocabulary by tensor parallelism (``parallelize_module``, the way to
+tensor-parallelize on CPU: transformers' own ``DistributedConfig(tp_size=...)`` loads there, but its Trainer refuses
+it, accelerate's ParallelismConfig accepting only GPU launches); tests/test_trl_launch.py trains the trainers
+themselves on a model sharded with FSDP2."""
 
 import os
 import subprocess
@@ -26,6 +29,19 @@ def test_fsdp2_gradients_and_completion_rows_equal_one_process(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     results = torch.load(output)
     assert results["tied=False,shard_head=True"]["head_was_dtensor"]  # the sharded-head case did shard the head
+    # a head logitless reads as shards says nothing; a head FSDP2 gathered first says why, once, with the remedy
+    assert results["tied=False,shard_head=True"]["notices"] == []
+    [in_root] = results["tied=False,shard_head=False"]["notices"]
+    assert "FSDP2 gathered the LM head" in in_root and "fsdp_plan={'lm_head': 'free_full_weight'}" in in_root
+    [tied] = results["tied=True,shard_head=False"]["notices"]
+    assert "tied to the input embeddings" in tied
+    tensor_parallel = results.pop("tensor_parallel")
+    assert tensor_parallel["head_was_dtensor"] and tensor_parallel["head_grad_is_shard"]
+    # tensor parallelism: every rank scores the same tokens, summing dh over the shards; no rows sent to an owner,
+    # as FSDP2's sharded head, whose ranks each own their tokens, does (and FSDP2's own gradient reduction)
+    assert tensor_parallel["reduce_scatters"] == 0 and results["tied=False,shard_head=True"]["reduce_scatters"] > 0
+    worst = max(tensor_parallel["gradient_errors"].items(), key=lambda item: item[1])
+    assert worst[1] < 1e-5 and len(tensor_parallel["gradient_errors"]) > 10, worst
     for layout, result in results.items():
         worst = max(result["gradient_errors"].items(), key=lambda item: item[1])
         assert worst[1] < 1e-5, (layout, worst)

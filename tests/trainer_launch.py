@@ -1,55 +1,146 @@
-"""An SFT or DPO training script run by tests/test_trl_launch.py alone and under torchrun (DDP), on CPU.
+"""logitless's TRL trainers as a training script, run by tests/test_trl_launch.py alone and under torchrun, on CPU.
 
-``python trainer_launch.py sft|dpo MODEL_DIR OUTPUT``
+``python trainer_launch.py MODEL_DIR OUTPUT --teacher TEACHER_DIR [--trainers sft dpo ...] [--layout fsdp2|tp]``
 
-logitless's SFTTrainer or DPOTrainer trains one SGD step at learning rate 1 on a global batch of four examples,
-whatever the number of processes (each takes its share), so the weights move by exactly the gradient; the main
-process saves the weights after the step and the logged metrics.
+Each trainer trains one SGD step at learning rate 1 (distillation: 100) on a global batch of four prompts (RLOO
+and GRPO: two prompts, two completions each), whatever the number of processes (each takes its share), so the
+weights move by exactly the gradient; the main process saves, per trainer, the weights after the step (whole, from
+DTensor shards too) and the logged metrics. RLOO, GRPO and distillation generate: here their completions are drawn
+from a generator seeded by the prompt, the same whichever process receives it. ``--layout fsdp2``: the models (the
+teacher too) are loaded sharded over every process as docs/distributed.md says, ``DistributedConfig(fsdp_size=
+WORLD_SIZE, fsdp_plan={"lm_head": "free_full_weight"})``: the LM head is an FSDP unit of its own, whose forward
+logitless never calls, so it stays a DTensor sharded on the vocabulary (had FSDP2 gathered it, logitless would say
+so in the log); the shape of every DTensor gathered whole (``full_tensor``) while a trainer trains is saved.
+``--layout tp``: transformers' tensor parallelism (``DistributedConfig(tp_size=WORLD_SIZE)``), which accelerate
+refuses on CPU.
 """
 
 import argparse
 import os
+import random
+from collections import Counter
 
 import torch
+import trl
 from datasets import Dataset
-from trl import DPOConfig, SFTConfig
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
 
+import logitless.trl
 from logitless.models import qwen_tokenizer
-from logitless.trl import DPOTrainer, SFTTrainer
 
 GLOBAL_BATCH = 4
 PROMPTS = ["What is 2+2?", "Name a color.", "Say hi.", "Count to three:"]
 COMPLETIONS = [" 4", " Red, or maybe blue.", " Hi there!", " One, two, three."]
 OTHERS = [" 5", " A dog.", " Goodbye.", " Three, two, one."]
+TRAINERS = ("sft", "dpo", "kto", "rloo", "grpo", "distill")
+GATHERED: list[tuple[int, ...]] = []  # the shape of every DTensor gathered whole while a trainer trains
 
 
-def main(trainer_name: str, model_dir: str, output_path: str) -> None:
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    # the dataset is one global batch: every order is the same
-    settings = dict(output_dir=os.path.join(os.path.dirname(output_path), "trainer"), use_cpu=True, bf16=False,
-                    max_steps=1, per_device_train_batch_size=GLOBAL_BATCH // world_size, logging_steps=1,
-                    report_to="none", save_strategy="no", seed=0, optim="sgd", learning_rate=1.0, max_grad_norm=1e9)
-    if trainer_name == "sft":
-        trainer = SFTTrainer(model=model_dir, args=SFTConfig(**settings), processing_class=qwen_tokenizer(),
-                             train_dataset=Dataset.from_dict({"prompt": PROMPTS, "completion": COMPLETIONS}))
+def _count_gathers() -> None:
+    real = DTensor.full_tensor
+
+    def counted(self, *args, **kwargs):
+        GATHERED.append(tuple(self.shape))
+        return real(self, *args, **kwargs)
+
+    DTensor.full_tensor = counted
+
+
+class FixedRollouts:
+    """Mixin for the trainers that generate: completion k of a prompt drawn from a generator seeded by the prompt
+    and k, instead of sampled from the policy (the same completions in one process and in several)."""
+
+    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+        drawn = Counter()
+        completions = []
+        for ids in prompt_ids:
+            key = tuple(ids)
+            draw = random.Random(f"{key}#{drawn[key]}")
+            drawn[key] += 1
+            completions.append([draw.randrange(100, 5000) for _ in range(draw.randint(2, 6))])
+        return (completions, None) if isinstance(self, trl.GRPOTrainer) else completions  # GRPO's: and log-probs
+
+
+def length_reward(completion_ids, **kwargs):
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def load(model_dir: str, layout: str):
+    """The model directory (one process, DDP) or the model loaded sharded over every process: ``layout`` "fsdp2" or
+    "tp" (transformers' tensor parallelism, ``DistributedConfig(tp_size=WORLD_SIZE)``)."""
+    if layout == "whole":
+        return model_dir
+    from transformers.distributed import DistributedConfig
+
+    processes = int(os.environ["WORLD_SIZE"])
+    if layout == "tp":
+        sharding = DistributedConfig(tp_size=processes)
     else:
-        data = Dataset.from_dict({"prompt": PROMPTS, "chosen": COMPLETIONS, "rejected": OTHERS})
-        trainer = DPOTrainer(model=model_dir, args=DPOConfig(**settings), processing_class=qwen_tokenizer(),
-                             train_dataset=data)
-    trainer.train()
-    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-    saved = {"world_size": trainer.accelerator.num_processes, "wrapper": type(trainer.model_wrapped).__name__,
-             "log": trainer.state.log_history[0],
-             "weights": {name: p.detach().clone() for name, p in model.named_parameters()}}
-    if trainer.accelerator.is_main_process:
+        sharding = DistributedConfig(fsdp_size=processes, fsdp_plan={"lm_head": "free_full_weight"})
+    return AutoModelForCausalLM.from_pretrained(model_dir, distributed_config=sharding, dtype=torch.float32)
+
+
+def build(name: str, model_dir: str, teacher_dir: str, output_dir: str, layout: str):
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    settings = dict(output_dir=output_dir, use_cpu=True, bf16=False, max_steps=1, logging_steps=1, report_to="none",
+                    save_strategy="no", seed=0, optim="sgd", learning_rate=1.0, max_grad_norm=1e9,
+                    per_device_train_batch_size=GLOBAL_BATCH // world_size)
+    common = dict(model=load(model_dir, layout), processing_class=qwen_tokenizer())
+    if name == "sft":
+        return logitless.trl.SFTTrainer(args=trl.SFTConfig(**settings), **common, train_dataset=Dataset.from_dict(
+            {"prompt": PROMPTS, "completion": COMPLETIONS}))
+    if name == "dpo":
+        return logitless.trl.DPOTrainer(args=trl.DPOConfig(**settings), **common, train_dataset=Dataset.from_dict(
+            {"prompt": PROMPTS, "chosen": COMPLETIONS, "rejected": OTHERS}))
+    if name == "kto":
+        return logitless.trl.KTOTrainer(args=trl.KTOConfig(**settings), **common, train_dataset=Dataset.from_dict(
+            {"prompt": PROMPTS, "completion": COMPLETIONS, "label": [True, False, True, False]}))
+    if name == "distill":
+        trainer = type("Distillation", (FixedRollouts, logitless.trl.DistillationTrainer), {})
+        settings["learning_rate"] = 100.0  # a divergence between two random models has a small gradient
+        return trainer(args=trl.DistillationConfig(**settings, max_completion_length=6), **common,
+                       teacher_model=load(teacher_dir, layout), train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+    prompts = Dataset.from_dict({"prompt": PROMPTS[:2]})
+    generating = dict(**settings, num_generations=2, max_completion_length=6, disable_dropout=True)
+    if name == "rloo":
+        trainer = type("RLOO", (FixedRollouts, logitless.trl.RLOOTrainer), {})
+        return trainer(args=trl.RLOOConfig(**generating), **common, reward_funcs=length_reward, train_dataset=prompts)
+    trainer = type("GRPO", (FixedRollouts, logitless.trl.GRPOTrainer), {})
+    return trainer(args=trl.GRPOConfig(**generating, loss_type="grpo"), **common, reward_funcs=length_reward,
+                   train_dataset=prompts)
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+def main(model_dir: str, teacher_dir: str, output_path: str, trainers: list[str], layout: str) -> None:
+    _count_gathers()
+    saved = {}
+    for name in trainers:
+        trainer = build(name, model_dir, teacher_dir, os.path.join(os.path.dirname(output_path), name), layout)
+        GATHERED.clear()
+        trainer.train()
+        gathered = list(GATHERED)
+        model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+        saved[name] = {"world_size": trainer.accelerator.num_processes,
+                       "wrapper": type(trainer.model_wrapped).__name__, "log": trainer.state.log_history[0],
+                       "head_is_dtensor": isinstance(model.get_output_embeddings().weight, DTensor),
+                       "gathered": gathered,
+                       "weights": {name: whole(p) for name, p in model.named_parameters()}}
+        trainer.accelerator.wait_for_everyone()
+    if int(os.environ.get("RANK", 0)) == 0:
         torch.save(saved, output_path)
-    trainer.accelerator.wait_for_everyone()
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("trainer", choices=("sft", "dpo"))
     parser.add_argument("model_dir")
     parser.add_argument("output")
+    parser.add_argument("--teacher", dest="teacher_dir", required=True)
+    parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=list(TRAINERS))
+    parser.add_argument("--layout", choices=("whole", "fsdp2", "tp"), default="whole")
     options = parser.parse_args()
-    main(options.trainer, options.model_dir, options.output)
+    main(options.model_dir, options.teacher_dir, options.output, options.trainers, options.layout)
+    os._exit(0)  # gloo can abort at interpreter exit after a clean run

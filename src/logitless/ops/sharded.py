@@ -16,8 +16,9 @@ summed over the shards. Two layouts of the tokens, told by the hidden states:
   computes its shard's statistics for every rank's tokens, and keeps its own tokens' results; in backward the
   per-token gradients are gathered, each rank's dh rows are reduce-scattered back to it, and the weight's gradient,
   already the local shard, is the mean over the ranks of their losses' gradients, as FSDP2 averages every other
-  gradient. Where gathering the head would move fewer bytes (the group's tokens outnumber the vocabulary's rows:
-  tokens x P > V), the head is gathered instead, once per call, with the gradient averaged back to the shards.
+  gradient. Where gathering the head would move fewer bytes (`moved_bytes`: in fp32, where the group's tokens
+  outnumber the vocabulary's rows, tokens x P > V), the head is gathered instead, once per call, with the gradient
+  averaged back to the shards.
 
 On a 2-D mesh (data x tensor) the weight is sharded on one dimension and replicated on the other: the vocabulary
 shards combine over the first, and the weight's gradient is averaged over the second, whose ranks each computed it
@@ -198,11 +199,31 @@ def gathered_head(head: LinearHead) -> LinearHead:
     return dataclasses.replace(head, weight=whole(head.weight), bias=whole(head.bias))
 
 
-def gathering_is_cheaper(shard: VocabShard, num_tokens: int, device: torch.device) -> bool:
-    """Data-parallel: whether the group's tokens outnumber the vocabulary's rows (tokens x P > V), where moving the
-    weight (V x H, and its gradient back) costs less than moving the hidden states and their gradient (tokens x H
-    each way). The same answer on every rank."""
-    return shard.tokens_local and sum(shard.counts(num_tokens, device)) > shard.vocab_size
+def moved_bytes(tokens: int, hidden_size: int, vocab_size: int, hidden_bytes: int, weight_bytes: int) -> dict[str, int]:
+    """What the two ways of a data-parallel step move, in bytes of the whole tensors of their large collectives
+    (``tokens``: the group's; the others move O(tokens) numbers; on a ring each rank sends (P - 1) / P of each):
+
+    * ``gather``: the weight all-gathered and its gradient reduce-scattered, 2 V H in the weight's dtype;
+    * ``vocab_parallel``: the hidden states all-gathered in their dtype and their gradient, fp32 partial sums over
+      each rank's rows, reduce-scattered: tokens H (hidden_bytes + 4).
+
+    The same numbers are what each way holds at once beyond the local shard: the whole weight and its gradient, or
+    every rank's hidden states and their gradient."""
+    return {"gather": 2 * vocab_size * hidden_size * weight_bytes,
+            "vocab_parallel": tokens * hidden_size * (hidden_bytes + 4)}
+
+
+def gathering_is_cheaper(shard: VocabShard, hidden: torch.Tensor, weight_dtype: torch.dtype) -> bool:
+    """Data-parallel: whether gathering the weight moves fewer bytes than moving the group's hidden states
+    (`moved_bytes`: in fp32, where the group's tokens outnumber the vocabulary's rows, tokens x P > V; in bf16,
+    beyond 2V/3). The same answer on every rank."""
+    if not shard.tokens_local:
+        return False
+    hidden_size = hidden.shape[-1]
+    tokens = sum(shard.counts(hidden.numel() // max(hidden_size, 1), hidden.device))
+    moved = moved_bytes(tokens, hidden_size, shard.vocab_size, hidden.element_size(),
+                        torch.empty((), dtype=weight_dtype).element_size())
+    return moved["gather"] < moved["vocab_parallel"]
 
 
 def on_this_rank(head: LinearHead, hidden: torch.Tensor, *, materialize: bool = False,
@@ -215,6 +236,6 @@ def on_this_rank(head: LinearHead, hidden: torch.Tensor, *, materialize: bool = 
     hidden = hidden.to_local() if is_sharded(hidden) else hidden
     if shard is None:
         return head, hidden
-    if materialize or gathering_is_cheaper(shard, hidden.numel() // max(hidden.shape[-1], 1), hidden.device):
+    if materialize or gathering_is_cheaper(shard, hidden, head.weight.dtype):
         return gathered_head(head), hidden
     return local_head(head, shard), hidden

@@ -4,9 +4,9 @@ TRL 1.16's DistillationTrainer computes its generalized JSD (``beta`` 0: forward
 1: reverse KL(student || teacher), otherwise the JSD with the mixture ``(1 - beta) p_student + beta
 p_teacher``; ``temperature``) from the student's and the teacher's final hidden states and heads, through
 one function, ``_chunked_divergence_loss``. `divergence_loss` has its signature and answers it with
-`logitless.ops.fused_linear_jsd` of the two heads: exact over the full vocabulary,
-no ``(B, T, V)`` tensor of either model,
-no gradient for the teacher, whose hidden size may differ from the student's.
+`logitless.ops.fused_linear_jsd` of the two heads: exact over the full vocabulary, no ``(B, T, V)`` tensor of
+either model, no gradient for the teacher, whose hidden size may differ from the student's. A head sharded on the
+vocabulary (FSDP2) is read shard by shard, never gathered.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from unittest import mock
 
 import torch
 import trl.trainer.distillation_trainer as trl_distillation
-from torch.distributed.tensor import DTensor
 from trl import DistillationTrainer as TRLDistillationTrainer
 
 from logitless.ops.head import LinearHead
@@ -27,12 +26,10 @@ from logitless.trl.resume import ExactResume
 from logitless.trl.seam import announce_start
 
 
-def _whole(tensor: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
-    """An FSDP2 shard gathered into a plain tensor (once per call, as TRL does), in ``dtype`` when given."""
-    if isinstance(tensor, DTensor):
-        tensor = tensor.full_tensor()
-        return tensor if dtype is None else tensor.to(dtype)
-    return tensor
+def _as(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A head's weight in the hidden states' ``dtype`` (a teacher's fp32 master copy under mixed precision); a DTensor
+    sharded on the vocabulary stays sharded: the fused JSD reads each rank's rows (`logitless.ops.sharded`)."""
+    return None if tensor is None else tensor.to(dtype)
 
 
 def divergence_loss(student_hidden_states: torch.Tensor, teacher_hidden_states: torch.Tensor,
@@ -47,9 +44,9 @@ def divergence_loss(student_hidden_states: torch.Tensor, teacher_hidden_states: 
     heads, and ``completion_mask`` (B, K) -> (loss, the sum of the student's per-token entropy, the count of valid
     positions). The loss is the divergence summed over the valid positions and divided by ``num_items_in_batch``
     (their count when None)."""
-    student_weight = _whole(student_lm_head_weight, student_hidden_states.dtype)
-    teacher_weight = _whole(teacher_lm_head_weight, teacher_hidden_states.dtype)
-    student_bias, teacher_bias = _whole(student_lm_head_bias), _whole(teacher_lm_head_bias)
+    student_weight = _as(student_lm_head_weight, student_hidden_states.dtype)
+    teacher_weight = _as(teacher_lm_head_weight, teacher_hidden_states.dtype)
+    student_bias, teacher_bias = student_lm_head_bias, teacher_lm_head_bias
     valid = completion_mask.reshape(-1) != 0
     student_rows = student_hidden_states.reshape(-1, student_hidden_states.shape[-1])[valid]  # (N, H_s)
     teacher_rows = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1])[valid]  # (N, H_t)

@@ -8,31 +8,37 @@ fused log-probs and differentiable entropy: the body's final hidden states and t
 logit scale, soft cap, bias, via `LinearHead`) go to `linear_token_stats`, so no ``(B, T, V)`` logits
 or logits gradient exist, and the ``lm_head`` module itself is never called.
 
-Sharded heads: an FSDP2 head whose weight is still a DTensor is gathered once per call with an
-averaged gradient placement (so each rank's gradient shard is the mean over ranks, as FSDP2 reduces
-every other gradient); a DeepSpeed ZeRO-3 head is gathered by TRL's own context before the head is
-read (a partitioned weight holds no rows outside it), and again in backward, where the weight is read
-a second time.
+Sharded heads: an FSDP2 or tensor-parallel head whose weight is a DTensor sharded on the vocabulary
+goes to the fused ops as it is, and each rank scores with its own rows of the vocabulary, the head
+never gathered (`logitless.ops.sharded`: each rank's gradient shard is the mean over the ranks, as FSDP2
+reduces every other gradient). The completion logits that reward functions read need whole rows, so
+for them the head is gathered once per reward batch. A DeepSpeed ZeRO-3 head is gathered by TRL's own
+context before the head is read (a partitioned weight holds no rows outside it), and again in backward,
+where the weight is read a second time.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import types
 from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Replicate
 from transformers.integrations import is_deepspeed_zero3_enabled
 from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
 
 from logitless.hf import lm_head_of, model_body
 from logitless.ops.fused import linear_token_stats
 from logitless.ops.head import LinearHead
+from logitless.trl.notices import head_gathered_by_fsdp
 
+logger = logging.getLogger(__name__)
 _INSTALLED = "_logitless_lm_head"  # set on a model whose forward `add_logitless_lm_head` replaced
+_GATHER_NOTED = "_logitless_gathered_head_noted"  # set on a model once `head_gathered_by_fsdp` was asked
 # the per-token fields of FusedCausalLMOutput, all computed here: log_probs always, the others when a trainer asks
 # (entropy, differentiable; the rest without gradient, from the same pass over the blocks)
 COMPUTED_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -77,7 +83,7 @@ def add_logitless_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32:
             label_mask = labels != -100
             if on_hidden is not None:
                 on_hidden(hidden.detach(), label_mask)
-            fields = token_fields(head, hidden, labels, label_mask, outputs)
+            fields = token_fields(head, hidden, labels, label_mask, outputs, tensor_parallel(self, head))
         log_probs = fields["log_probs"]
         loss = -log_probs.sum() / (label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
         aux_loss = None
@@ -107,38 +113,56 @@ def zero3_gathered(*tensors: torch.Tensor | None):
     return maybe_gather_lm_head_ctx(*(t for t in tensors if hasattr(t, "ds_status")))
 
 
+def _say_once_if_gathered(model, weight: torch.Tensor) -> None:
+    """On the main process, once per model: a warning when FSDP2 gathered the head before logitless could read its
+    shards."""
+    if getattr(model, _GATHER_NOTED, False):
+        return
+    setattr(model, _GATHER_NOTED, True)
+    note = head_gathered_by_fsdp(model, weight)
+    if note is not None and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        logger.warning(note)
+
+
 def scoring_head(model, temperature: float, in_fp32: bool = False) -> LinearHead:
     """The head the fused ops score with: the active copy of a PEFT ``modules_to_save`` head (the original one
-    while adapters are disabled), an FSDP2 DTensor weight gathered with an averaged gradient, fp32 on request.
-    Under ZeRO-3, call it inside `gathered_output_embedding`."""
+    while adapters are disabled), a DTensor weight (FSDP2, tensor parallelism) as it is, which the ops run
+    sharded, fp32 on request. Under ZeRO-3, call it inside `gathered_output_embedding`."""
     head = lm_head_of(model, temperature)
-    weight, bias = head.weight, head.bias
-    if isinstance(weight, DTensor):
-        weight = weight.full_tensor(grad_placements=[Partial("avg")] * weight.device_mesh.ndim)
-        bias = None if bias is None else bias.full_tensor(grad_placements=[Partial("avg")] * bias.device_mesh.ndim)
-    if in_fp32:
-        weight, bias = weight.float(), None if bias is None else bias.float()
-    if weight is head.weight and bias is head.bias:
+    _say_once_if_gathered(model, head.weight)
+    if not in_fp32:
         return head
-    return dataclasses.replace(head, weight=weight, bias=bias)
+    return dataclasses.replace(head, weight=head.weight.float(), bias=None if head.bias is None else head.bias.float())
 
 
 def detached_head(model, temperature: float, in_fp32: bool = False) -> LinearHead:
-    """`scoring_head` without autograd, readable after this call returns (for a batch of reward functions): a
-    sharded head is gathered once, a ZeRO-3 one copied out of TRL's gather context."""
+    """`scoring_head` without autograd, readable after this call returns and with whole rows (for a batch of reward
+    functions): a sharded head is gathered once, a ZeRO-3 one copied out of TRL's gather context."""
     with torch.no_grad(), gathered_output_embedding(model):
         head = scoring_head(model, temperature, in_fp32)
         weight, bias = head.weight, head.bias
+        if isinstance(weight, DTensor):
+            weight, bias = weight.full_tensor(), None if bias is None else bias.full_tensor()
         if is_deepspeed_zero3_enabled():  # the gathered rows are released when the context exits
             weight, bias = weight.clone(), None if bias is None else bias.clone()
         return dataclasses.replace(head, weight=weight.detach(), bias=None if bias is None else bias.detach())
 
 
+def tensor_parallel(model, head: LinearHead) -> bool:
+    """Whether ``head`` is sharded by tensor parallelism (a DTensor weight in a model no FSDP2 unit holds): every rank
+    of its mesh then has the same tokens."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(head.weight, DTensor) and not any(isinstance(module, FSDPModule) for module in model.modules())
+
+
 def token_fields(head: LinearHead, hidden: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor,
-                 outputs: tuple[str, ...]) -> dict[str, torch.Tensor | None]:
+                 outputs: tuple[str, ...], tokens_replicated: bool = False) -> dict[str, torch.Tensor | None]:
     """hidden (B, T, H), labels and label_mask (B, T) -> each field of `COMPUTED_OUTPUTS`, (B, T) for those in
     ``outputs`` (and log_probs always), None for the others; 0 (False) where the label is masked. Only the
-    unmasked positions reach the matmuls. log_probs and entropy are differentiable.
+    unmasked positions reach the matmuls. log_probs and entropy are differentiable. ``tokens_replicated``: the head
+    is a DTensor and every rank of its mesh has these same tokens (tensor parallelism), so each scores its shard
+    of the vocabulary for them alone, rather than for every rank's tokens.
 
     Under ZeRO-3 the caller holds the head's parameters gathered (`gathered_output_embedding`); backward, which
     reads them once more, gathers them again.
@@ -146,6 +170,9 @@ def token_fields(head: LinearHead, hidden: torch.Tensor, labels: torch.Tensor, l
     flat_mask = label_mask.reshape(-1)
     kept_hidden = hidden.reshape(-1, hidden.shape[-1])[flat_mask]  # (K, H): only the scored positions
     kept_labels = labels.reshape(-1)[flat_mask]
+    if tokens_replicated:
+        mesh = head.weight.device_mesh
+        kept_hidden = DTensor.from_local(kept_hidden, mesh, [Replicate()] * mesh.ndim, run_check=False)
     extras = tuple(name for name in COMPUTED_OUTPUTS[2:] if name in outputs)
     log_probs, entropy, _, *asked = linear_token_stats(kept_hidden, targets=kept_labels, head=head,
                                                        need_entropy="entropy" in outputs, extras=extras)

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from logitless.ops.head import stat_dtype
 from logitless.ops.plan import implementation
 
+DISTRIBUTED_DOCS = "docs/distributed.md"
 SHARD_ON_CPU = ("load the model sharded instead: AutoModelForCausalLM.from_pretrained(..., "
                 "distributed_config=DistributedConfig(fsdp_size=WORLD_SIZE)) (docs/trl.md, Distributed)")
 
@@ -24,6 +25,20 @@ SHARD_ON_CPU = ("load the model sharded instead: AutoModelForCausalLM.from_pretr
 def is_sharded_fsdp2(model) -> bool:
     """Whether ``model``'s parameters are FSDP2 shards (DTensors), as after ``fully_shard`` or a sharded load."""
     return any(isinstance(parameter, DTensor) for parameter in model.parameters())
+
+
+def head_gathered_by_fsdp(model, weight) -> str | None:
+    """Why FSDP2 gathered ``model``'s LM head ``weight`` before logitless read it (None when it arrives sharded or the
+    model is not FSDP2-sharded): the head runs in the same FSDP unit as another module, or it is the input
+    embedding."""
+    if isinstance(weight, DTensor) or not is_sharded_fsdp2(model):
+        return None
+    if model.config.get_text_config().tie_word_embeddings:
+        return ("logitless: the LM head is tied to the input embeddings, which FSDP2 gathers for the input lookup; "
+                "logitless scores with that gathered copy (untie the embeddings to keep the head sharded)")
+    return ("logitless: FSDP2 gathered the LM head before logitless read it (its FSDP unit holds another module, "
+            "transformers' default groups it with the final norm): load with DistributedConfig(fsdp_size=..., "
+            f"fsdp_plan={{'lm_head': 'free_full_weight'}}) to keep it sharded, never gathered ({DISTRIBUTED_DOCS})")
 
 
 def policy_layout(model, accelerator) -> str:
