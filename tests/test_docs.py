@@ -16,7 +16,8 @@ BLOCKS = [(page, i, code) for page in PAGES
 
 
 JAX_LOOP = next(block for block in BLOCKS if block[0].name == "jax.md" and "nnx.Optimizer" in block[2])
-IN_PROCESS = [block for block in BLOCKS if block is not JAX_LOOP]
+SHARDED = next(block for block in BLOCKS if block[0].name == "distributed.md")  # a torchrun script
+IN_PROCESS = [block for block in BLOCKS if block is not JAX_LOOP and block is not SHARDED]
 
 
 @pytest.mark.parametrize("page, index, code", IN_PROCESS, ids=[f"{p.name}#{i}" for p, i, _ in IN_PROCESS])
@@ -40,6 +41,19 @@ def test_the_docs_jax_training_loop_holds_on_any_thread_and_device_count(xla_fla
                           env=os.environ | {"XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"})
     assert done.returncode == 0, f"{page.name}[{index}] with XLA_FLAGS={xla_flags}:\n{done.stderr[-3000:]}"
     assert "mean reward per rollout" in done.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("processes", [2, 4])
+def test_the_docs_sharded_head_script_runs_under_torchrun(processes, tmp_path):
+    """docs/distributed.md's script, launched as it says: each rank's loss and gradients equal the whole weight's."""
+    page, index, code = SHARDED
+    script = tmp_path / "script.py"
+    script.write_text(code)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                           str(processes), str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, f"{page.name}[{index}] on {processes} processes:\n{done.stderr[-3000:]}"
 
 
 def test_every_usage_page_has_an_example():
