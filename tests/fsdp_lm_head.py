@@ -20,6 +20,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
+from logitless.logprobs import get_response_log_probs
 from logitless.models import tiny_qwen2
 from logitless.trl.lm_head import add_logitless_lm_head, detached_head
 from logitless.trl.rewards import completion_views
@@ -59,6 +60,16 @@ def compare(tied: bool, shard_head: bool, rank: int, world: int) -> dict:
     with counted_reduce_scatters() as reduce_scatters:
         step_loss(model, input_ids[rank], labels[rank], advantages[rank]).backward()
     logging.getLogger("logitless.trl.lm_head").removeHandler(handler)
+    # get_response_log_probs on the sharded model: the same per-token log-probs and entropy as one process
+    with torch.no_grad():
+        mine = get_response_log_probs(model, input_ids[rank], labels[rank], return_token_entropy=True)
+        whole = get_response_log_probs(reference, input_ids[rank], labels[rank], return_token_entropy=True)
+    response_error = max((mine[key] - whole[key]).abs().max().item() for key in whole)
+    try:  # with gradients, FSDP2's hooks would not reduce them: refused
+        get_response_log_probs(model, input_ids[rank], labels[rank])
+        refusal = None
+    except NotImplementedError as error:
+        refusal = str(error)
     differences = {}
     for name, p in model.named_parameters():
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
@@ -81,6 +92,7 @@ def compare(tied: bool, shard_head: bool, rank: int, world: int) -> dict:
                            input_ids[rank]]) / TEMPERATURE
     row_error = max((views[i][:] - own[i]).abs().max().item() for i in range(len(views)))
     return {"gradient_errors": differences, "row_error": row_error, "notices": notices,
+            "response_error": response_error, "refusal_with_grad": refusal,
             "reduce_scatters": len(reduce_scatters),
             "head_was_dtensor": shard_head and isinstance(viewer.lm_head.weight, DTensor)}
 

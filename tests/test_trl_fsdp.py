@@ -47,4 +47,6 @@ def test_fsdp2_gradients_and_completion_rows_equal_one_process(tmp_path):
         assert worst[1] < 1e-5, (layout, worst)
         assert "lm_head.weight" in result["gradient_errors"] or "model.embed_tokens.weight" in result["gradient_errors"]
         assert result["row_error"] < 1e-4, layout
+        assert result["response_error"] < 1e-4, layout  # get_response_log_probs of the sharded model
+        assert result["refusal_with_grad"].startswith("model: an FSDP2 model's log-probs with gradients"), layout
 

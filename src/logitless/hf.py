@@ -6,6 +6,8 @@ hidden states the head would read, and hand them with the head to the fused ops.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from logitless.ops.head import LinearHead
@@ -61,6 +63,22 @@ def position_ids_for(attention_mask: torch.Tensor | None) -> torch.Tensor | None
 
 
 def final_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, T) -> (B, T, H): the hidden states the LM head would read, without computing logits."""
-    return model_body(model)(input_ids=input_ids, attention_mask=attention_mask,
-                             position_ids=position_ids_for(attention_mask), use_cache=False).last_hidden_state
+    """(B, T) -> (B, T, H): the hidden states the LM head would read, without computing logits.
+
+    An FSDP2 model's own parameters (those in no unit of their own, such as the input embedding) are gathered for
+    the call and sharded again after it, without autograd: its forward hooks, which would reduce their gradient,
+    do not run when the body is called alone."""
+    from torch.distributed.fsdp import FSDPModule
+
+    run_body = functools.partial(model_body(model), input_ids=input_ids, attention_mask=attention_mask,
+                                 position_ids=position_ids_for(attention_mask), use_cache=False)
+    if not isinstance(model, FSDPModule):
+        return run_body().last_hidden_state
+    if torch.is_grad_enabled():
+        raise NotImplementedError("model: an FSDP2 model's log-probs with gradients come from its own forward; use "
+                                  "logitless.trl's trainers, or call this under torch.no_grad()")
+    model.unshard()
+    try:
+        return run_body().last_hidden_state
+    finally:
+        model.reshard()
