@@ -36,6 +36,7 @@ def lmhead_in_process(monkeypatch):
                         lmhead_steps.run_worker(implementation, shape, repeats, grads_path, profile))
 
 
+@pytest.mark.slow
 def test_bench_lmhead_kl(tmp_path, capsys, lmhead_in_process):
     out_json = tmp_path / "kl.json"
     assert main(["bench", "lmhead", "--loss", "kl", "-B", "2", "-T", "16", "-H", "8", "-V", "1009", "--repeats", "1",
@@ -90,6 +91,7 @@ def test_bench_lmhead_reports_a_failing_peer_and_measures_the_others(tmp_path, c
         main(argv)
 
 
+@pytest.mark.slow
 def test_bench_lmhead_block_curve_with_a_busy_process_beside_it(tmp_path, capsys, lmhead_in_process):
     """--block-tokens with several values: logitless once per value, each row with the chunk it ran and the logits
     it held; --busy: every implementation measured with busy processes beside it."""

@@ -35,6 +35,7 @@ def demo_run(tmp_path_factory):
     return status, (directory / "summary.md").read_text(), directory
 
 
+@pytest.mark.slow
 def test_the_demo_learns_from_the_reward_and_says_so(demo_run):
     """The warm-up loss falls, the GRPO reward and P(correct | model) rise over the run, held-out accuracy rises, and
     GRADE's reward rises; each phase leaves its plot. The demo's own smaller variants were chaotic (one rounding

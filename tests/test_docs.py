@@ -30,6 +30,7 @@ def test_doc_example_runs(page, index, code, tmp_path, monkeypatch):
                                        "--xla_force_host_platform_device_count=2",
                                        "--xla_force_host_platform_device_count=4"],
                          ids=["one-thread", "two-devices", "four-devices"])
+@pytest.mark.slow
 def test_the_docs_jax_training_loop_holds_on_any_thread_and_device_count(xla_flags, tmp_path):
     """docs/jax.md's Flax NNX loop compares two implementations after 16 optimizer steps; with a fixed 1e-5 its check
     failed on a machine whose threads summed in another order. It runs as written in a fresh process (XLA reads its

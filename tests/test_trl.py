@@ -77,6 +77,7 @@ def test_one_step_equals_stock_trl(model_dir, tokenizer, tmp_path, loss_type, be
     _assert_one_step_equals_stock_trl(model_dir, tokenizer, tmp_path, dict(loss_type=loss_type, beta=beta))
 
 
+@pytest.mark.slow
 def test_softcapped_model_equals_stock_trl(softcapped_model_dir, tokenizer, tmp_path):
     _assert_one_step_equals_stock_trl(softcapped_model_dir, tokenizer, tmp_path, dict(loss_type="dapo", beta=0.04))
 
@@ -157,6 +158,7 @@ SETUPS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setup", SETUPS)
 def test_every_loss_option_runs_fused_and_equals_stock_trl(model_dir, tokenizer, tmp_path, setup):
     options, trainer_kwargs, edit_inputs, edit_trainer, undo = SETUPS[setup]

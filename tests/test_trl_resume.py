@@ -37,6 +37,7 @@ def _train(output_dir, tokenizer, prompts, max_steps, resume=None, **options):
     return torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["epoch_boundary", "buffered_generations"])
 def test_a_resumed_grpo_run_equals_the_uninterrupted_one(tmp_path, tokenizer, case):
     # epoch_boundary: 4 prompts, 2 per step: steps 3-4 are the second epoch; stopped after step 2.

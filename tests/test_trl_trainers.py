@@ -181,6 +181,7 @@ def _pair(name, model_dir, other_model_dir, tokenizer, tmp_path, **options):
     return (*trainers, _batch(trainers[0], name))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_one_step_equals_stock_trl_on_logitless_head(name, model_dir, other_model_dir, tokenizer, tmp_path):
     build, _, our_class, options, changed = CASES[name]
@@ -221,6 +222,7 @@ def test_rloo_rewards_read_completion_logits_from_the_old_log_prob_pass(model_di
     assert passes == [0.0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setup", ["lora", "bf16"])
 @pytest.mark.parametrize("name", ["sft", "dpo", "kto", "rloo", "distill"])
 def test_lora_and_bf16_steps_equal_stock_trl(name, setup, model_dir, other_model_dir, tokenizer, tmp_path):

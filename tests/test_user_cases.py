@@ -58,6 +58,7 @@ def test_a_run_never_writes_into_a_directory_it_did_not_claim(tmp_path, command,
     assert all((out / name).read_text() == "the user's" for name in mine)
 
 
+@pytest.mark.slow
 def test_a_crash_anywhere_in_an_sft_save_leaves_a_checkpoint(tmp_path, monkeypatch, tokenizer):
     """A crash between the two renames of an SFT checkpoint must leave one: every file-system step of a save
     (keeping one checkpoint) is interrupted in turn, and the previous or the new checkpoint is there, and the next
@@ -118,6 +119,7 @@ def _checkpoint_learning_rate(out: Path) -> float:
     return json.loads((checkpoint / "trainer_state.json").read_text())["optimizer_param_groups"][0]["lr"]
 
 
+@pytest.mark.slow
 def test_sft_resume_refuses_changed_options_unless_allowed(tmp_path, tokenizer):
     """Resuming with a new learning rate ignored it; a new --model was ignored."""
     out = tmp_path / "run"
@@ -139,6 +141,7 @@ def _logged_learning_rates(out: Path, step: int) -> list[float]:
     return [entry["learning_rate"] for entry in state["log_history"] if "learning_rate" in entry]
 
 
+@pytest.mark.slow
 def test_grpo_resumes_past_a_partial_checkpoint_refuses_changed_options_and_keeps_its_learning_rate(
         tmp_path, capsys):
     """A SIGKILL during a GRPO save left a partial checkpoint-N, and every rerun crashed on its trainer_state.json.
@@ -158,6 +161,7 @@ def test_grpo_resumes_past_a_partial_checkpoint_refuses_changed_options_and_keep
     assert _logged_learning_rates(out, 3) == [5e-5, 5e-5, 1e-4]
 
 
+@pytest.mark.slow
 def test_a_nonfinite_loss_stops_sft_before_anything_is_saved(tmp_path, capsys):
     """`logitless sft --learning-rate inf` trained to NaN, checkpointed NaN weights and exited 0."""
     with pytest.raises(SystemExit, match="--learning-rate: expected a finite number > 0, got inf"):

@@ -24,6 +24,7 @@ def test_pairs_answer_with_the_ordinal_and_the_letter_of_the_right_option():
         multichoice_sft_pairs(records, letters="XYZ")
 
 
+@pytest.mark.slow
 def test_warm_start_learns_the_format_and_saves_a_model_every_command_loads(tmp_path):
     history, directory = warm_start_policy(tmp_path / "policy", steps=6, cooldown_steps=2, progress=False,
                                            data_file=tmp_path / "pairs.jsonl")
