@@ -3,10 +3,7 @@ import signal
 import sys
 
 import pytest
-import torch
 from hypothesis import HealthCheck, settings
-
-from logitless.models import qwen_tokenizer, save_model_and_tokenizer, tiny_qwen2
 
 # the fuzz tests' examples: "ci" (the default, `make test`) keeps every case; "fast" (`make test-fast`) a tenth
 settings.register_profile("ci", max_examples=500, deadline=None, derandomize=True,
@@ -14,27 +11,33 @@ settings.register_profile("ci", max_examples=500, deadline=None, derandomize=Tru
 settings.register_profile("fast", settings.get_profile("ci"), max_examples=50)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-SESSION_FIXTURES = ("warm_policy",)  # a module using one runs in the worker of the others that do (pytest -n)
+# The files that take longest (`--durations`, docs/BENCHMARKS.md), run first: under pytest-xdist (`make test`: ``-n 2
+# --dist loadfile``, each file's tests in one worker so that its module fixtures are made once) a long file begun
+# last would keep one worker busy after the other has finished.
+LONGEST_FIRST = ("test_demo.py", "test_sigkill.py", "test_trl_launch.py", "test_bench.py", "test_trl.py",
+                 "test_distill_recipe.py", "test_cli_runs.py", "test_trl_trainers.py", "test_grade_recipe.py",
+                 "test_sharded.py", "test_triton.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``-n``, ``--dist loadgroup``): a test file's tests in one worker, so that its module
-    fixtures are made once; the files that use a session fixture of `SESSION_FIXTURES` in one worker too."""
-    modules = {}
-    for item in items:
-        modules.setdefault(item.module.__name__, set()).update(item.fixturenames)
-    for item in items:
-        shared = [name for name in SESSION_FIXTURES if name in modules[item.module.__name__]]
-        item.add_marker(pytest.mark.xdist_group(shared[0] if shared else item.module.__name__))
+    rank = {name: place for place, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
+
+
+# The fixtures import PyTorch where they are used: the JAX tests run in an environment without it too (`make test`).
 
 
 @pytest.fixture(scope="session")
 def tokenizer():
+    from logitless.models import qwen_tokenizer
+
     return qwen_tokenizer()
 
 
 @pytest.fixture(scope="session")
 def tiny_model():
+    from logitless.models import tiny_qwen2
+
     return tiny_qwen2(seed=0)
 
 
@@ -42,12 +45,17 @@ def tiny_model():
 def tiny_model_dir(tmp_path_factory, tokenizer):
     """The embedded tiny Qwen2 (seed 0) and the Qwen tokenizer saved once per test session (per worker under -n): the
     model directory the trainer tests and the launches load."""
+    from logitless.models import save_model_and_tokenizer, tiny_qwen2
+
     return save_model_and_tokenizer(tiny_qwen2(seed=0), tokenizer, tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(autouse=True)
 def _seed():
-    torch.manual_seed(0)
+    """Every test starts from PyTorch's seed 0 (when the test uses PyTorch at all)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(0)
 
 
 @pytest.fixture(autouse=True)
@@ -69,6 +77,7 @@ def warm_policy(tmp_path_factory):
 
     from logitless.checkpoint import last_complete_checkpoint
     from logitless.cli import main
+    from logitless.models import qwen_tokenizer
     from logitless.multichoice.data import synthetic_multichoice
     from logitless.multichoice.warm_start import multichoice_sft_pairs
 
