@@ -5,13 +5,13 @@ BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 DEEPSPEED_PIN := deepspeed==0.19.8
 
-.PHONY: install demo test test-fast lint test-loaded gpu-wheels clean
+.PHONY: install demo test test-fast test-jax-alone lint test-loaded gpu-wheels clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH_PIN)
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -e ".[torch,dev]"
 	touch $@
 
 # DeepSpeed, for the ZeRO-3 launch test only: built against the torch above (in an isolated build it would fetch
@@ -22,12 +22,27 @@ $(BIN)/.installed-deepspeed: $(BIN)/.installed
 
 install: $(BIN)/.installed
 
+# the JAX ops as a JAX user installs them (README: pip install 'logitless[jax]'), with no PyTorch, for the JAX tests
+JAX_VENV ?= .venv-jax
+$(JAX_VENV)/bin/.installed: pyproject.toml Makefile $(shell find src -name '*.py')
+	$(PYTHON) -m venv $(JAX_VENV)
+	$(JAX_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(JAX_VENV)/bin/python -m pip install --quiet --force-reinstall --no-deps . && \
+		$(JAX_VENV)/bin/python -m pip install --quiet ".[jax]" pytest pytest-xdist hypothesis
+	touch $@
+
 demo: install
 	$(BIN)/logitless demo
 
-# every test, in two worker processes (pytest-xdist; a test file's tests stay in one worker), after the lint
-test: lint $(BIN)/.installed-deepspeed
+# every test, in two worker processes (pytest-xdist; a test file's tests stay in one worker), after the lint and the
+# JAX tests (but those that need the torch extra) in an environment with only the JAX install
+test: lint $(BIN)/.installed-deepspeed test-jax-alone
 	$(BIN)/python -m pytest -q -n 2
+
+JAX_TESTS := tests/test_jax_alone.py tests/test_jax.py tests/test_jax_two_heads.py tests/test_jax_sharded.py \
+	tests/test_jax_bench.py
+test-jax-alone: $(JAX_VENV)/bin/.installed
+	$(JAX_VENV)/bin/python -m pytest -q -n 2 -m "not torch" $(JAX_TESTS)
 
 # the edit-test loop: the tests not marked slow, distributed or interpreter (pyproject.toml), the fuzz tests at a
 # tenth of their examples; `make test` before a commit
@@ -49,4 +64,4 @@ gpu-wheels:
 		--platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) $(JAX_VENV) runs .pytest_cache .hypothesis

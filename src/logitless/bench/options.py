@@ -7,6 +7,7 @@ a long measurement must not be lost to a typo in ``--json``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 from pathlib import Path
 
@@ -22,7 +23,10 @@ def require_positive(args: argparse.Namespace, names) -> None:
 
 
 def require_writable(args: argparse.Namespace, names=("json", "plot")) -> None:
-    """Each output path among ``names`` that was given can be written (its directory is created)."""
+    """Each output path among ``names`` that was given can be written (its directory is created), and a ``--plot``
+    can be drawn (matplotlib is installed)."""
+    if "plot" in names and getattr(args, "plot", None) is not None and importlib.util.find_spec("matplotlib") is None:
+        raise SystemExit("--plot: needs matplotlib, which is not installed: pip install 'logitless[plots]'")
     for name in names:
         path = getattr(args, name, None)
         if path is not None:

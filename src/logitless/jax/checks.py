@@ -13,9 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logitless.jax.head import HEAD_PARTS, Head
+from logitless.jax.head import Head
 
-IMPLS = ("auto", "reference", "chunked")  # the block engine ("auto": the fused path), the plain-JAX oracle, the engine
 
 
 def concrete(value) -> np.ndarray | None:
@@ -75,36 +74,17 @@ def check_finite(name: str, value) -> None:
         raise ValueError(f"{name}: contains NaN or inf (first at index {first})")
 
 
-def check_impl(impl) -> str:
-    """``impl`` among `IMPLS`; the spellings of the other vocabularies are named."""
-    if impl in ("fused", "materialized"):
-        raise ValueError("impl: 'fused' is spelled 'auto' (or 'chunked'); 'materialized' is 'reference'")
-    if impl == "triton":
-        raise ValueError("impl: 'triton' kernels are PyTorch's (logitless.ops); in JAX: 'auto', 'chunked' or "
-                         "'reference'")
-    if impl not in IMPLS:
-        raise ValueError(f"impl: expected one of {', '.join(map(repr, IMPLS))}, got {impl!r}")
-    return impl
-
-
 def take_head(head, weight, bias, temperature, softcap, logit_scale, hidden, suffix: str = "") -> Head:
     """An op's head: ``head`` given whole, or built from its parts (``weight`` ...), checked against ``hidden``
-    (..., H). The arguments are named with ``suffix`` (``weight_q``, ``head_q``); a head given whole together
-    with a part that is not its default is refused, naming both."""
-    name = f"head{suffix}"
+    (..., H). The arguments are named with ``suffix`` (``weight_q``, ``head_q``). (`logitless._checks.checked_keywords`
+    refuses a head given both ways.)"""
     if head is not None:
-        parts = dict(zip(HEAD_PARTS, (weight is not None, bias is not None, temperature != 1.0, softcap is not None,
-                                      logit_scale != 1.0)))
-        given = [f"{part}{suffix}" if part in ("weight", "bias") else part for part, at_all in parts.items() if at_all]
-        if given:
-            raise TypeError(f"{name}: given with {', '.join(given)}; give the head whole (those are its fields) or "
-                            "in parts")
         if not isinstance(head, Head):
-            raise TypeError(f"{name}: expected a logitless.jax.Head, got {type(head).__name__}")
+            raise TypeError(f"head{suffix}: expected a Head, got {type(head).__name__}")
     elif weight is None:
-        raise TypeError(f"weight{suffix}: expected a (V, H) array (or {name}=Head(...)), got None")
+        raise TypeError(f"weight{suffix}: required (or the whole head as head{suffix}=Head(...))")
     else:
-        head = Head(weight, bias, temperature, softcap, logit_scale)
+        head = Head(weight, bias=bias, temperature=temperature, softcap=softcap, logit_scale=logit_scale)
     weight = check_array(f"weight{suffix}", head.weight, ndim=2, floating=True)
     hidden_name = f"hidden{suffix}"
     if weight.shape[1] != hidden.shape[-1]:
@@ -122,4 +102,5 @@ def take_head(head, weight, bias, temperature, softcap, logit_scale, hidden, suf
         if values is not None and (np.isnan(values).any() or np.isposinf(values).any()):
             raise ValueError(f"bias{suffix}: contains NaN or +inf (only -inf, for vocabulary rows that can never be "
                              "sampled, is allowed)")
-    return Head(weight, bias, head.temperature, head.softcap, head.logit_scale)
+    return Head(weight, bias=bias, temperature=head.temperature, softcap=head.softcap,
+                logit_scale=head.logit_scale)

@@ -5,8 +5,9 @@ pass 1 (`engine.two_pass_stats`), which keeps O(N) residuals: the inputs and the
 statistics. Backward is pass 2 (`engine.two_pass_grads`), for the inputs JAX differentiates: with
 ``symbolic_zeros`` the forward rule sees which of them are perturbed, so a head that is not differentiated (a
 fixed teacher, a reference model) costs no gradient, and an output whose cotangent is zero (an entropy used
-only as a metric) adds no term. The PyTorch ops hold one autograd Function per accumulator (`LinearTokenStats`,
-`LinearKL`, `LinearJSD`); here a new statistic is an accumulator alone.
+only as a metric) adds no term. With a `partitioned.AutoPlan` (a mesh whose layout XLA chooses) each pass is
+partitioned by XLA and runs per device (`partitioned.py`). The PyTorch ops hold one autograd Function per
+accumulator (`LinearTokenStats`, `LinearKL`, `LinearJSD`); here a new statistic is an accumulator alone.
 
 `linear_loss`, as PyTorch's `LinearLoss`: a loss summed over per-token terms of the softmax statistics
 (cross-entropy, the GRPO objective), whose gradients are computed in forward by the one-pass schedule
@@ -15,6 +16,7 @@ only as a metric) adds no term. The PyTorch ops hold one autograd Function per a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -23,8 +25,9 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from logitless.jax.engine import Accumulator, Block, Plan, one_pass, two_pass_grads, two_pass_stats
+from logitless.jax.engine import Accumulator, Block, Plan, one_pass
 from logitless.jax.head import Head
+from logitless.jax.partitioned import AutoPlan, two_pass_grads, two_pass_stats
 from logitless.jax.softmax import SoftmaxAccumulator, SoftmaxGrads, SoftmaxStats
 
 # token_loss(stats, loss_data) -> the loss's per-token terms (n,), from the statistics and per-token arrays of the
@@ -50,28 +53,29 @@ def _needs(head, hidden) -> tuple[bool, bool, bool]:
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def linear_stats(accumulator: Accumulator, plan: Plan, heads: tuple[Head, ...], hiddens: tuple[jax.Array, ...],
-                 row_data) -> tuple:
+def linear_stats(accumulator: Accumulator, plan: Plan | AutoPlan, heads: tuple[Head, ...],
+                 hiddens: tuple[jax.Array, ...], row_data) -> tuple:
     """hiddens (N, H_i), their heads (V, H_i) and the per-token ``row_data`` -> ``accumulator.outputs``, (N,) each;
     differentiable in every head's hidden states, weight and bias."""
     return accumulator.outputs(two_pass_stats(plan, heads, hiddens, accumulator, row_data))
 
 
-def _forward_rule(accumulator: Accumulator, plan: Plan, heads, hiddens, row_data):
+def _forward_rule(accumulator: Accumulator, plan: Plan | AutoPlan, heads, hiddens, row_data):
     needs = Needs(tuple(_needs(head, hidden) for head, hidden in zip(heads, hiddens)))
     heads, hiddens, row_data = jax.tree.map(_value, (heads, hiddens, row_data))
     stats = two_pass_stats(plan, heads, hiddens, accumulator, row_data)
     return accumulator.outputs(stats), (heads, hiddens, row_data, stats, needs)
 
 
-def _backward(accumulator: Accumulator, plan: Plan, residuals, cotangents):
+def _backward(accumulator: Accumulator, plan: Plan | AutoPlan, residuals, cotangents):
     heads, hiddens, row_data, stats, needs = residuals
     dtype = stats[0].dtype
     row_grads = accumulator.row_grads(tuple(None if isinstance(g, (SymbolicZero, type(None))) else g.astype(dtype)
                                             for g in cotangents))
     grads = two_pass_grads(plan, heads, hiddens, accumulator, row_data, stats, row_grads, needs.needs)
-    head_grads = tuple(None if grad.weight is None and grad.bias is None else Head(
-        grad.weight, grad.bias, head.temperature, head.softcap, head.logit_scale) for head, grad in zip(heads, grads))
+    head_grads = tuple(None if grad.weight is None and grad.bias is None else
+                       dataclasses.replace(head, weight=grad.weight, bias=grad.bias)
+                       for head, grad in zip(heads, grads))
     return head_grads, tuple(grad.hidden for grad in grads), None
 
 
@@ -124,8 +128,8 @@ def _loss_backward(accumulator, plan, token_loss, residuals, cotangents):
     def scaled(grad):
         return None if grad is None else (grad_loss * grad).astype(grad.dtype)
 
-    head_grad = None if grads.weight is None and grads.bias is None else Head(
-        scaled(grads.weight), scaled(grads.bias), head.temperature, head.softcap, head.logit_scale)
+    head_grad = None if grads.weight is None and grads.bias is None else dataclasses.replace(
+        head, weight=scaled(grads.weight), bias=scaled(grads.bias))
     return head_grad, scaled(grads.hidden), None, None if data_grads is None else jax.tree.map(scaled, data_grads)
 
 

@@ -13,7 +13,7 @@ the logits back to ``hidden @ weight.T + bias`` through `Head.raw_grad`.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from functools import partial
 
 import jax
@@ -21,8 +21,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from logitless._checks import set_head_numbers
-
-HEAD_PARTS = ("weight", "bias", "temperature", "softcap", "logit_scale")  # the keywords that give a head in parts
 
 
 def stat_dtype(dtype) -> jnp.dtype:
@@ -34,12 +32,14 @@ def stat_dtype(dtype) -> jnp.dtype:
          meta_fields=["temperature", "softcap", "logit_scale"])
 @dataclass(frozen=True)
 class Head:
-    """An LM head: ``weight`` (V, H), optional ``bias`` (V,), and how ``hidden @ weight.T + bias`` becomes logits.
+    """An LM head: ``weight`` (V, H), optional ``bias`` (V,), and how ``hidden @ weight.T + bias`` becomes logits
+    (the fields after ``weight`` are keyword-only, as `logitless.LinearHead`'s).
 
     The arrays are checked where an op takes the head (they may be anything while JAX maps over the pytree);
     the numbers here."""
 
     weight: jax.Array
+    _: KW_ONLY
     bias: jax.Array | None = None
     temperature: float = 1.0
     softcap: float | None = None

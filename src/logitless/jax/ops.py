@@ -21,17 +21,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logitless._checks import check_advantages_shape, check_choice, check_grpo_options
+from logitless._checks import (JAX_IMPLS, check_advantages_shape, check_choice, check_completion_mask_given,
+                               check_grpo_options, check_impl,
+                               checked_keywords, head_wholes)
 from logitless.jax import reference
-from logitless.jax.checks import (check_array, check_finite, check_impl, check_mask, check_same_shape,
+from logitless.jax.checks import (check_array, check_finite, check_mask, check_same_shape,
                                   check_token_ids, concrete, take_head)
 from logitless.jax.fused import TokenLoss
 from logitless.jax.grpo import GRPOData, GRPOTerms, grpo_objective, token_weights
 from logitless.jax.head import Head
 from logitless.jax.sharding import fused_loss, fused_stats
 from logitless.jax.softmax import SoftmaxAccumulator, SoftmaxStats
-from logitless.ops.settings import BlockSizes
-from logitless.ops.settings import GRPOSettings
+from logitless.ops.settings import GRPO_OPTIONS, BlockSizes, GRPOSettings
 
 
 class LinearInputs(NamedTuple):
@@ -46,7 +47,7 @@ class LinearInputs(NamedTuple):
 
 def _linear_inputs(hidden, weight, targets, bias, temperature, softcap, logit_scale, head, mask, block_sizes,
                    impl, targets_name: str = "targets", mask_name: str = "mask") -> LinearInputs:
-    check_impl(impl)
+    check_impl(impl, JAX_IMPLS)
     hidden = check_array("hidden", hidden, ndim=(2, 3), floating=True)
     head = take_head(head, weight, bias, temperature, softcap, logit_scale, hidden)
     if targets is None:
@@ -106,6 +107,7 @@ def _loss(inputs: LinearInputs, impl: str, token_loss: TokenLoss, loss_data, nee
     return loss, _kept_stats(inputs, outputs, need_entropy, need_mean_log_prob)
 
 
+@checked_keywords(wholes=head_wholes(""))
 def fused_linear_logprobs(hidden, weight=None, targets=None, *, bias=None, temperature: float = 1.0,
                           return_token_entropy: bool = False, mask=None, softcap: float | None = None,
                           logit_scale: float = 1.0, block_sizes: BlockSizes | None = None, impl: str = "auto",
@@ -151,6 +153,7 @@ def _check_smoothing(label_smoothing) -> float:
     return float(label_smoothing)
 
 
+@checked_keywords(wholes=head_wholes(""))
 def fused_linear_cross_entropy(hidden, weight=None, targets=None, *, bias=None, ignore_index: int = -100,
                                reduction: str = "mean", label_smoothing: float = 0.0, temperature: float = 1.0,
                                softcap: float | None = None, logit_scale: float = 1.0,
@@ -218,6 +221,7 @@ def _check_grpo_arrays(completion_ids, keep, advantages, old_log_probs, ref_log_
     return advantages.reshape(num_sequences, -1).astype(dtype)
 
 
+@checked_keywords(options=GRPO_OPTIONS, wholes=head_wholes(""))
 def fused_grpo_loss(hidden, weight=None, completion_ids=None, completion_mask=None, advantages=None, *, bias=None,
                     old_log_probs=None, ref_log_probs=None, sampling_log_probs=None, importance_sampling_ratio=None,
                     settings: GRPOSettings | None = None, num_items_in_batch=None, temperature: float = 1.0,
@@ -237,8 +241,7 @@ def fused_grpo_loss(hidden, weight=None, completion_ids=None, completion_mask=No
     Differentiate with ``jax.grad(..., has_aux=True)``.
     """
     hidden = check_array("hidden", hidden, ndim=3, floating=True)
-    if completion_mask is None:  # the loss's normalizers count its tokens: it is not optional, as in PyTorch
-        raise TypeError("completion_mask: expected a (B, T) array, 1 where a completion token counts, got None")
+    check_completion_mask_given(completion_mask)
     inputs = _linear_inputs(hidden, weight, completion_ids, bias, temperature, softcap, logit_scale, head,
                             completion_mask, block_sizes, impl, targets_name="completion_ids",
                             mask_name="completion_mask")

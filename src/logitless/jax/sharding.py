@@ -12,13 +12,14 @@ vocabulary. In backward each device computes its own shard of dW (summed over th
 dh (summed over the vocabulary axes); the gradients keep the inputs' shardings. A block of ``BlockSizes`` is
 shared by the devices (`blocks.jax_block_sizes`): each holds its part of one.
 
-With `AxisType.Auto` axes the shardings are not in the types, and XLA partitions the op as it sees fit: a
-token-sharded batch is split without collectives, but a vocabulary-sharded weight is gathered whole onto every
-device (docs/jax.md says how to keep it sharded).
+With `AxisType.Auto` axes the shardings are not in the types, and the op cannot read them while it is traced:
+under such a mesh (`partitioned_by_xla`) `fused_stats` hands the engine a `partitioned.AutoPlan`, whose passes XLA
+partitions, each device then running them on its own shard as above, nothing gathered either.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
 from typing import NamedTuple
@@ -31,17 +32,14 @@ from logitless.jax.blocks import jax_block_sizes, one_pass_block_sizes
 from logitless.jax.engine import Accumulator, Plan
 from logitless.jax.fused import TokenLoss, linear_loss, linear_stats
 from logitless.jax.head import Head, stat_dtype
+from logitless.jax.partitioned import AutoPlan, spec_axes
 from logitless.jax.softmax import SoftmaxAccumulator, SoftmaxStats
 from logitless.ops.settings import BlockSizes
 
 
 def _sharded_axes(array, dim: int) -> tuple[str, ...]:
     """The mesh axes dimension ``dim`` of ``array`` is explicitly sharded over (none if not, or outside a mesh)."""
-    spec = getattr(getattr(jax.typeof(array), "sharding", None), "spec", None)
-    entry = spec[dim] if spec is not None and len(spec) > dim else None
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
+    return spec_axes(getattr(getattr(jax.typeof(array), "sharding", None), "spec", None), dim)
 
 
 def _shard_count(mesh, axes: tuple[str, ...]) -> int:
@@ -66,6 +64,15 @@ def layout_of(heads: tuple[Head, ...], hiddens: tuple[jax.Array, ...]) -> Layout
     return Layout(jax.typeof(hiddens[0] if token_axes else heads[0].weight).sharding.mesh, token_axes, vocab_axes)
 
 
+def partitioned_by_xla(*arrays: jax.Array) -> bool:
+    """Whether XLA lays the op out: the mesh (the one `jax.set_mesh` set, else the first one ``arrays`` were placed
+    on) has `AxisType.Auto` axes over more than one device, and none in manual mode."""
+    meshes = (getattr(getattr(jax.typeof(array), "sharding", None), "mesh", None) for array in arrays)
+    mesh = next((mesh for mesh in (jax.sharding.get_abstract_mesh(), *meshes) if mesh is not None and not mesh.empty),
+                None)
+    return mesh is not None and not mesh.manual_axes and _shard_count(mesh, mesh.auto_axes) > 1
+
+
 def fused_stats(accumulator: Accumulator, block_sizes: BlockSizes, heads: tuple[Head, ...],
                 hiddens: tuple[jax.Array, ...], row_data) -> tuple:
     """`fused.linear_stats` of hiddens (N, H_i) under their heads, per device where the tokens or the vocabulary are
@@ -73,7 +80,8 @@ def fused_stats(accumulator: Accumulator, block_sizes: BlockSizes, heads: tuple[
     num_tokens, vocab_size = hiddens[0].shape[0], heads[0].vocab_size
     layout = layout_of(heads, hiddens)
     if layout.mesh is None:
-        plan = Plan(jax_block_sizes(block_sizes, num_tokens, vocab_size), vocab_size)
+        plan = AutoPlan(block_sizes) if partitioned_by_xla(*(head.weight for head in heads), *hiddens) else Plan(
+            jax_block_sizes(block_sizes, num_tokens, vocab_size), vocab_size)
         return linear_stats(accumulator, plan, heads, hiddens, row_data)
     token_shards, vocab_shards = (_shard_count(layout.mesh, axes) for axes in (layout.token_axes, layout.vocab_axes))
     if vocab_size % vocab_shards or num_tokens % token_shards:
@@ -82,8 +90,8 @@ def fused_stats(accumulator: Accumulator, block_sizes: BlockSizes, heads: tuple[
     plan = Plan(jax_block_sizes(block_sizes, num_tokens, vocab_size, token_shards, vocab_shards), vocab_size,
                 layout.token_axes, layout.vocab_axes)
     tokens, vocab = PartitionSpec(layout.token_axes or None), PartitionSpec(layout.vocab_axes or None)
-    head_specs = tuple(Head(vocab, None if head.bias is None else vocab, head.temperature, head.softcap,
-                            head.logit_scale) for head in heads)
+    head_specs = tuple(dataclasses.replace(head, weight=vocab, bias=None if head.bias is None else vocab)
+                       for head in heads)
     specs = (head_specs, tuple(tokens for _ in hiddens), jax.tree.map(lambda _: tokens, row_data))
     # each input laid out as its spec says: a no-op for the arrays laid out so already
     inputs = jax.tree.map(lambda spec, value: jax.reshard(value, spec), specs, (heads, hiddens, row_data))
@@ -100,8 +108,8 @@ def fused_loss(accumulator: SoftmaxAccumulator, block_sizes: BlockSizes, token_l
     over token blocks in an fp32 copy the size of the weight; a mesh; a GPU or TPU) the two passes'
     statistics, and the loss on them."""
     num_tokens, vocab_size = hidden.shape[0], head.vocab_size
-    if (layout_of((head,), (hidden,)).mesh is None and jax.default_backend() == "cpu"
-            and head.weight.dtype == stat_dtype(head.weight.dtype)):
+    if (layout_of((head,), (hidden,)).mesh is None and not partitioned_by_xla(head.weight, hidden)
+            and jax.default_backend() == "cpu" and head.weight.dtype == stat_dtype(head.weight.dtype)):
         plan = Plan(one_pass_block_sizes(block_sizes, num_tokens, vocab_size), vocab_size)
         loss, outputs = linear_loss(accumulator, plan, token_loss, head, hidden, targets, loss_data)
         return loss, lax.stop_gradient(outputs)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from logitless._checks import JAX_IMPLS, check_impl, checked_keywords, head_wholes
 from logitless.jax import reference
-from logitless.jax.checks import check_array, check_impl, check_mask, take_head
+from logitless.jax.checks import check_array, check_mask, take_head
 from logitless.jax.head import Head
 from logitless.jax.jsd import JSDAccumulator
 from logitless.jax.kl import KLAccumulator
@@ -24,7 +25,7 @@ from logitless.ops.settings import BlockSizes
 
 def _sides(sides: tuple[str, str], hiddens, parts, head_options, mask, impl):
     """Both sides' flat hidden states (N, H_i) and heads, and the kept tokens (N,) bool or None, checked."""
-    check_impl(impl)
+    check_impl(impl, JAX_IMPLS)
     flat, heads = [], []
     for side, hidden, (weight, bias, head) in zip(sides, hiddens, parts):
         if hidden is None:
@@ -51,6 +52,7 @@ def _per_token(values, keep, leading):
     return (values if keep is None else jnp.where(keep, values, 0.0)).reshape(leading)
 
 
+@checked_keywords(wholes=head_wholes("_p", "_q"))
 def fused_linear_kl(hidden_p, weight_p=None, hidden_q=None, weight_q=None, *, bias_p=None, bias_q=None,
                     temperature: float = 1.0, mask=None, softcap: float | None = None, logit_scale: float = 1.0,
                     block_sizes: BlockSizes | None = None, impl: str = "auto", head_p: Head | None = None,
@@ -82,6 +84,7 @@ def _check_beta(beta) -> float:
     return float(beta)
 
 
+@checked_keywords(wholes=head_wholes("_s", "_t"))
 def fused_linear_jsd(hidden_s, weight_s=None, hidden_t=None, weight_t=None, *, beta: float = 0.5, bias_s=None,
                      bias_t=None, temperature: float = 1.0, mask=None, softcap: float | None = None,
                      logit_scale: float = 1.0, block_sizes: BlockSizes | None = None, impl: str = "auto",

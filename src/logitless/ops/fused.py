@@ -22,8 +22,8 @@ from collections.abc import Callable
 import torch
 from torch.distributed.tensor import DTensor
 
-from logitless._checks import (HEAD_PARTS, check_choice, check_head_shapes, check_impl, check_mask, check_strings,
-                               check_tensor, check_token_ids, checked_keywords)
+from logitless._checks import (check_choice, check_head_shapes, check_impl, check_mask, check_strings,
+                               check_tensor, check_token_ids, checked_keywords, head_wholes)
 from logitless.ops import reference
 from logitless.ops.engine import ChunkLoss, LinearStats, one_pass, refuse_second_derivative
 from logitless.ops.grpo import check_grpo_inputs, grpo_objective, grpo_token_loss
@@ -105,7 +105,7 @@ def _chunk_loss(head: LinearHead, token_loss: TokenLoss, needs: tuple[bool, bool
     return chunk_loss
 
 
-@checked_keywords(wholes={"head": HEAD_PARTS})
+@checked_keywords(wholes=head_wholes(""))
 def linear_token_stats(hidden: torch.Tensor, weight: torch.Tensor | None = None, targets: torch.Tensor | None = None,
                        *, head: LinearHead | None = None, bias: torch.Tensor | None = None, temperature: float = 1.0,
                        softcap: float | None = None, logit_scale: float = 1.0, need_entropy: bool = True,
@@ -202,7 +202,7 @@ def _scatter_rows(values: torch.Tensor, kept: torch.Tensor | None, shape: torch.
     return full.index_copy(0, kept, values).reshape(shape)
 
 
-@checked_keywords(wholes={"head": HEAD_PARTS})
+@checked_keywords(wholes=head_wholes(""))
 def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor | None = None, targets: torch.Tensor | None = None,
                           *, head: LinearHead | None = None, bias: torch.Tensor | None = None, temperature: float = 1.0,
                           softcap: float | None = None, logit_scale: float = 1.0, mask: torch.Tensor | None = None,
@@ -236,7 +236,7 @@ def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor | None = No
     return (log_probs, _scatter_rows(entropy, kept, targets.shape)) if return_token_entropy else log_probs
 
 
-@checked_keywords(wholes={"head": HEAD_PARTS})
+@checked_keywords(wholes=head_wholes(""))
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor | None = None,
                                targets: torch.Tensor | None = None, *, head: LinearHead | None = None,
                                bias: torch.Tensor | None = None, temperature: float = 1.0, softcap: float | None = None,
@@ -292,7 +292,7 @@ def _cross_entropy_terms(log_probs, mean_log_prob, label_smoothing: float):
     return -(1.0 - label_smoothing) * log_probs - label_smoothing * mean_log_prob
 
 
-@checked_keywords(options=GRPO_OPTIONS, wholes={"head": HEAD_PARTS})
+@checked_keywords(options=GRPO_OPTIONS, wholes=head_wholes(""))
 def fused_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor | None = None,
                     completion_ids: torch.Tensor | None = None, completion_mask: torch.Tensor | None = None,
                     advantages: torch.Tensor | None = None, *, head: LinearHead | None = None,

@@ -25,8 +25,8 @@ from typing import NamedTuple
 
 import torch
 
-from logitless._checks import (check_advantages_shape, check_finite, check_grpo_options, check_mask, check_same_shape,
-                               check_tensor)
+from logitless._checks import (check_advantages_shape, check_completion_mask_given, check_finite, check_grpo_options,
+                               check_mask, check_same_shape, check_tensor)
 from logitless.ops.settings import GRPOSettings
 
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the clipped objective, and its clip metrics
@@ -239,6 +239,7 @@ def check_grpo_inputs(completion_ids, completion_mask, advantages, old_log_probs
                       importance_sampling_ratio=None, dtype: torch.dtype = torch.float32) -> GRPOBatch:
     """The inputs checked, each error naming its argument; ``dtype``: the loss's (the log-probs')."""
     check_tensor("completion_ids", completion_ids, ndim=2, integer=True)
+    check_completion_mask_given(completion_mask)
     keep = check_mask("completion_mask", completion_mask, "completion_ids", completion_ids)
     check_tensor("advantages", advantages, ndim=(1, 2), floating=True)
     num_sequences, length = completion_ids.shape
@@ -270,7 +271,7 @@ def check_grpo_inputs(completion_ids, completion_mask, advantages, old_log_probs
             else per_kept_token(importance_sampling_ratio)
         if not bool(torch.isfinite(ratios).all()) or bool((ratios < 0).any()):
             raise ValueError("importance_sampling_ratio: expected finite ratios >= 0 at the tokens of completion_mask")
-    check_grpo_options(settings, ref_log_probs is not None, num_items_in_batch, ref_name="ref_log_probs")
+    check_grpo_options(settings, ref_log_probs is not None, num_items_in_batch)
     weights = token_weights(keep, settings, num_items_in_batch, dtype)
     return GRPOBatch(keep, per_kept_token(_per_token(advantages.to(dtype), length)),
                      per_token.get("old_log_probs"), per_token.get("ref_log_probs"),

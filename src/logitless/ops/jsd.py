@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-from logitless._checks import HEAD_PARTS, check_impl, checked_keywords
+from logitless._checks import check_impl, checked_keywords, head_wholes
 from logitless.ops import reference
 from logitless.ops.engine import LinearStats, Scratch, merged_across
 from logitless.ops.head import LinearHead, stat_dtype
@@ -269,8 +269,7 @@ def _heads_jsd(hidden_s: torch.Tensor, head_s: LinearHead, hidden_t: torch.Tenso
     return LinearStats.apply(accumulator, plan, hidden_s, head_s.weight, head_s.bias, hidden_t.detach())
 
 
-@checked_keywords(wholes={"head_s": ("weight_s", "bias_s", *HEAD_PARTS[2:]),
-                          "head_t": ("weight_t", "bias_t", *HEAD_PARTS[2:])})
+@checked_keywords(wholes=head_wholes("_s", "_t"))
 def fused_linear_jsd(hidden_s: torch.Tensor, weight_s: torch.Tensor | None = None, hidden_t: torch.Tensor | None = None,
                      weight_t: torch.Tensor | None = None, *, head_s: LinearHead | None = None,
                      head_t: LinearHead | None = None, beta: float = 0.5, bias_s: torch.Tensor | None = None,

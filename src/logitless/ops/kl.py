@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import torch
 
-from logitless._checks import HEAD_PARTS, check_impl, checked_keywords
+from logitless._checks import check_impl, checked_keywords, head_wholes
 from logitless.ops import reference
 from logitless.ops.engine import LinearStats, Scratch, merged_across
 from logitless.ops.head import LinearHead, stat_dtype
@@ -234,8 +234,7 @@ def _heads_kl(hidden_p: torch.Tensor, head_p: LinearHead, hidden_q: torch.Tensor
     return kl
 
 
-@checked_keywords(wholes={"head_p": ("weight_p", "bias_p", *HEAD_PARTS[2:]),
-                          "head_q": ("weight_q", "bias_q", *HEAD_PARTS[2:])})
+@checked_keywords(wholes=head_wholes("_p", "_q"))
 def fused_linear_kl(hidden_p: torch.Tensor, weight_p: torch.Tensor | None = None, hidden_q: torch.Tensor | None = None,
                     weight_q: torch.Tensor | None = None, *, head_p: LinearHead | None = None,
                     head_q: LinearHead | None = None, bias_p: torch.Tensor | None = None,
