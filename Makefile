@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 DEEPSPEED_PIN := deepspeed==0.19.8
 
-.PHONY: install demo test test-fast test-jax-alone lint test-loaded gpu-wheels clean
+.PHONY: install demo test test-fast test-jax-alone tokamax-env lint test-loaded gpu-wheels clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,20 @@ $(JAX_VENV)/bin/.installed: pyproject.toml Makefile $(shell find src -name '*.py
 	$(JAX_VENV)/bin/python -m pip install --quiet --force-reinstall --no-deps . && \
 		$(JAX_VENV)/bin/python -m pip install --quiet ".[jax]" pytest pytest-xdist hypothesis
 	touch $@
+
+# bench jax's Tokamax rows: Tokamax >= 0.0.13 needs Python >= 3.12 and jax >= 0.11.1, so it gets an interpreter
+# of its own; the bench puts this tree's src/ first on its PYTHONPATH (logitless's JAX ops need no PyTorch)
+TOKAMAX_VENV ?= .venv-tokamax
+TOKAMAX_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+TOKAMAX_PINS := tokamax==0.0.17 jax==0.12.0.1 jaxlib==0.12.0.1
+
+$(TOKAMAX_VENV)/bin/.installed: Makefile
+	$(TOKAMAX_PYTHON) -m venv $(TOKAMAX_VENV)
+	$(TOKAMAX_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TOKAMAX_VENV)/bin/python -m pip install --quiet $(TOKAMAX_PINS)
+	touch $@
+
+tokamax-env: $(TOKAMAX_VENV)/bin/.installed
 
 demo: install
 	$(BIN)/logitless demo
@@ -64,4 +78,4 @@ gpu-wheels:
 		--platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 
 clean:
-	rm -rf $(VENV) $(JAX_VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) $(JAX_VENV) $(TOKAMAX_VENV) runs .pytest_cache .hypothesis

@@ -22,6 +22,11 @@ of `fused_linear_kl` to a second head of the same shape (a teacher, not differen
 On a GPU or TPU each implementation also runs once in a fresh process to read the device's ``peak_bytes_in_use``:
 a high-water mark of the whole process, which is why it is reported beside the compiled program's temporaries
 and not instead of them (docs/jax.md explains why).
+
+Beside them, the cross-entropy against Tokamax's ``xla`` and ``chunked_xla`` implementations at the run shape's
+tokens, hidden size and vocabulary, per token and mean, in ``--tokamax-dtypes`` (`bench/tokamax.py`): in this
+interpreter when it has Tokamax, else in a peer interpreter (``--peer-python``), logitless's rows run again there
+beside them; ``--tokamax off`` leaves them out, ``--tokamax only`` measures them alone.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from logitless.bench import tokamax as bench_tokamax
 from logitless.bench.options import (add_report_options, add_shape_options, benchmark_parser, choices_metavar,
                                      require_positive, require_writable, rows_so_far, write_report)
 from logitless.ops.settings import GRPOSettings
@@ -44,6 +50,7 @@ DTYPES = ("float32", "bfloat16")
 SETTINGS = GRPOSettings(loss_type="grpo", beta=0.04, use_bias_correction_kl=False)  # every implementation's loss
 MEMORY_FIELDS = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes")
 SEQ_CHUNKS = 8
+TOKAMAX_MODES = ("auto", "off", "only")
 
 
 @dataclass
@@ -301,6 +308,8 @@ def format_table(report: dict) -> str:
     lines = [f"value_and_grad(hidden, weight) of each loss in JAX, on {report['backend']} ({report['device']}), "
              f"jax {report['jax']}"]
     for name, by_loss in report["results"].items():
+        if not by_loss:  # --tokamax only
+            continue
         shape = Shape(**report["shapes"][name])
         timed = name == "run" and not report["compile_only"]
         lines.append(f"{'compile only' if not timed else 'run'}: {shape.label()}, seq_chunked in {shape.seq_chunks} "
@@ -317,6 +326,10 @@ def format_table(report: dict) -> str:
                 if "peak_bytes_in_use" in r:
                     line += f"  peak {_megabytes(r['peak_bytes_in_use'])} MB"
                 lines.append(line)
+    if "results" in report.get("tokamax", {}):
+        from logitless.bench.tokamax import format_table as tokamax_table
+
+        lines.append(tokamax_table(report["tokamax"]))
     return "\n".join(lines)
 
 
@@ -360,7 +373,12 @@ DESCRIPTION = ("Cross-entropy, the KL of two heads and the GRPO loss through the
                "recomputed in backward) and logitless's fused ops. Reports each compiled program's memory "
                "(compiled.memory_analysis()) at the compile shape (compiled only, nothing allocated) and at "
                "the run shape, where the steps also run: step time (median of --repeats) and the loss and "
-               "gradient differences to plain JAX. Needs JAX (pip install 'logitless[jax]').")
+               "gradient differences to plain JAX. Beside them, the cross-entropy against Tokamax's xla and "
+               "chunked_xla implementations (per token and mean, each dtype of --tokamax-dtypes, at the run "
+               "shape's N=B*T, H and V): temporaries, step time and the errors of the loss and both gradients "
+               "against a float64 reference; run by --peer-python, logitless's rows again beside them, where "
+               "this interpreter cannot import Tokamax (make tokamax-env makes that interpreter). Needs JAX "
+               "(pip install 'logitless[jax]').")
 
 
 def add_parser(targets) -> None:
@@ -380,6 +398,17 @@ def add_parser(targets) -> None:
                              "%(default)s)")
     parser.add_argument("--compile-only", dest="compile_only", action="store_true",
                         help="at the run shape too, lower and compile only (default: off)")
+    parser.add_argument("--tokamax", default="auto", metavar=choices_metavar(TOKAMAX_MODES),
+                        help="the cross-entropy against Tokamax's xla and chunked_xla at the run shape: auto (where "
+                             "this interpreter or --peer-python has Tokamax; else one line says how to get it), "
+                             "off, or only (the Tokamax rows alone) (default: %(default)s)")
+    parser.add_argument("--tokamax-dtypes", dest="tokamax_dtypes", nargs="+", default=list(DTYPES),
+                        metavar=choices_metavar(DTYPES),
+                        help=f"the dtypes of the Tokamax rows (default: {' '.join(DTYPES)})")
+    parser.add_argument("--peer-python", dest="peer_python", default=bench_tokamax.PEER_PYTHON, metavar="PATH",
+                        help="a Python with Tokamax (>= 3.12) that runs the Tokamax rows, logitless's beside them, "
+                             "where this one cannot import Tokamax; make tokamax-env makes the default "
+                             "(default: %(default)s)")
     add_report_options(parser)
     parser.set_defaults(handler=run_cli)
 
@@ -390,8 +419,15 @@ def run_cli(args: argparse.Namespace) -> int:
     unknown = [loss for loss in args.loss if loss not in LOSSES]
     if unknown:
         raise SystemExit(f"--loss: expected some of {', '.join(LOSSES)}, got {unknown[0]!r}")
+    if args.tokamax not in TOKAMAX_MODES:
+        raise SystemExit(f"--tokamax: expected one of {', '.join(TOKAMAX_MODES)}, got {args.tokamax!r}")
+    unknown = [dtype for dtype in args.tokamax_dtypes if dtype not in DTYPES]
+    if unknown:
+        raise SystemExit(f"--tokamax-dtypes: expected some of {', '.join(DTYPES)}, got {unknown[0]!r}")
+    if args.tokamax == "only" and args.plot:
+        raise SystemExit("--plot: draws the ce, kl and grpo rows, which --tokamax only leaves out")
     require_positive(args, ("batch", "seq", "hidden", "vocab", "repeats", "vocab_block", "seq_chunks"))
-    compile_shape = _shape_option(args.compile_shape)
+    compile_shape = None if args.tokamax == "only" else _shape_option(args.compile_shape)
     run_shape = Shape(args.batch, args.seq, args.hidden, args.vocab, args.dtype, args.vocab_block, args.seq_chunks)
     for shape in (run_shape, compile_shape):
         if shape is not None and (shape.batch * shape.seq) % args.seq_chunks:
@@ -404,9 +440,15 @@ def run_cli(args: argparse.Namespace) -> int:
         import jax  # noqa: F401
     except ImportError:
         raise SystemExit("bench jax: JAX is not installed (pip install 'logitless[jax]')") from None
-    report = run(tuple(dict.fromkeys(args.loss)), run_shape, compile_shape, repeats=args.repeats,
-                 compile_only=args.compile_only)
-    return write_report(report, args, format_table, plot)
+    losses = () if args.tokamax == "only" else tuple(dict.fromkeys(args.loss))
+    report = run(losses, run_shape, compile_shape, repeats=args.repeats, compile_only=args.compile_only)
+    if args.tokamax != "off":
+        comparison = bench_tokamax.Comparison(args.batch * args.seq, args.hidden, args.vocab,
+                                              list(dict.fromkeys(args.tokamax_dtypes)), args.repeats,
+                                              args.compile_only, args.vocab_block)
+        report["tokamax"] = bench_tokamax.tokamax_section(comparison, args.peer_python)
+    status = write_report(report, args, format_table, plot)
+    return 1 if "failed" in report.get("tokamax", {}) else status
 
 
 def _main() -> int:
