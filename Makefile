@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
+# Tunix 0.1.7 for tests/test_tunix.py, without its own resolve (which would downgrade transformers and huggingface_hub
+# and pull in tensorflow-datasets): the packages `tunix.rl` and its learners import, pinned
+TUNIX_PINS := google-tunix==0.1.7 google-metrax==0.2.4 clu==0.0.12 wrapt==2.5.2 tensorboardX==2.6.5 \
+	jaxtyping==0.3.11 wadler-lindig==0.1.8 sentencepiece==0.2.3 perfetto==0.59.1
 DEEPSPEED_PIN := deepspeed==0.19.8
 
 .PHONY: install demo test test-fast test-jax-alone tokamax-env lint test-loaded gpu-wheels clean
@@ -12,6 +16,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH_PIN)
 	$(BIN)/python -m pip install --quiet -e ".[torch,dev]"
+	$(BIN)/python -m pip install --quiet --no-deps $(TUNIX_PINS)
 	touch $@
 
 # DeepSpeed, for the ZeRO-3 launch test only: built against the torch above (in an isolated build it would fetch

@@ -1,0 +1,187 @@
+"""Tunix's policy scoring on logitless's fused head: `use_fused_head()` makes Tunix 0.1.7's RL learners score the
+policy, the old policy and the reference model, and read the entropy, through `logitless.jax.fused_linear_logprobs`
+from the model's final hidden states, without the ``(B, P + C, V)`` fp32 logits.
+
+Every Tunix caller (the GRPO and PPO losses, the reference and old-policy scoring of ``RLCluster``, the rollouts)
+looks ``compute_per_token_logps`` up through ``tunix.rl.common`` when it runs, and the losses read the entropy through
+``tunix.rl.algo_core.compute_entropy_from_logits``: the switch replaces those two module attributes. The replacement
+`compute_per_token_logps` has Tunix's signature and returns Tunix's values; where Tunix returns the logits
+(``return_logits=True``, which its losses ask for only to take their entropy) it returns a `TokenEntropy` instead,
+which the replaced ``compute_entropy_from_logits`` reads. Tunix's loss code runs unchanged on both.
+
+Needs the ``tunix`` extra (``pip install 'logitless[tunix]'``). See docs/tunix.md.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from logitless.jax import fused_linear_logprobs
+
+try:
+    from flax import nnx
+    from tunix.models.qwen2.model import Qwen2
+    from tunix.rl import algo_core, common
+except ImportError as err:  # say how to get it, not just that it is missing
+    raise ImportError("logitless.tunix needs Tunix: pip install 'logitless[tunix]'") from err
+
+TUNIX_VERSION = "0.1.7"  # the release built against: its compute_per_token_logps takes the arguments this one does
+SUPPORTED_MODELS = (Qwen2,)  # models whose __call__ ends with the head alone: `embedder.decode` or `lm_head`
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class TokenEntropy:
+    """What the switched `compute_per_token_logps` returns where Tunix returns the logits: the entropy of each scored
+    token's distribution (after the temperature), ``entropy`` (B, S) fp32, which `compute_entropy_from_logits` reads.
+    Code that needs the logits themselves runs with the switch off."""
+
+    entropy: jax.Array  # (B, S)
+
+
+def _takes(model, keyword: str) -> bool:
+    """Whether ``model.__call__`` takes ``keyword`` (by name or through ``**kwargs``), as Tunix asks it."""
+    try:
+        parameters = inspect.signature(model.__call__).parameters
+    except (TypeError, ValueError):
+        return False
+    return keyword in parameters or any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+def _detach_head(model) -> jax.Array:
+    """The output embedding (V, H) of ``model`` (a merged copy, changed in place), in the dtype its head computes in;
+    the model's head is then the identity, so that calling the model returns its final hidden states (B, L, H), cast
+    to fp32 as its logits would be."""
+    if not isinstance(model, SUPPORTED_MODELS):
+        names = ", ".join(f"{cls.__module__}.{cls.__name__}" for cls in SUPPORTED_MODELS)
+        raise TypeError(f"model: logitless.tunix scores {names}, got {type(model).__module__}.{type(model).__name__}")
+    tied = model.config.use_tied_embedding
+    head, weight_name = (model.embedder, "input_embedding") if tied else (model.lm_head, "w")
+    variables = sorted(name for name, value in vars(head).items() if isinstance(value, nnx.Variable))
+    if variables != [weight_name]:  # an adapter (LoRA) on the head would be left out of the fused logits
+        raise NotImplementedError(f"model: its head holds {variables}; logitless.tunix scores a plain head "
+                                  f"({weight_name!r} only)")
+    weight = head.input_embedding[...] if tied else head.w[...].T  # (V, H); an lm_head's is (H, V)
+    if tied:
+        model.embedder.decode = _identity  # encode still embeds the ids
+    else:
+        model.lm_head = _identity
+    return weight.astype(head.dtype)  # as Tunix's head casts it
+
+
+def _identity(hidden):
+    return hidden
+
+
+@partial(jax.jit, static_argnames=("pad_id", "eos_id", "stop_gradient", "return_logits", "temperature"))
+def compute_per_token_logps(graphdef, state, prompt_tokens: jax.Array, completion_tokens: jax.Array, pad_id: int,
+                            eos_id: int, images: jax.Array | None = None, stop_gradient: bool = True,
+                            return_logits: bool = False, segment_ids: jax.Array | None = None,
+                            segment_positions: jax.Array | None = None, temperature: float = 1.0):
+    """Tunix 0.1.7's ``tunix.rl.common.compute_per_token_logps`` (same arguments, same values) on the fused head.
+
+    The model (``graphdef``, ``state``) runs on the prompt and completion ids (B, P) and (B, C) as in Tunix, to its
+    final hidden states; the head scores only the positions Tunix keeps: each completion token from the state before
+    it, (B, C), or with sequence packing (``segment_ids``) every token but the first of the packed row, (B, L - 1),
+    returned padded in front to (B, L) with a 0 as Tunix pads them. ``temperature`` divides the logits unless it is
+    0 or 1, as in Tunix. Returns the log-probs (fp32), and with ``return_logits`` also a `TokenEntropy` in place of
+    the logits (in the padded front position, log V: the entropy of Tunix's zero row of padded logits).
+    ``stop_gradient`` stops both.
+    """
+    model = nnx.merge(graphdef, state)
+    head_weight = _detach_head(model)  # (V, H)
+    input_tokens, positions, attention_mask, padding_segments = common.process_ids(
+        prompt_tokens, completion_tokens, pad_id, eos_id, segment_ids, segment_positions)
+    model_kwargs = {"positions": positions, "cache": None, "attention_mask": attention_mask}
+    if _takes(model, "segment_ids"):
+        if segment_ids is not None:
+            model_kwargs["segment_ids"] = segment_ids
+        elif padding_segments is not None:
+            model_kwargs["segment_ids"] = padding_segments
+    if images is not None:
+        model_kwargs["images"] = images
+    final_hidden, _ = model(input_tokens, **model_kwargs)  # (B, L, H), L = P + C
+    final_hidden = final_hidden.astype(head_weight.dtype)  # exact: the states were in this dtype before the fp32 cast
+
+    scored = input_tokens.shape[1] - 1 if segment_ids is not None else completion_tokens.shape[1]
+    scoring_hidden = final_hidden[:, -scored - 1:-1]  # (B, S, H): the state before each scored token
+    scored_ids = input_tokens[:, -scored:]  # (B, S)
+    outputs = fused_linear_logprobs(scoring_hidden, head_weight, scored_ids,
+                                    temperature=1.0 if temperature in (0.0, 1.0) else temperature,
+                                    return_token_entropy=return_logits)
+    log_probs, entropy = outputs if return_logits else (outputs, None)  # (B, S) each
+    if segment_ids is not None:  # (B, L - 1) -> (B, L), as Tunix aligns the packed row
+        log_probs = jnp.pad(log_probs, ((0, 0), (1, 0)), constant_values=0.0)
+        if return_logits:
+            entropy = jnp.pad(entropy, ((0, 0), (1, 0)), constant_values=math.log(head_weight.shape[0]))
+    if stop_gradient:
+        log_probs = jax.lax.stop_gradient(log_probs)
+        entropy = None if entropy is None else jax.lax.stop_gradient(entropy)
+    return (log_probs, TokenEntropy(entropy)) if return_logits else log_probs
+
+
+def compute_entropy_from_logits(logits) -> jax.Array:
+    """``tunix.rl.algo_core.compute_entropy_from_logits`` that also reads a `TokenEntropy`: its entropy (B, S), or
+    Tunix's entropy of logits (B, S, V)."""
+    if isinstance(logits, TokenEntropy):
+        return logits.entropy
+    return _tunix_entropy(logits)
+
+
+_tunix_entropy = algo_core.compute_entropy_from_logits  # Tunix's own, whatever the switch
+_STOCK: dict = {}  # what the switch replaced, while it is on: "logps" and "entropy"
+
+
+def _check_tunix() -> None:
+    """Tunix's function has the arguments ours takes: a release that changed them is refused by name."""
+    stock = common.compute_per_token_logps
+    ours = inspect.signature(compute_per_token_logps).parameters
+    theirs = inspect.signature(stock).parameters
+    if list(theirs) != list(ours):
+        raise RuntimeError(f"logitless.tunix is built against Tunix {TUNIX_VERSION}, whose compute_per_token_logps "
+                           f"takes ({', '.join(ours)}); this Tunix's takes ({', '.join(theirs)})")
+
+
+class FusedHead:
+    """The switch, on; as a context manager it turns it off on leaving (`use_stock_head`)."""
+
+    def __enter__(self) -> FusedHead:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        use_stock_head()
+
+
+def use_fused_head() -> FusedHead:
+    """Make Tunix score tokens on logitless's fused head: replaces ``tunix.rl.common.compute_per_token_logps`` and
+    ``tunix.rl.algo_core.compute_entropy_from_logits`` with this module's (once: a second call changes nothing).
+    Call it before the learner's first step (a step that already ran was compiled with Tunix's own). Returns a
+    `FusedHead`, which as a context manager switches back on leaving."""
+    if not _STOCK:
+        _check_tunix()
+        _STOCK.update(logps=common.compute_per_token_logps, entropy=algo_core.compute_entropy_from_logits)
+        common.compute_per_token_logps = compute_per_token_logps
+        algo_core.compute_entropy_from_logits = compute_entropy_from_logits
+    return FusedHead()
+
+
+def use_stock_head() -> None:
+    """Give Tunix its own functions back (nothing to do when the switch is off)."""
+    if _STOCK:
+        common.compute_per_token_logps = _STOCK.pop("logps")
+        algo_core.compute_entropy_from_logits = _STOCK.pop("entropy")
+
+
+def fused_head_in_use() -> bool:
+    """Whether Tunix scores tokens through this module (`use_fused_head` is on)."""
+    return common.compute_per_token_logps is compute_per_token_logps
+
+
+__all__ = ["FusedHead", "TokenEntropy", "compute_entropy_from_logits", "compute_per_token_logps", "fused_head_in_use",
+           "use_fused_head", "use_stock_head"]

@@ -1,0 +1,351 @@
+"""`logitless.tunix`: Tunix 0.1.7 switched onto the fused head scores a tiny Tunix Qwen2 as stock Tunix does (log-probs,
+entropy, the GRPO loss with its metrics and gradients, one GRPO learner step), to the rounding of fp32, and the compiled
+GRPO step loses the logits' share of its temporaries."""
+
+import contextlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+EPS = float(np.finfo(np.float32).eps)
+PAD, EOS = 0, 2
+
+
+@pytest.fixture(scope="module")
+def tunix():
+    """The Tunix modules the tests use and `logitless.tunix`; without Tunix every test fails, saying how to get it."""
+    try:
+        from flax import nnx
+        from tunix.models.qwen2 import model as qwen2
+        from tunix.rl import algo_core, common
+        from tunix.rl.grpo import grpo_learner
+
+        import logitless.tunix as switch
+    except ImportError as err:
+        pytest.fail(f"Tunix is not installed ({err}): pip install 'logitless[tunix]'",
+                    pytrace=False)
+    return dict(nnx=nnx, qwen2=qwen2, algo_core=algo_core, common=common, grpo_learner=grpo_learner, switch=switch)
+
+
+@pytest.fixture(autouse=True)
+def _stock_tunix_after_each_test():
+    yield
+    if "logitless.tunix" in sys.modules:
+        sys.modules["logitless.tunix"].use_stock_head()
+
+
+def tiny_qwen2(tunix, vocab=1000, tied=False, seed=0, layers=1):
+    """A Tunix Qwen2 from a config, randomly initialized; its MLP (zeros at init) made random too, so that every
+    parameter takes a gradient through every path."""
+    nnx, qwen2 = tunix["nnx"], tunix["qwen2"]
+    config = qwen2.ModelConfig(num_layers=layers, vocab_size=vocab, embed_dim=32, hidden_dim=64, num_heads=4,
+                               head_dim=8, num_kv_heads=2, rope_theta=10000, norm_eps=1e-6, use_tied_embedding=tied)
+    model = qwen2.Qwen2(config, rngs=nnx.Rngs(seed))
+    if tied:  # N(0, 1) embeddings make logits of ~50 and one-hot softmaxes: scaled to a language model's spread
+        model.embedder.input_embedding[...] = 0.05 * model.embedder.input_embedding[...]
+    key = jax.random.key(seed + 100)
+    for layer in model.layers:
+        for linear in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            key, draw = jax.random.split(key)
+            linear.kernel[...] = 0.1 * jax.random.normal(draw, linear.kernel[...].shape)
+    return model
+
+
+def token_batch(vocab, batch=4, prompt=6, completion=5, seed=0):
+    """Prompt ids (B, P), left-padded, and completion ids (B, C), right-padded, as a Tunix rollout hands them."""
+    rng = np.random.default_rng(seed)
+    prompt_ids = rng.integers(3, vocab, (batch, prompt))
+    prompt_ids[0, :2] = PAD
+    completion_ids = rng.integers(3, vocab, (batch, completion))
+    completion_ids[1, 3:] = PAD
+    return jnp.asarray(prompt_ids), jnp.asarray(completion_ids)
+
+
+def assert_rounding(got, expected, roundings, what):
+    """``got`` equals ``expected`` within ``roundings`` fp32 roundings of the largest of the values expected (all 0:
+    exactly)."""
+    got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
+    scale = max(float(np.abs(expected).max()), float(np.finfo(np.float32).tiny))
+    error = float(np.abs(got - expected).max())
+    print(f"{what}: {error / (EPS * scale):.2f} roundings of {scale:.3g}")  # what `pytest -s` shows, measured
+    assert error <= roundings * EPS * scale, f"{what}: max error {error:.3g} > {roundings} x eps x {scale:.3g}"
+
+
+@pytest.mark.parametrize("tied, temperature, packed", [(False, 1.0, False), (False, 0.7, False), (True, 0.7, False),
+                                                       (True, 0.0, False), (False, 0.9, True)],
+                         ids=["lm_head", "lm_head-temperature", "tied-temperature", "tied-temperature-0", "packed"])
+def test_switched_scoring_equals_tunix(tunix, tied, temperature, packed):
+    """`compute_per_token_logps` against Tunix's: log-probs (B, C), the entropy Tunix's losses take of its logits,
+    with and without packing (whose padded front position Tunix scores 0 and entropy log V), and a temperature
+    Tunix leaves out at 0 and 1."""
+    nnx, common, algo_core, switch = tunix["nnx"], tunix["common"], tunix["algo_core"], tunix["switch"]
+    vocab = 1000
+    graphdef, state = nnx.split(tiny_qwen2(tunix, vocab, tied))
+    prompt_ids, completion_ids = token_batch(vocab)
+    packing = {}
+    if packed:  # one packed row per sequence: the prompt is empty, the positions and segments given
+        completion_ids = jnp.concatenate([prompt_ids, completion_ids], axis=1)
+        prompt_ids = prompt_ids[:, :0]
+        packing = dict(segment_ids=(completion_ids != PAD).astype(jnp.int32),
+                       segment_positions=jnp.broadcast_to(jnp.arange(completion_ids.shape[1]), completion_ids.shape))
+    arguments = (graphdef, state, prompt_ids, completion_ids, PAD, EOS)
+    stock_log_probs, stock_logits = common.compute_per_token_logps(*arguments, return_logits=True,
+                                                                   temperature=temperature, **packing)
+    log_probs, token_entropy = switch.compute_per_token_logps(*arguments, return_logits=True, temperature=temperature,
+                                                              **packing)
+    assert log_probs.shape == stock_log_probs.shape == completion_ids.shape and log_probs.dtype == jnp.float32
+    assert isinstance(token_entropy, switch.TokenEntropy)
+    assert_rounding(log_probs, stock_log_probs, 16, "log-probs")
+    stock_entropy = algo_core.compute_entropy_from_logits(stock_logits)
+    assert_rounding(switch.compute_entropy_from_logits(token_entropy), stock_entropy, 16, "entropy")
+    assert_rounding(switch.compute_entropy_from_logits(stock_logits), stock_entropy, 0, "Tunix's logits' entropy")
+    assert float(stock_entropy.min()) > 0.1  # spread distributions: the entropy is compared where it is not ~0
+    only_log_probs = switch.compute_per_token_logps(*arguments, temperature=temperature, **packing)
+    assert_rounding(only_log_probs, log_probs, 4, "log-probs without the entropy")
+    if packed:
+        assert float(jnp.abs(log_probs[:, 0]).max()) == 0.0
+        np.testing.assert_allclose(token_entropy.entropy[:, 0], np.log(vocab), rtol=4 * EPS)
+
+
+def grpo_example(tunix, vocab, seed=0, old=True):
+    """A GRPO `TrainExample` (B=4, P=6, C=5) with the reference's and the old policy's log-probs near the policy's."""
+    prompt_ids, completion_ids = token_batch(vocab, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    near = lambda: jnp.asarray(-rng.uniform(0.5, 9.0, completion_ids.shape), jnp.float32)  # noqa: E731
+    return tunix["grpo_learner"].TrainExample(
+        prompt_ids=prompt_ids, prompt_mask=prompt_ids != PAD, completion_ids=completion_ids,
+        completion_mask=completion_ids != PAD, advantages=jnp.asarray(rng.standard_normal(4), jnp.float32),
+        ref_per_token_logps=near(), old_per_token_logps=near() if old else None)
+
+
+def loss_step(tunix, loss_name, model, example, config):
+    """Tunix's registered policy loss ``loss_name`` of ``model`` on ``example``, jitted afresh (a jitted step keeps
+    the scoring it was first traced with): (loss, metrics, gradients w.r.t. the parameters, the step's program)."""
+    nnx = tunix["nnx"]
+    loss_fn = tunix["grpo_learner"].function_registry.get_policy_loss_fn(loss_name)
+    graphdef, state = nnx.split(model)
+
+    def loss(state):
+        return loss_fn(nnx.merge(graphdef, state), example, algo_config=config, pad_id=PAD, eos_id=EOS)
+
+    step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    (value, metrics), grads = step(state)
+    return value, metrics, grads, step.lower(state).as_text()
+
+
+def assert_equal_steps(stock, switched, logits_type):
+    """Two `loss_step` results: the same loss, metrics and gradients to fp32 rounding, and the stock program holds the
+    logits (``logits_type``, e.g. "tensor<4x11x1000xf32>") where the switched one holds none."""
+    (stock_loss, stock_metrics, stock_grads, stock_program), (loss, metrics, grads, program) = stock, switched
+    assert logits_type in stock_program and logits_type not in program
+    assert_rounding(loss, stock_loss, 16, "loss")
+    assert set(metrics) == set(stock_metrics)
+    for name in metrics:
+        assert_rounding(metrics[name], stock_metrics[name], 16, name)
+    flat, stock_flat = (dict(jax.tree_util.tree_leaves_with_path(g)) for g in (grads, stock_grads))
+    assert flat.keys() == stock_flat.keys() and len(flat) >= 10
+    for path, grad in flat.items():
+        assert float(jnp.abs(stock_flat[path]).max()) > 0, path
+        assert_rounding(grad, stock_flat[path], 64, jax.tree_util.keystr(path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tied, loss_algo, loss_agg_mode, old", [
+    (False, "grpo", "token-mean", True), (True, "gspo-token", "sequence-mean-token-mean", False)],
+    ids=["lm_head-grpo", "tied-gspo-on-policy"])
+def test_grpo_loss_metrics_and_gradients_equal_tunix(tunix, tied, loss_algo, loss_agg_mode, old):
+    """Tunix's GRPO loss (the KL to the reference, a temperature) runs unchanged on the switched scoring: its loss,
+    every metric (the entropy included) and the gradient of every parameter equal stock Tunix's."""
+    config = tunix["grpo_learner"].GRPOConfig(num_generations=2, beta=0.04, loss_algo=loss_algo,
+                                              loss_agg_mode=loss_agg_mode, epsilon=0.1)
+    config.temperature = 0.8  # the learner sets it from the rollout's
+    model, example = tiny_qwen2(tunix, 1000, tied), grpo_example(tunix, 1000, old=old)
+    stock = loss_step(tunix, "grpo", model, example, config)
+    with tunix["switch"].use_fused_head():
+        switched = loss_step(tunix, "grpo", model, example, config)
+    assert "entropy" in switched[1]
+    assert_equal_steps(stock, switched, "tensor<4x11x1000xf32>")  # (B, P + C, V)
+
+
+@pytest.mark.slow
+def test_ppo_policy_loss_with_an_entropy_bonus_equals_tunix(tunix):
+    """Tunix's PPO policy loss reads the entropy through the same two functions, and with ``entropy_coef`` it is part
+    of the loss: the entropy's gradient, through the fused op's, equals Tunix's from its logits."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(epsilon_low=0.2, epsilon_high=0.28, entropy_coef=0.05, kl_coef=0.05, kl_clamp_value=None)
+    example = grpo_example(tunix, 1000, seed=3)
+    example = example.replace(advantages=jnp.asarray(np.random.default_rng(4).standard_normal((4, 5)), jnp.float32))
+    model = tiny_qwen2(tunix, 1000)
+    stock = loss_step(tunix, "ppo", model, example, config)
+    with tunix["switch"].use_fused_head():
+        switched = loss_step(tunix, "ppo", model, example, config)
+    assert "loss/entropy" in switched[1]
+    assert_equal_steps(stock, switched, "tensor<4x11x1000xf32>")
+
+
+def test_the_switch_replaces_tunixs_two_functions_once_and_gives_them_back(tunix):
+    common, algo_core, switch = tunix["common"], tunix["algo_core"], tunix["switch"]
+    stock = common.compute_per_token_logps, algo_core.compute_entropy_from_logits
+    assert not switch.fused_head_in_use()
+    with switch.use_fused_head():
+        switch.use_fused_head()  # a second call changes nothing
+        assert switch.fused_head_in_use()
+        assert common.compute_per_token_logps is switch.compute_per_token_logps
+        assert algo_core.compute_entropy_from_logits is switch.compute_entropy_from_logits
+    assert (common.compute_per_token_logps, algo_core.compute_entropy_from_logits) == stock
+    switch.use_fused_head()
+    switch.use_stock_head()
+    switch.use_stock_head()
+    assert (common.compute_per_token_logps, algo_core.compute_entropy_from_logits) == stock
+
+
+def test_another_tunix_signature_another_model_and_no_tunix_are_refused_by_name(tunix, monkeypatch):
+    nnx, common, switch = tunix["nnx"], tunix["common"], tunix["switch"]
+    monkeypatch.setattr(common, "compute_per_token_logps", lambda graphdef, state, prompt_tokens: None)
+    with pytest.raises(RuntimeError, match="Tunix 0.1.7"):
+        switch.use_fused_head()
+    monkeypatch.undo()
+
+    class NotQwen2(nnx.Module):
+        def __init__(self):
+            self.weight = nnx.Param(jnp.zeros((3, 3)))
+
+    graphdef, state = nnx.split(NotQwen2())
+    prompt_ids, completion_ids = token_batch(50)
+    with pytest.raises(TypeError, match="model: logitless.tunix scores tunix.models.qwen2.model.Qwen2, got"):
+        switch.compute_per_token_logps(graphdef, state, prompt_ids, completion_ids, PAD, EOS)
+
+    without_tunix = "import sys; sys.modules['tunix'] = None; import logitless.tunix"
+    done = subprocess.run([sys.executable, "-c", without_tunix], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1] == ("ImportError: logitless.tunix needs Tunix: "
+                                                     "pip install 'logitless[tunix]'")
+
+
+class IdTokenizer:
+    """A tokenizer for Tunix's sampler: "t5 t9" <-> [5, 9]; 1 begins, 2 ends and 0 pads."""
+
+    def encode(self, text, **kwargs):
+        return [int(word[1:]) for word in str(text).split()]
+
+    def decode(self, ids, **kwargs):
+        return " ".join(f"t{int(i)}" for i in ids)
+
+    def bos_id(self):
+        return 1
+
+    def eos_id(self):
+        return EOS
+
+    def pad_id(self):
+        return PAD
+
+
+def kept_gradients(learning_rate=1e-2):
+    """SGD that keeps the last gradient in its state, where a test reads it after Tunix's step."""
+    import optax
+
+    def init(params):
+        return {"grads": jax.tree.map(jnp.zeros_like, params)}
+
+    def update(grads, state, params=None):
+        return jax.tree.map(lambda grad: -learning_rate * grad, grads), {"grads": grads}
+
+    return optax.GradientTransformation(init, update)
+
+
+def learner_step(tunix, fused: bool):
+    """One step of Tunix's GRPOLearner (vanilla rollout, a reference model, beta 0.04, 2 prompts x 2 generations) on a
+    tiny Qwen2: (every logged metric, the step's gradients, the updated parameters, how often the fused op ran)."""
+    from tunix.rl import rl_cluster as rl_cluster_lib
+    from tunix.rl.rollout import base_rollout
+
+    nnx, switch = tunix["nnx"], tunix["switch"]
+    actor, reference = tiny_qwen2(tunix, 64, layers=1, seed=0), tiny_qwen2(tunix, 64, layers=1, seed=1)
+    mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), (jax.sharding.AxisType.Auto,) * 2)
+    roles = (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE, rl_cluster_lib.Role.ROLLOUT)
+    cluster_config = rl_cluster_lib.ClusterConfig(
+        role_to_mesh={role: mesh for role in roles}, rollout_engine="vanilla", offload_to_cpu=False,
+        training_config=rl_cluster_lib.RLTrainingConfig(actor_optimizer=kept_gradients(), eval_every_n_steps=100,
+                                                        max_steps=1),
+        rollout_config=base_rollout.RolloutConfig(max_tokens_to_generate=6, max_prompt_length=8, kv_cache_size=32,
+                                                  temperature=0.8, seed=jax.random.key(3)))
+    cluster = rl_cluster_lib.RLCluster(actor=actor, reference=reference, tokenizer=IdTokenizer(),
+                                       cluster_config=cluster_config)
+    learner = tunix["grpo_learner"].GRPOLearner(
+        rl_cluster=cluster, algo_config=tunix["grpo_learner"].GRPOConfig(num_generations=2, beta=0.04),
+        reward_fns=lambda prompts, completions, **kwargs: [float(len(c)) for c in completions])
+    calls = []
+    fused_op = switch.fused_linear_logprobs
+    switch.fused_linear_logprobs = lambda *args, **kwargs: calls.append(1) or fused_op(*args, **kwargs)
+    try:
+        with switch.use_fused_head() if fused else contextlib.nullcontext():
+            learner.train([{"prompts": np.array(["t5 t9 t11", "t7 t3"])}])
+    finally:
+        switch.fused_linear_logprobs = fused_op
+    logged = {(prefix, str(mode), name): np.asarray(values, np.float64)
+              for logger in (cluster.actor_trainer.metrics_logger, cluster._rl_metrics_logger)
+              for prefix, modes in logger._metrics.items() for mode, names in modes.items()
+              for name, values in names.items()}
+    return logged, cluster.actor_trainer.optimizer.opt_state, nnx.state(actor, nnx.Param), len(calls)
+
+
+@pytest.mark.slow
+def test_one_grpo_learner_step_equals_stock_tunix(tunix):
+    """Tunix's own GRPOLearner, one step (sampling, rewards, the reference's log-probs, the loss, the update): with the
+    switch, the same logged metrics (loss, kl, pg_clipfrac, grad_norm, the rewards and lengths), gradients and
+    parameters as stock Tunix, the fused op having scored the reference's tokens and the policy's."""
+    stock_logged, stock_grads, stock_params, stock_calls = learner_step(tunix, fused=False)
+    logged, grads, params, calls = learner_step(tunix, fused=True)
+    assert stock_calls == 0 and calls >= 2  # traced once for the reference, once for the policy's loss
+    assert logged.keys() == stock_logged.keys()
+    assert {("actor", "train", name) for name in ("loss", "kl", "pg_clipfrac", "grad_norm")} <= logged.keys()
+    for key, values in logged.items():
+        assert_rounding(values, stock_logged[key], 16, "/".join(key))
+    flat, stock_flat = (dict(jax.tree_util.tree_leaves_with_path(tree)) for tree in (grads, stock_grads))
+    assert flat.keys() == stock_flat.keys()
+    for path, grad in flat.items():
+        assert_rounding(grad, stock_flat[path], 64, "gradient " + jax.tree_util.keystr(path))
+    for (path, value), stock_value in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(stock_params)):
+        assert_rounding(value, stock_value, 4, "parameter " + jax.tree_util.keystr(path))
+
+
+@pytest.mark.slow
+def test_the_compiled_grpo_step_loses_the_logits_share_of_its_temporaries(tunix):
+    """The jitted value-and-gradient of Tunix's GRPO loss on a Qwen2 with a 32,768-token vocabulary (B=4, P=8, C=24):
+    stock Tunix's temporaries hold the fp32 logits of every position, prompt included, B (P + C) V 4 bytes, and
+    what the softmax makes of them; switched, at most a quarter of that share is left, and the rest of the step
+    (the body's activations and gradients) is the same size."""
+    nnx, switch = tunix["nnx"], tunix["switch"]
+    vocab, batch, prompt, completion = 32768, 4, 8, 24
+    model = tiny_qwen2(tunix, vocab, layers=1)
+    prompt_ids, completion_ids = token_batch(vocab, batch, prompt, completion)
+    example = tunix["grpo_learner"].TrainExample(
+        prompt_ids=prompt_ids, prompt_mask=prompt_ids != PAD, completion_ids=completion_ids,
+        completion_mask=completion_ids != PAD, advantages=jnp.ones(batch), ref_per_token_logps=None,
+        old_per_token_logps=None)
+    config = tunix["grpo_learner"].GRPOConfig(num_generations=2, beta=0.0)
+    config.temperature = 1.0
+    loss_fn = tunix["grpo_learner"].function_registry.get_policy_loss_fn("grpo")
+    graphdef, state = nnx.split(model)
+
+    def temp_bytes():
+        def loss(state):
+            return loss_fn(nnx.merge(graphdef, state), example, algo_config=config, pad_id=PAD, eos_id=EOS)
+
+        step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+        return step.lower(state).compile().memory_analysis().temp_size_in_bytes
+
+    stock = temp_bytes()
+    with switch.use_fused_head():
+        fused = temp_bytes()
+    logits_bytes = batch * (prompt + completion) * vocab * 4
+    assert stock > 2 * logits_bytes  # the logits, and their softmax and gradient, are most of stock's step
+    assert fused <= stock - 0.75 * logits_bytes, (stock, fused, logits_bytes)
+    print(f"compiled temporaries: stock {stock:,} B, switched {fused:,} B, logits {logits_bytes:,} B")
