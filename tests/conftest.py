@@ -16,7 +16,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # last would keep one worker busy after the other has finished.
 LONGEST_FIRST = ("test_demo.py", "test_sigkill.py", "test_trl_launch.py", "test_bench.py", "test_trl.py",
                  "test_distill_recipe.py", "test_cli_runs.py", "test_trl_trainers.py", "test_grade_recipe.py",
-                 "test_sharded.py", "test_triton.py")
+                 "test_sharded.py", "test_triton.py", "test_trl_resume.py", "test_jax_sharded.py", "test_docs.py",
+                 "test_tunix.py", "test_trl_fsdp.py", "test_trl_distributed.py", "test_bench_distributed.py",
+                 "test_grade_bench.py", "test_user_cases.py")
 
 
 def pytest_collection_modifyitems(config, items):
