@@ -11,6 +11,14 @@ settings.register_profile("ci", max_examples=500, deadline=None, derandomize=Tru
 settings.register_profile("fast", settings.get_profile("ci"), max_examples=50)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# Under pytest-xdist each worker gets its share of the cores for PyTorch's intra-op threads, and so do the processes
+# its tests start (they inherit it): two workers of two threads each on two cores wait at each other's barriers, a
+# third slower in all (docs/BENCHMARKS.md). Set before any test imports torch; the tests of the threaded paths set
+# their thread counts themselves.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, CORES // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
 # The files that take longest (`--durations`, docs/BENCHMARKS.md), run first: under pytest-xdist (`make test`: ``-n 2
 # --dist loadfile``, each file's tests in one worker so that its module fixtures are made once) a long file begun
 # last would keep one worker busy after the other has finished.
