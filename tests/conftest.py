@@ -20,13 +20,14 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, CORES // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 # The files that take longest (`--durations`, docs/BENCHMARKS.md), run first: under pytest-xdist (`make test`: ``-n 2
-# --dist loadfile``, each file's tests in one worker so that its module fixtures are made once) a long file begun
-# last would keep one worker busy after the other has finished.
-LONGEST_FIRST = ("test_demo.py", "test_sigkill.py", "test_trl_launch.py", "test_bench.py", "test_trl.py",
-                 "test_distill_recipe.py", "test_cli_runs.py", "test_trl_trainers.py", "test_grade_recipe.py",
-                 "test_sharded.py", "test_triton.py", "test_trl_resume.py", "test_jax_sharded.py", "test_docs.py",
-                 "test_tunix.py", "test_trl_fsdp.py", "test_trl_distributed.py", "test_bench_distributed.py",
-                 "test_grade_bench.py", "test_user_cases.py")
+# --dist loadfile --no-loadscope-reorder``, each file's tests in one worker so that its module fixtures are made once,
+# the files handed out in this order) a long file begun last would keep one worker busy after the other has finished.
+LONGEST_FIRST = ("test_trl_launch.py", "test_sigkill.py", "test_bench.py", "test_distill_recipe.py",
+                 "test_cli_runs.py", "test_demo.py", "test_grade_recipe.py", "test_docs.py", "test_tunix.py",
+                 "test_trl.py", "test_trl_trainers.py", "test_sharded.py", "test_jax_grpo.py", "test_user_cases.py",
+                 "test_fused_fuzz.py", "test_triton.py", "test_jax_sharded.py", "test_jax.py", "test_grade_bench.py",
+                 "test_grpo_objective.py", "test_bench_distributed.py", "test_trl_fsdp.py",
+                 "test_trl_distributed.py", "test_trl_resume.py")
 
 
 def pytest_collection_modifyitems(config, items):
