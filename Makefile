@@ -53,15 +53,18 @@ tokamax-env: $(TOKAMAX_VENV)/bin/.installed
 demo: install
 	$(BIN)/logitless demo
 
-# every test, in two worker processes (pytest-xdist; a test file's tests stay in one worker), after the lint and the
-# JAX tests (but those that need the torch extra) in an environment with only the JAX install
-test: lint $(BIN)/.installed-deepspeed test-jax-alone
-	$(BIN)/python -m pytest -q -n 2
+# every test, in two worker processes (pytest-xdist; a test file's tests stay in one worker): first, side by side, the
+# two environments' installs, the lint and the JAX tests (but those that need the torch extra) in the environment with
+# only the JAX install; then every other test
+test:
+	$(MAKE) --no-print-directory -j2 lint $(BIN)/.installed-deepspeed test-jax-alone
+	$(BIN)/python -m pytest -q -n 2 -m "not jax_alone or torch"
 
+# the files whose tests are marked jax_alone (tests/test_layout.py checks the two agree)
 JAX_TESTS := tests/test_jax_alone.py tests/test_jax.py tests/test_jax_two_heads.py tests/test_jax_sharded.py \
 	tests/test_jax_bench.py
 test-jax-alone: $(JAX_VENV)/bin/.installed
-	$(JAX_VENV)/bin/python -m pytest -q -n 2 -m "not torch" $(JAX_TESTS)
+	$(JAX_VENV)/bin/python -m pytest -q -n 2 -m "jax_alone and not torch" $(JAX_TESTS)
 
 # the edit-test loop: the tests not marked slow, distributed or interpreter (pyproject.toml), the fuzz tests at a
 # tenth of their examples; `make test` before a commit

@@ -24,6 +24,8 @@ from logitless.jax.engine import Plan
 from logitless.jax.fused import linear_stats
 from logitless.jax.softmax import SoftmaxAccumulator
 
+pytestmark = pytest.mark.jax_alone  # `make test` runs this file's tests in its JAX-only environment
+
 B, T, H, V = 3, 7, 16, 61
 BLOCKS = BlockSizes(vocab=16, tokens=8)
 

@@ -12,6 +12,8 @@ import pytest
 
 from logitless.cli import EXTRAS
 
+pytestmark = pytest.mark.jax_alone  # `make test` runs this file's tests in its JAX-only environment
+
 ROOT = Path(__file__).resolve().parents[1]
 NOT_FOR_JAX = ("torch", "transformers", "matplotlib", "tiktoken", "safetensors", "trl")
 # run first in a child interpreter: PyTorch, transformers and matplotlib cannot be imported, as where they are not
@@ -80,3 +82,13 @@ def test_bench_jax_runs_without_pytorch_and_a_plot_says_how_to_get_matplotlib(tm
     assert result.returncode == 1 and not (tmp_path / "p.png").exists()
     assert result.stderr.splitlines() == [
         "logitless bench jax: --plot: needs matplotlib, which is not installed: pip install 'logitless[plots]'"]
+
+
+def test_the_files_marked_jax_alone_are_the_ones_make_test_runs_without_pytorch():
+    """`make test` runs the jax_alone tests in the JAX-only environment (the Makefile's JAX_TESTS) and leaves them out
+    of the run beside PyTorch: a file marked but not listed, or listed but not marked, would lose its tests."""
+    makefile = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    listed = next(line for line in makefile.splitlines() if line.startswith("JAX_TESTS :="))
+    marked = {f"tests/{path.name}" for path in (ROOT / "tests").glob("test_*.py")
+              if "pytest.mark.jax_alone" in path.read_text()}
+    assert set(listed.partition(":=")[2].split()) == marked and len(marked) >= 5

@@ -6,6 +6,8 @@ import pytest
 
 from logitless.cli import main
 
+pytestmark = pytest.mark.jax_alone  # `make test` runs this file's tests in its JAX-only environment
+
 
 @pytest.mark.slow
 @pytest.mark.torch  # the plot: matplotlib comes with PyTorch's extra, not with the JAX one

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow  # every test reads one fresh process's report
+pytestmark = [pytest.mark.slow,  # every test reads one fresh process's report
+              pytest.mark.jax_alone]  # `make test` runs this file's tests in its JAX-only environment
 
 N, H, V = 32, 16, 16384  # tests/jax_sharded.py's tokens, hidden size and vocabulary
 ROW_STATISTICS = 32 * N * 4  # bytes: a few dozen fp32 numbers per token

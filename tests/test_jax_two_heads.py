@@ -15,6 +15,8 @@ from jax_helpers import assert_close
 import logitless
 from logitless.jax import BlockSizes, Head, fused_linear_jsd, fused_linear_kl
 
+pytestmark = pytest.mark.jax_alone  # `make test` runs this file's tests in its JAX-only environment
+
 B, T, H_S, H_T, V = 2, 5, 12, 20, 61
 BLOCKS = BlockSizes(vocab=16, tokens=4)
 
