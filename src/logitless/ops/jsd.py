@@ -43,15 +43,14 @@ from typing import NamedTuple
 
 import torch
 
-from logitless._checks import check_impl, checked_keywords, head_wholes
+from logitless._checks import checked_keywords, head_wholes
 from logitless.ops import reference
 from logitless.ops.engine import LinearStats, Scratch, merged_across
 from logitless.ops.head import LinearHead, stat_dtype
 from logitless.ops.kl import KLStats, KLSums, kl_block_logits_grad, kl_stats, kl_update_stats
 from logitless.ops.plan import implementation, plan_blocks
 from logitless.ops.settings import BlockSizes
-from logitless.ops.two_heads import (check_same_vocabulary, check_side, fixed_head, kept_rows, op_heads,
-                                     scatter_kept, sides_on_this_rank)
+from logitless.ops.two_heads import fixed_head, scatter_kept, two_head_inputs
 
 
 class JSDStats(NamedTuple):
@@ -292,17 +291,9 @@ def fused_linear_jsd(hidden_s: torch.Tensor, weight_s: torch.Tensor | None = Non
     gets no gradient. ``block_sizes`` and ``impl`` ("auto" | "reference" | "chunked" | "triton") as in
     `fused_linear_logprobs`.
     """
-    head_s, head_t = op_heads(("s", "t"), (head_s, head_t), (weight_s, weight_t), (bias_s, bias_t), temperature,
-                              softcap, logit_scale)
     beta = _check_beta(beta)
-    check_impl(impl)
-    sizes = BlockSizes.of(block_sizes)
-    check_side("s", hidden_s, head_s)
-    check_side("t", hidden_t, head_t)
-    check_same_vocabulary(head_s, head_t, ("s", "t"))
-    materialize = implementation(impl, hidden_s.device, stat_dtype(hidden_s.dtype)).materializes
-    head_s, hidden_s, head_t, hidden_t = sides_on_this_rank(head_s, hidden_s, head_t, hidden_t, materialize, ("s", "t"))
-    flat_s, flat_t, kept = kept_rows(hidden_s, hidden_t, mask, ("s", "t"))
-    divergence, entropy = _heads_jsd(flat_s, head_s, flat_t, head_t, beta, sizes, impl)
-    divergence = scatter_kept(divergence, kept, hidden_s.shape[:-1])
-    return (divergence, scatter_kept(entropy, kept, hidden_s.shape[:-1])) if return_token_entropy else divergence
+    sides = two_head_inputs(("s", "t"), (hidden_s, hidden_t), (head_s, head_t), (weight_s, weight_t),
+                            (bias_s, bias_t), temperature, softcap, logit_scale, mask, block_sizes, impl)
+    divergence, entropy = _heads_jsd(sides.flat, sides.head, sides.fixed_flat, sides.fixed, beta, sides.sizes, impl)
+    divergence = scatter_kept(divergence, sides.kept, sides.leading)
+    return (divergence, scatter_kept(entropy, sides.kept, sides.leading)) if return_token_entropy else divergence

@@ -39,15 +39,14 @@ from typing import NamedTuple
 
 import torch
 
-from logitless._checks import check_impl, checked_keywords, head_wholes
+from logitless._checks import checked_keywords, head_wholes
 from logitless.ops import reference
 from logitless.ops.engine import LinearStats, Scratch, merged_across
 from logitless.ops.head import LinearHead, stat_dtype
 from logitless.ops.plan import implementation, plan_blocks
 from logitless.ops.settings import BlockSizes
 from logitless.ops.softmax import OnlineSoftmax
-from logitless.ops.two_heads import (check_same_vocabulary, check_side, fixed_head, kept_rows, op_heads,
-                                     scatter_kept, sides_on_this_rank)
+from logitless.ops.two_heads import fixed_head, scatter_kept, two_head_inputs
 
 
 class KLSums:
@@ -253,14 +252,7 @@ def fused_linear_kl(hidden_p: torch.Tensor, weight_p: torch.Tensor | None = None
     gradient. ``block_sizes`` and ``impl`` ("auto" | "reference" | "chunked" | "triton") as in
     `fused_linear_logprobs`.
     """
-    head_p, head_q = op_heads(("p", "q"), (head_p, head_q), (weight_p, weight_q), (bias_p, bias_q), temperature,
-                              softcap, logit_scale)
-    check_impl(impl)
-    sizes = BlockSizes.of(block_sizes)
-    check_side("p", hidden_p, head_p)
-    check_side("q", hidden_q, head_q)
-    check_same_vocabulary(head_p, head_q, ("p", "q"))
-    materialize = implementation(impl, hidden_p.device, stat_dtype(hidden_p.dtype)).materializes
-    head_p, hidden_p, head_q, hidden_q = sides_on_this_rank(head_p, hidden_p, head_q, hidden_q, materialize, ("p", "q"))
-    flat_p, flat_q, kept = kept_rows(hidden_p, hidden_q, mask, ("p", "q"))
-    return scatter_kept(_heads_kl(flat_p, head_p, flat_q, head_q, sizes, impl), kept, hidden_p.shape[:-1])
+    sides = two_head_inputs(("p", "q"), (hidden_p, hidden_q), (head_p, head_q), (weight_p, weight_q),
+                            (bias_p, bias_q), temperature, softcap, logit_scale, mask, block_sizes, impl)
+    return scatter_kept(_heads_kl(sides.flat, sides.head, sides.fixed_flat, sides.fixed, sides.sizes, impl), sides.kept,
+                        sides.leading)

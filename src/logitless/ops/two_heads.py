@@ -6,11 +6,45 @@ suffix of its arguments (``p`` and ``q``, ``s`` and ``t``), and so is every erro
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
-from logitless._checks import check_mask, check_tensor
-from logitless.ops.head import LinearHead, op_head
+from logitless._checks import check_impl, check_mask, check_tensor
+from logitless.ops.head import LinearHead, op_head, stat_dtype
+from logitless.ops.plan import implementation
+from logitless.ops.settings import BlockSizes
+
+
+class TwoHeadInputs(NamedTuple):
+    """A two-head op's checked inputs on this rank: the trained side's head and its kept rows (K, H), the fixed
+    side's, the kept positions among the N tokens (None without a mask), the leading dims of the output, the blocks."""
+
+    head: LinearHead
+    flat: torch.Tensor
+    fixed: LinearHead
+    fixed_flat: torch.Tensor
+    kept: torch.Tensor | None
+    leading: torch.Size
+    sizes: BlockSizes
+
+
+def two_head_inputs(sides: tuple[str, str], hiddens: tuple, heads: tuple, weights: tuple, biases: tuple,
+                    temperature: float, softcap: float | None, logit_scale: float, mask, block_sizes, impl: str
+                    ) -> TwoHeadInputs:
+    """Each side's head (`op_heads`) and hidden states checked, the vocabularies the same, both sides on this rank
+    (`sides_on_this_rank`) and the tokens both keep (`kept_rows`); ``sides[0]`` is the side trained."""
+    head, fixed = op_heads(sides, heads, weights, biases, temperature, softcap, logit_scale)
+    check_impl(impl)
+    sizes = BlockSizes.of(block_sizes)
+    hidden, fixed_hidden = hiddens
+    check_side(sides[0], hidden, head)
+    check_side(sides[1], fixed_hidden, fixed)
+    check_same_vocabulary(head, fixed, sides)
+    materialize = implementation(impl, hidden.device, stat_dtype(hidden.dtype)).materializes
+    head, hidden, fixed, fixed_hidden = sides_on_this_rank(head, hidden, fixed, fixed_hidden, materialize, sides)
+    flat, fixed_flat, kept = kept_rows(hidden, fixed_hidden, mask, sides)
+    return TwoHeadInputs(head, flat, fixed, fixed_flat, kept, hidden.shape[:-1], sizes)
 
 
 def op_heads(sides: tuple[str, str], heads: tuple, weights: tuple, biases: tuple, temperature: float,
