@@ -34,13 +34,22 @@ def check_positive_finite(name: str, value) -> float:
     return float(check_finite_number(name, value))
 
 
-def set_head_numbers(head) -> None:
-    """Check a frozen head dataclass's ``temperature``, ``logit_scale`` and ``softcap`` (None: no cap), each a
-    finite number > 0, and store them as floats: the PyTorch `LinearHead` and the JAX `Head` alike."""
-    for name in ("temperature", "logit_scale", "softcap"):
-        value = getattr(head, name)
-        if value is not None or name != "softcap":
-            object.__setattr__(head, name, check_positive_finite(name, value))
+@dataclasses.dataclass(frozen=True, eq=False)
+class HeadNumbers:
+    """How an LM head's ``hidden @ weight.T + bias`` becomes logits, shared by the PyTorch `LinearHead` and the JAX
+    `Head` (each adds its arrays, ``weight`` first and positional): keyword-only, each a finite number > 0 (a
+    ``softcap`` of None: no cap), stored as floats."""
+
+    _: dataclasses.KW_ONLY
+    temperature: float = 1.0
+    softcap: float | None = None
+    logit_scale: float = 1.0
+
+    def __post_init__(self):
+        for name in ("temperature", "logit_scale", "softcap"):
+            value = getattr(self, name)
+            if value is not None or name != "softcap":
+                object.__setattr__(self, name, check_positive_finite(name, value))
 
 
 def check_choice(name: str, value, choices: Sequence[str]) -> str:

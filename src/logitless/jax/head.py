@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from logitless._checks import set_head_numbers
+from logitless._checks import HeadNumbers
 
 
 def stat_dtype(dtype) -> jnp.dtype:
@@ -31,9 +31,10 @@ def stat_dtype(dtype) -> jnp.dtype:
 @partial(jax.tree_util.register_dataclass, data_fields=["weight", "bias"],
          meta_fields=["temperature", "softcap", "logit_scale"])
 @dataclass(frozen=True)
-class Head:
+class Head(HeadNumbers):
     """An LM head: ``weight`` (V, H), optional ``bias`` (V,), and how ``hidden @ weight.T + bias`` becomes logits
-    (the fields after ``weight`` are keyword-only, as `logitless.LinearHead`'s).
+    (the fields after ``weight`` are keyword-only: ``bias`` and `HeadNumbers`' ``temperature``, ``softcap`` and
+    ``logit_scale``, as `logitless.LinearHead`'s).
 
     The arrays are checked where an op takes the head (they may be anything while JAX maps over the pytree);
     the numbers here."""
@@ -41,12 +42,6 @@ class Head:
     weight: jax.Array
     _: KW_ONLY
     bias: jax.Array | None = None
-    temperature: float = 1.0
-    softcap: float | None = None
-    logit_scale: float = 1.0
-
-    def __post_init__(self):
-        set_head_numbers(self)
 
     @property
     def vocab_size(self) -> int:

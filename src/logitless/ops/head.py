@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from logitless._checks import check_tensor, set_head_numbers
+from logitless._checks import HeadNumbers, check_tensor
 
 if TYPE_CHECKING:
     from logitless.ops.sharded import VocabShard
@@ -52,16 +52,14 @@ def matmul_stat(left: torch.Tensor, right: torch.Tensor, *, add_to: torch.Tensor
 
 
 @dataclass(frozen=True, eq=False)
-class LinearHead:
+class LinearHead(HeadNumbers):
     """An LM head: ``weight`` (V, H), optional ``bias`` (V,), and how its output becomes logits (the fields after
-    ``weight`` are keyword-only)."""
+    ``weight`` are keyword-only: ``bias``, `HeadNumbers`' ``temperature``, ``softcap`` and ``logit_scale``, and
+    ``shard``)."""
 
     weight: torch.Tensor
     _: KW_ONLY
     bias: torch.Tensor | None = None
-    temperature: float = 1.0
-    softcap: float | None = None
-    logit_scale: float = 1.0
     shard: VocabShard | None = None  # the weight is this rank's rows of a vocabulary sharded over ranks (`sharded.py`)
 
     def __post_init__(self):
@@ -74,7 +72,7 @@ class LinearHead:
             if bool(torch.isnan(self.bias).any() | torch.isposinf(self.bias).any()):
                 raise ValueError("bias: contains NaN or +inf (only -inf, for vocabulary rows that can never be "
                                  "sampled, is allowed)")
-        set_head_numbers(self)
+        super().__post_init__()
 
     @property
     def vocab_size(self) -> int:
