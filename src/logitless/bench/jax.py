@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass
 from logitless.bench import tokamax as bench_tokamax
 from logitless.bench.options import (add_report_options, add_shape_options, benchmark_parser, choices_metavar,
                                      require_positive, require_writable, rows_so_far, write_report)
+from logitless.bench.text_table import column, header_line, row_line
 from logitless.ops.settings import GRPOSettings
 
 LOSSES = ("ce", "kl", "grpo")
@@ -300,8 +301,13 @@ def run(losses=LOSSES, run_shape: Shape = Shape(), compile_shape: Shape | None =
     return report
 
 
-def _megabytes(value: int) -> str:
-    return f"{value / 1e6:,.0f}"  # MB = 10^6 bytes
+MB = 1e-6  # MB = 10^6 bytes
+COLUMNS = (column("loss", "<6", "loss"), column("impl", "<13", "impl"),
+           column("temp MB", ">10,.0f", "temp_size_in_bytes", MB), column("x plain", ">9.3f", "temp_ratio"),
+           column("arg MB", ">9,.0f", "argument_size_in_bytes", MB),
+           column("out MB", ">9,.0f", "output_size_in_bytes", MB))
+TIMED_COLUMNS = (column("time s", ">9.3f", "time_s"), column("x plain", ">9.2f", "time_ratio"),
+                 column("loss diff", ">11.1e", "loss_diff"), column("max|dgrad|", ">12.1e", "max_abs_grad_diff"))
 
 
 def format_table(report: dict) -> str:
@@ -314,17 +320,13 @@ def format_table(report: dict) -> str:
         timed = name == "run" and not report["compile_only"]
         lines.append(f"{'compile only' if not timed else 'run'}: {shape.label()}, seq_chunked in {shape.seq_chunks} "
                      "slices")
-        lines.append(f"{'loss':<6}{'impl':<13}{'temp MB':>10}{'x plain':>9}{'arg MB':>9}{'out MB':>9}"
-                     + (f"{'time s':>9}{'x plain':>9}{'loss diff':>11}{'max|dgrad|':>12}" if timed else ""))
+        columns = COLUMNS + (TIMED_COLUMNS if timed else ())
+        lines.append(header_line(columns))
         for loss, results in by_loss.items():
             for impl, r in results.items():
-                line = (f"{loss:<6}{impl:<13}{_megabytes(r['temp_size_in_bytes']):>10}{r['temp_ratio']:>9.3f}"
-                        f"{_megabytes(r['argument_size_in_bytes']):>9}{_megabytes(r['output_size_in_bytes']):>9}")
-                if timed:
-                    line += (f"{r['time_s']:>9.3f}{r['time_ratio']:>9.2f}{r['loss_diff']:>11.1e}"
-                             f"{r['max_abs_grad_diff']:>12.1e}")
+                line = row_line(columns, {**r, "loss": loss, "impl": impl})
                 if "peak_bytes_in_use" in r:
-                    line += f"  peak {_megabytes(r['peak_bytes_in_use'])} MB"
+                    line += f"  peak {r['peak_bytes_in_use'] * MB:,.0f} MB"
                 lines.append(line)
     if "results" in report.get("tokamax", {}):
         from logitless.bench.tokamax import format_table as tokamax_table

@@ -41,6 +41,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from logitless.bench.text_table import Column, column, header_line, row_line
+
 IMPLEMENTATIONS = ("plain", "tokamax_xla", "tokamax_chunked_xla", "logitless")
 TOKAMAX = ("tokamax_xla", "tokamax_chunked_xla")
 REDUCTIONS = ("per_token", "mean")
@@ -337,6 +339,13 @@ def tokamax_section(comparison: Comparison, peer_python: str = PEER_PYTHON, prog
 
 
 SHORT_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float64": "f64"}
+COLUMNS = (column("dtype", "<10", "dtype"), column("reduction", "<11", "reduction"), column("impl", "<21", "impl"),
+           column("temp MB", ">9,.0f", "temp_size_in_bytes", 1e-6), column("x tkmx", ">8.3f", "temp_x_tokamax"))
+TIMED_COLUMNS = (column("time s", ">9.3f", "time_s"), column("x tkmx", ">8.2f", "time_x_tokamax"),
+                 column("loss s", ">8.3f", "loss_only_s"), column("GEMMs", ">7.2f", "gemms"),
+                 Column("grads", ">6", lambda row: SHORT_DTYPES.get(row["grad_dtype"], row["grad_dtype"])),
+                 column("loss err", ">10.1e", "loss_rel_err"), column("dh err", ">9.1e", "dhidden_rel_err"),
+                 column("dW err", ">9.1e", "dweight_rel_err"))
 
 
 def format_table(section: dict) -> str:
@@ -346,21 +355,14 @@ def format_table(section: dict) -> str:
         return ""
     comparison = Comparison(**section["comparison"])
     timed = not comparison.compile_only
+    columns = COLUMNS + (TIMED_COLUMNS if timed else ())
     lines = [f"cross-entropy vs Tokamax, value_and_grad(hidden, weight), {comparison.label()}, on {section['backend']} "
              f"({section['device']}): Python {section['python']}, jax {section['jax']}, tokamax {section['tokamax']}",
-             f"{'dtype':<10}{'reduction':<11}{'impl':<21}{'temp MB':>9}{'x tkmx':>8}"
-             + (f"{'time s':>9}{'x tkmx':>8}{'loss s':>8}{'GEMMs':>7}{'grads':>6}{'loss err':>10}{'dh err':>9}"
-                f"{'dW err':>9}" if timed else "")]
+             header_line(columns)]
     for dtype, by_reduction in section["results"].items():
         for reduction, results in by_reduction.items():
             for impl, r in results.items():
-                line = (f"{dtype:<10}{reduction:<11}{impl:<21}{r['temp_size_in_bytes'] / 1e6:>9,.0f}"
-                        f"{r['temp_x_tokamax']:>8.3f}")
-                if timed:
-                    line += (f"{r['time_s']:>9.3f}{r['time_x_tokamax']:>8.2f}{r['loss_only_s']:>8.3f}"
-                             f"{r['gemms']:>7.2f}{SHORT_DTYPES.get(r['grad_dtype'], r['grad_dtype']):>6}"
-                             f"{r['loss_rel_err']:>10.1e}{r['dhidden_rel_err']:>9.1e}{r['dweight_rel_err']:>9.1e}")
-                lines.append(line)
+                lines.append(row_line(columns, {**r, "dtype": dtype, "reduction": reduction, "impl": impl}))
     lines.append("x tkmx: over the fastest Tokamax implementation's" + (
         "; loss s: the loss alone, no gradient; GEMMs: the step over one (N, H) x (H, V) matmul's time; grads: the "
         "gradients' dtype" if timed else " (compile only: the one with the fewest temporaries)"))
