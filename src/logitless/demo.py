@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from logitless import interrupts
 from logitless.data import tokenize_prompt_and_output
@@ -121,11 +122,12 @@ def train_demo(config: DemoConfig, directory: Path, *, progress: bool = True) ->
         progress=progress)
     print(f"plot: {directory / 'grpo' / 'reward.png'}")
     phase(2, "held-out accuracy before and after GRPO")
+    before_and_after = tqdm((policy_dir, directory / "grpo" / f"checkpoint-{config.grpo_steps}"),
+                            desc="held-out accuracy", unit="model", disable=not progress)
     return {"sft_loss": (sft["loss"][0], sft["loss"][-1]), "reward": quarter_means(grpo["reward"]),
             "p_correct_model": quarter_means(grpo["p_correct_model"]),
             "p_correct_judge": quarter_means(grpo["p_correct_judge"]), "steps_trained": len(grpo["reward"]),
-            "accuracy": (sampled_accuracy(policy_dir, held_out),
-                         sampled_accuracy(directory / "grpo" / f"checkpoint-{config.grpo_steps}", held_out)),
+            "accuracy": tuple(sampled_accuracy(model_dir, held_out) for model_dir in before_and_after),
             "completions_scored": config.completions_per_step * len(grpo["reward"]),
             "history": grpo, "policy_dir": policy_dir}
 
