@@ -165,3 +165,19 @@ def test_the_readme_calls_untested_what_docs_trl_marks_untested():
         assert setup in untested, f"docs/trl.md no longer marks {setup} untested: update this test's list"
         claims = [sentence for sentence in sentences if setup in sentence and "untested" not in sentence]
         assert claims == [], setup
+
+
+def test_every_test_the_docs_name_is_in_the_suite():
+    """A doc that names a test names one the suite has: a test file (``test_cli``), a test function, or a test
+    function's first words ending in ``_`` (``test_one_step_...``): a renamed or merged test leaves no pointer to
+    nothing."""
+    files = {path.stem for path in (ROOT / "tests").glob("test_*.py")}
+    functions = {name for path in (ROOT / "tests").glob("*.py")
+                 for name in re.findall(r"^def (test_\w+)", path.read_text(), re.MULTILINE)}
+    missing = [f"{path.relative_to(ROOT)}:{number}: {name}"
+               for path in [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").glob("*.md"))]
+               for number, line in enumerate(path.read_text().splitlines(), 1)
+               for name in re.findall(r"\b(test_\w+)", line)
+               if name not in files | functions
+               and not (name.endswith("_") and any(function.startswith(name) for function in functions))]
+    assert missing == []
