@@ -60,7 +60,7 @@ test:
 	$(MAKE) --no-print-directory -j2 lint $(BIN)/.installed-deepspeed test-jax-alone
 	$(BIN)/python -m pytest -q -n 2 -m "not jax_alone or torch"
 
-# the files whose tests are marked jax_alone (tests/test_layout.py checks the two agree)
+# the files whose tests are marked jax_alone (tests/test_jax_alone.py checks the two agree)
 JAX_TESTS := tests/test_jax_alone.py tests/test_jax.py tests/test_jax_two_heads.py tests/test_jax_sharded.py \
 	tests/test_jax_bench.py
 test-jax-alone: $(JAX_VENV)/bin/.installed

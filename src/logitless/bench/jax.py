@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 from logitless.bench import tokamax as bench_tokamax
 from logitless.bench.options import (add_report_options, add_shape_options, benchmark_parser, choices_metavar,
                                      require_positive, require_writable, rows_so_far, write_report)
-from logitless.bench.text_table import column, header_line, row_line
+from logitless.bench.text_table import MB_PER_BYTE, column, header_line, row_line
 from logitless.ops.settings import GRPOSettings
 
 LOSSES = ("ce", "kl", "grpo")
@@ -301,11 +301,10 @@ def run(losses=LOSSES, run_shape: Shape = Shape(), compile_shape: Shape | None =
     return report
 
 
-MB = 1e-6  # MB = 10^6 bytes
 COLUMNS = (column("loss", "<6", "loss"), column("impl", "<13", "impl"),
-           column("temp MB", ">10,.0f", "temp_size_in_bytes", MB), column("x plain", ">9.3f", "temp_ratio"),
-           column("arg MB", ">9,.0f", "argument_size_in_bytes", MB),
-           column("out MB", ">9,.0f", "output_size_in_bytes", MB))
+           column("temp MB", ">10,.0f", "temp_size_in_bytes", MB_PER_BYTE), column("x plain", ">9.3f", "temp_ratio"),
+           column("arg MB", ">9,.0f", "argument_size_in_bytes", MB_PER_BYTE),
+           column("out MB", ">9,.0f", "output_size_in_bytes", MB_PER_BYTE))
 TIMED_COLUMNS = (column("time s", ">9.3f", "time_s"), column("x plain", ">9.2f", "time_ratio"),
                  column("loss diff", ">11.1e", "loss_diff"), column("max|dgrad|", ">12.1e", "max_abs_grad_diff"))
 
@@ -326,7 +325,7 @@ def format_table(report: dict) -> str:
             for impl, r in results.items():
                 line = row_line(columns, {**r, "loss": loss, "impl": impl})
                 if "peak_bytes_in_use" in r:
-                    line += f"  peak {r['peak_bytes_in_use'] * MB:,.0f} MB"
+                    line += f"  peak {r['peak_bytes_in_use'] * MB_PER_BYTE:,.0f} MB"
                 lines.append(line)
     if "results" in report.get("tokamax", {}):
         from logitless.bench.tokamax import format_table as tokamax_table

@@ -9,6 +9,9 @@ from operator import itemgetter
 from typing import NamedTuple
 
 
+MB_PER_BYTE = 1e-6  # the tables' MB are 10^6 bytes
+
+
 class Column(NamedTuple):
     header: str
     spec: str

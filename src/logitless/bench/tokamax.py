@@ -41,7 +41,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from logitless.bench.text_table import Column, column, header_line, row_line
+from logitless.bench.text_table import MB_PER_BYTE, Column, column, header_line, row_line
 
 IMPLEMENTATIONS = ("plain", "tokamax_xla", "tokamax_chunked_xla", "logitless")
 TOKAMAX = ("tokamax_xla", "tokamax_chunked_xla")
@@ -340,7 +340,7 @@ def tokamax_section(comparison: Comparison, peer_python: str = PEER_PYTHON, prog
 
 SHORT_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float64": "f64"}
 COLUMNS = (column("dtype", "<10", "dtype"), column("reduction", "<11", "reduction"), column("impl", "<21", "impl"),
-           column("temp MB", ">9,.0f", "temp_size_in_bytes", 1e-6), column("x tkmx", ">8.3f", "temp_x_tokamax"))
+           column("temp MB", ">9,.0f", "temp_size_in_bytes", MB_PER_BYTE), column("x tkmx", ">8.3f", "temp_x_tokamax"))
 TIMED_COLUMNS = (column("time s", ">9.3f", "time_s"), column("x tkmx", ">8.2f", "time_x_tokamax"),
                  column("loss s", ">8.3f", "loss_only_s"), column("GEMMs", ">7.2f", "gemms"),
                  Column("grads", ">6", lambda row: SHORT_DTYPES.get(row["grad_dtype"], row["grad_dtype"])),
