@@ -1,6 +1,7 @@
 """Run by tests/test_trl_fsdp.py under torchrun (2 CPU processes, gloo): logitless's fused LM head, installed as
 GRPOTrainerWithLogits installs it, on a model sharded with FSDP2, and on one whose head alone is split by tensor
-parallelism, against the same model in one process.
+parallelism, against the same model in one process; and `sharded_logits`, each rank's own rows' logits from a head
+sharded on the vocabulary, against the whole head's.
 
 Each rank scores its own batch; the single-process reference scores both batches and averages the two losses, as
 FSDP2 averages gradients. Rank 0 saves the largest gradient difference of every parameter and the largest
@@ -17,11 +18,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from logitless.logprobs import get_response_log_probs
 from logitless.models import tiny_qwen2
+from logitless.ops.head import LinearHead
+from logitless.ops.sharded_logits import sharded_logits
 from logitless.trl.lm_head import add_logitless_lm_head, detached_head
 from logitless.trl.rewards import completion_views
 
@@ -121,6 +124,29 @@ def compare_tensor_parallel(world: int) -> dict:
             "reduce_scatters": len(reduce_scatters)}
 
 
+def compare_sharded_logits(rank: int, world: int) -> dict:
+    """`sharded_logits` of a head (bias, soft cap, logit scale) sharded on the vocabulary, each rank with rows of its
+    own, 3 fewer than the rank before (the last none), against the whole head's logits of the same rows; and its
+    refusals."""
+    torch.manual_seed(5)  # the same whole head on every rank
+    weight, bias = torch.randn(6, 16) * 0.5, torch.randn(6)
+    whole = LinearHead(weight, bias=bias, softcap=3.0, logit_scale=0.8)
+    mesh = init_device_mesh("cpu", (world,))
+    sharded = LinearHead(distribute_tensor(weight, mesh, [Shard(0)]), bias=distribute_tensor(bias, mesh, [Shard(0)]),
+                         softcap=3.0, logit_scale=0.8)
+    hidden = torch.randn(3 * (world - 1 - rank), 16, generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        rows = sharded_logits(sharded, hidden)
+    refusals = []
+    for head, given in ((whole, hidden), (sharded, hidden.requires_grad_())):
+        try:
+            sharded_logits(head, given)
+        except (ValueError, NotImplementedError) as error:
+            refusals.append(str(error))
+    error = (rows - whole.logits(hidden.detach())).abs().max().item() if len(hidden) else 0.0
+    return {"shape": tuple(rows.shape), "error": error, "refusals": refusals}
+
+
 @contextlib.contextmanager
 def counted_reduce_scatters():
     """A list that holds one entry per reduce-scatter run while the context lasts."""
@@ -141,6 +167,7 @@ def main(output_path: str) -> None:
     results = {f"tied={tied},shard_head={shard}": compare(tied, shard, rank, world)
                for tied, shard in ((False, True), (False, False), (True, False))}
     results["tensor_parallel"] = compare_tensor_parallel(world)
+    results["sharded_logits"] = compare_sharded_logits(rank, world)
     if rank == 0:
         torch.save(results, output_path)
     dist.barrier()

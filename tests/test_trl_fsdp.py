@@ -35,6 +35,11 @@ def test_fsdp2_gradients_and_completion_rows_equal_one_process(tmp_path):
     assert "FSDP2 gathered the LM head" in in_root and "fsdp_plan={'lm_head': 'free_full_weight'}" in in_root
     [tied] = results["tied=True,shard_head=False"]["notices"]
     assert "tied to the input embeddings" in tied
+    logits_rows = results.pop("sharded_logits")  # rank 0's: 3 rows, while rank 1 had none
+    assert logits_rows["shape"] == (3, 6) and logits_rows["error"] < 1e-6
+    whole_head, with_grad = logits_rows["refusals"]
+    assert whole_head.startswith("head: sharded_logits needs a weight that is a DTensor")
+    assert with_grad.startswith("hidden: sharded_logits computes no gradient")
     tensor_parallel = results.pop("tensor_parallel")
     assert tensor_parallel["head_was_dtensor"] and tensor_parallel["head_grad_is_shard"]
     # tensor parallelism: every rank scores the same tokens, summing dh over the shards; no rows sent to an owner,

@@ -11,7 +11,9 @@ or logits gradient exist, and the ``lm_head`` module itself is never called.
 Sharded heads: an FSDP2 or tensor-parallel head whose weight is a DTensor sharded on the vocabulary
 goes to the fused ops as it is, and each rank scores with its own rows of the vocabulary, the head
 never gathered (`logitless.ops.sharded`: each rank's gradient shard is the mean over the ranks, as FSDP2
-reduces every other gradient). The completion logits that reward functions read need whole rows, so
+reduces every other gradient). Generation runs the forward without labels: under FSDP2 its logits come
+from the vocabulary shards too (`vocabulary_parallel_forward`), so the head's module never runs there either and
+FSDP2 neither unshards nor prefetches it. The completion logits that reward functions read need whole rows, so
 for them the head is gathered once per reward batch. A DeepSpeed ZeRO-3 head is gathered by TRL's own
 context before the head is read (a partitioned weight holds no rows outside it), and again in backward,
 where the weight is read a second time.
@@ -29,11 +31,13 @@ from contextlib import nullcontext
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 from transformers.integrations import is_deepspeed_zero3_enabled
+from transformers.modeling_outputs import CausalLMOutputWithPast
 from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
 
 from logitless.hf import lm_head_of, model_body
 from logitless.ops.fused import linear_token_stats
 from logitless.ops.head import LinearHead
+from logitless.ops.sharded_logits import sharded_logits
 from logitless.trl.notices import head_gathered_by_fsdp
 
 logger = logging.getLogger(__name__)
@@ -65,6 +69,8 @@ def add_logitless_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32:
     def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
         if not fused_lm_head:
             passed = dict(labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch)
+            if labels is None and shift_labels is None and not torch.is_grad_enabled() and head_sharded_by_fsdp2(self):
+                return vocabulary_parallel_forward(self, *args, **kwargs)  # generation: the head's module never runs
             return original_forward(*args, **kwargs, **{k: v for k, v in passed.items() if v is not None})
         text_config = self.config.get_text_config()
         kwargs["use_cache"] = False
@@ -146,6 +152,34 @@ def detached_head(model, temperature: float, in_fp32: bool = False) -> LinearHea
         if is_deepspeed_zero3_enabled():  # the gathered rows are released when the context exits
             weight, bias = weight.clone(), None if bias is None else bias.clone()
         return dataclasses.replace(head, weight=weight.detach(), bias=None if bias is None else bias.detach())
+
+
+def head_sharded_by_fsdp2(model) -> bool:
+    """Whether ``model``'s LM head weight is, as it will be read, a DTensor that FSDP2 shards on the vocabulary (the
+    head an FSDP unit of its own, as docs/distributed.md loads it): each rank has its own tokens and V / P rows."""
+    from torch.distributed.fsdp import FSDPModule
+
+    weight = getattr(model.get_output_embeddings(), "weight", None)
+    return isinstance(weight, DTensor) and any(isinstance(module, FSDPModule) for module in model.modules())
+
+
+def vocabulary_parallel_forward(model, *args, logits_to_keep: int | torch.Tensor = 0, return_dict=None, **kwargs
+                                ) -> CausalLMOutputWithPast:
+    """The model's forward without labels or gradients (what ``generate`` calls at each decode step) for a head that
+    FSDP2 shards on the vocabulary: the body's last hidden states at the positions ``logits_to_keep`` selects (as
+    transformers' models read it: the last N positions, or these indices) scored by `sharded_logits`, so the head's
+    module never runs and its weight is never gathered; the group's hidden states and each rank's rows' logits move
+    instead. The logits come back in the head's dtype, as the model's own head returns them."""
+    body_outputs = model_body(model)(*args, **kwargs)
+    hidden = body_outputs.last_hidden_state  # (B, T, H)
+    kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    hidden = hidden[:, kept]  # (B, T', H)
+    head = lm_head_of(model)
+    rows = sharded_logits(head, hidden.reshape(-1, hidden.shape[-1]).to(head.weight.dtype))
+    logits = rows.to(head.weight.dtype).view(*hidden.shape[:2], -1)  # (B, T', V)
+    return CausalLMOutputWithPast(logits=logits, past_key_values=body_outputs.past_key_values,
+                                  hidden_states=getattr(body_outputs, "hidden_states", None),
+                                  attentions=getattr(body_outputs, "attentions", None))
 
 
 def tensor_parallel(model, head: LinearHead) -> bool:

@@ -28,14 +28,18 @@ def is_sharded_fsdp2(model) -> bool:
 
 
 def head_gathered_by_fsdp(model, weight) -> str | None:
-    """Why FSDP2 gathered ``model``'s LM head ``weight`` before logitless read it (None when it arrives sharded or the
-    model is not FSDP2-sharded): the head runs in the same FSDP unit as another module, or it is the input
-    embedding."""
-    if isinstance(weight, DTensor) or not is_sharded_fsdp2(model):
+    """Why FSDP2 gathers ``model``'s LM head ``weight`` (None when it is never gathered: it arrives sharded in a unit of
+    its own, or the model is not FSDP2-sharded): the head is the input embedding, which FSDP2 gathers at every forward
+    for the input lookup, however logitless then reads it; or it runs in the same FSDP unit as another module."""
+    if not is_sharded_fsdp2(model):
         return None
     if model.config.get_text_config().tie_word_embeddings:
-        return ("logitless: the LM head is tied to the input embeddings, which FSDP2 gathers for the input lookup; "
-                "logitless scores with that gathered copy (untie the embeddings to keep the head sharded)")
+        return ("logitless: the LM head is tied to the input embeddings, which FSDP2 gathers for the input lookup at "
+                "every forward, so the head's size moves in every step although logitless never calls the head; "
+                "untie the embeddings (tie_word_embeddings=False) to keep the head sharded, never gathered "
+                f"({DISTRIBUTED_DOCS})")
+    if isinstance(weight, DTensor):
+        return None
     return ("logitless: FSDP2 gathered the LM head before logitless read it (its FSDP unit holds another module, "
             "transformers' default groups it with the final norm): load with DistributedConfig(fsdp_size=..., "
             f"fsdp_plan={{'lm_head': 'free_full_weight'}}) to keep it sharded, never gathered ({DISTRIBUTED_DOCS})")
