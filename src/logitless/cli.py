@@ -1,5 +1,5 @@
 """The ``logitless`` command: demo | sft | grpo | grade | distill | bench (lmhead | grpo | reward | jax | grade |
-grade-variance | trl | cli).
+grade-variance | trl | cli | distributed).
 
 Each subcommand's options live in a module of their own, which exposes ``add_parser(subcommands)`` (adding
 its parser and a ``handler``); registering one is one line in `build_parser`. Those modules load no
