@@ -27,13 +27,15 @@ $(BIN)/.installed-deepspeed: $(BIN)/.installed
 
 install: $(BIN)/.installed
 
-# the JAX ops as a JAX user installs them (README: pip install 'logitless[jax]'), with no PyTorch, for the JAX tests
+# the JAX ops as a JAX user installs them, with no PyTorch, for the JAX tests and docs/jax.md's code: the flax extra
+# (docs/jax.md: pip install 'logitless[flax]', the jax extra and the Flax and optax its training loop uses)
 JAX_VENV ?= .venv-jax
+JAX_EXTRA := flax
 $(JAX_VENV)/bin/.installed: pyproject.toml Makefile $(shell find src -name '*.py')
 	$(PYTHON) -m venv $(JAX_VENV)
 	$(JAX_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(JAX_VENV)/bin/python -m pip install --quiet --force-reinstall --no-deps . && \
-		$(JAX_VENV)/bin/python -m pip install --quiet ".[jax]" pytest pytest-xdist hypothesis
+		$(JAX_VENV)/bin/python -m pip install --quiet ".[$(JAX_EXTRA)]" pytest pytest-xdist hypothesis
 	touch $@
 
 # bench jax's Tokamax rows: Tokamax >= 0.0.13 needs Python >= 3.12 and jax >= 0.11.1, so it gets an interpreter
@@ -62,7 +64,7 @@ test:
 
 # the files whose tests are marked jax_alone (tests/test_jax_alone.py checks the two agree)
 JAX_TESTS := tests/test_jax_alone.py tests/test_jax.py tests/test_jax_two_heads.py tests/test_jax_sharded.py \
-	tests/test_jax_bench.py
+	tests/test_jax_bench.py tests/test_docs.py
 test-jax-alone: $(JAX_VENV)/bin/.installed
 	$(JAX_VENV)/bin/python -m pytest -q -n 2 -m "jax_alone and not torch" $(JAX_TESTS)
 

@@ -167,8 +167,8 @@ def refused(call) -> str:
 
 
 def refusals(world: int) -> dict[str, str]:
-    """What the ops say of a weight sharded on the hidden dimension, unevenly, or on another mesh than the hidden
-    states'."""
+    """What the ops say of a weight sharded on the hidden dimension, replicated, unevenly, or on another mesh than
+    the hidden states'."""
     mesh = init_device_mesh("cpu", (world,))
     other_mesh = init_device_mesh("cpu", (1, world))
     hidden, targets = torch.randn(2, 3, HIDDEN), torch.randint(0, VOCAB, (2, 3))
@@ -176,6 +176,8 @@ def refusals(world: int) -> dict[str, str]:
     LATE.extend([hidden, distribute_tensor(weight, mesh, [Shard(0)]), targets])
     return {
         "hidden_dim": refused(lambda: fused_linear_logprobs(hidden, distribute_tensor(weight, mesh, [Shard(1)]),
+                                                            targets)),
+        "replicated": refused(lambda: fused_linear_logprobs(hidden, distribute_tensor(weight, mesh, [Replicate()]),
                                                             targets)),
         "uneven": refused(lambda: fused_linear_logprobs(hidden, distribute_tensor(weight[:VOCAB - 1], mesh,
                                                                                   [Shard(0)]), targets)),

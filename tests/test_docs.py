@@ -1,4 +1,5 @@
-"""Every ```python block in README.md and docs/*.md runs as written."""
+"""Every ```python block in README.md and docs/*.md runs as written; docs/jax.md's where only the extra it tells users
+to install is (`make test` runs the tests marked jax_alone in its JAX-only environment)."""
 
 import itertools
 import os
@@ -17,15 +18,19 @@ BLOCKS = [(page, i, code) for page in PAGES
 
 JAX_LOOP = next(block for block in BLOCKS if block[0].name == "jax.md" and "nnx.Optimizer" in block[2])
 SHARDED = next(block for block in BLOCKS if block[0].name == "distributed.md")  # a torchrun script
-IN_PROCESS = [block for block in BLOCKS if block is not JAX_LOOP and block is not SHARDED]
+# docs/jax.md's blocks run where only the extra it tells users to install is: `make test`'s JAX-only environment
+IN_PROCESS = [pytest.param(page, index, code, id=f"{page.name}#{index}",
+                           marks=[pytest.mark.jax_alone] if page.name == "jax.md" else [])
+              for page, index, code in BLOCKS if (page, index, code) not in (JAX_LOOP, SHARDED)]
 
 
-@pytest.mark.parametrize("page, index, code", IN_PROCESS, ids=[f"{p.name}#{i}" for p, i, _ in IN_PROCESS])
+@pytest.mark.parametrize("page, index, code", IN_PROCESS)
 def test_doc_example_runs(page, index, code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(code, f"{page.name}[{index}]", "exec"), {"__name__": "__doc_example__"})
 
 
+@pytest.mark.jax_alone
 @pytest.mark.parametrize("xla_flags", ["--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
                                        "--xla_force_host_platform_device_count=2",
                                        "--xla_force_host_platform_device_count=4"],

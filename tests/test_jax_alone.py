@@ -1,8 +1,10 @@
 """logitless for a JAX user: ``pip install 'logitless[jax]'`` brings no PyTorch, ``import logitless.jax`` imports
-none, and a command that needs PyTorch says how to get it in one line. `make test` runs this file (with the JAX
-tests) in an environment that has only that install, and here, where PyTorch is installed but kept from loading."""
+none, and a command or a name that needs PyTorch says how to get it in one line. `make test` runs this file (with the
+JAX tests and docs/jax.md's code) in an environment that has only that install and the Flax and optax of the page's
+training loop (``pip install 'logitless[flax]'``), and here, where PyTorch is installed but kept from loading."""
 
 import json
+import re
 import subprocess
 import sys
 import tomllib
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from logitless.cli import EXTRAS
+from logitless._lazy import EXTRAS
 
 pytestmark = pytest.mark.jax_alone  # `make test` runs this file's tests in its JAX-only environment
 
@@ -41,11 +43,27 @@ print(sorted(name for name, module in sys.modules.items() if module is not None 
     assert result.stdout.strip() == "[]"
 
 
-def test_the_jax_extra_and_the_core_install_bring_no_torch():
+def test_the_jax_extras_and_the_core_install_bring_no_torch():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    for requirement in project["dependencies"] + project["optional-dependencies"]["jax"]:
+    extras = project["optional-dependencies"]
+    for requirement in project["dependencies"] + extras["jax"] + extras["flax"]:
+        if requirement == "logitless[jax]":  # the flax extra is the jax extra and more
+            continue
         name = requirement.split(">")[0].split("=")[0].split("<")[0].split("[")[0].strip()
         assert name not in ("torch", "transformers", "matplotlib", "logitless"), requirement
+
+
+def test_the_jax_only_environment_installs_the_extra_docs_jax_tells_users_to():
+    """`make test` runs docs/jax.md's code (tests/test_docs.py) in its JAX-only environment: that environment installs
+    the extra the page's training loop section says to install, and the extra brings what the page imports."""
+    makefile = (ROOT / "Makefile").read_text()
+    extra = re.search(r"^JAX_EXTRA := (\S+)$", makefile, re.MULTILINE).group(1)
+    assert '".[$(JAX_EXTRA)]"' in makefile
+    page = (ROOT / "docs" / "jax.md").read_text()
+    loop = page[page.index("## A training loop"):page.index("```python", page.index("## A training loop"))]
+    assert f"pip install 'logitless[{extra}]'" in " ".join(loop.split())
+    requirements = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"][extra]
+    assert {"logitless[jax]", "flax", "optax"} <= {re.split(r"[<>=]", requirement)[0] for requirement in requirements}
 
 
 def test_every_extra_the_command_line_names_exists_and_installs_the_package():
@@ -63,6 +81,16 @@ def test_a_command_that_needs_pytorch_says_how_to_install_it_in_one_line(argv, t
     command = " ".join(["logitless", *argv[:2 if argv[0] == "bench" else 1]])
     assert result.stderr.splitlines() == [
         f"{command}: needs torch, which is not installed: pip install 'logitless[torch]'"], result.stderr
+
+
+@pytest.mark.parametrize("package, name", [("logitless", "get_response_log_probs"),
+                                           ("logitless.ops", "fused_linear_logprobs")])
+def test_a_name_that_needs_pytorch_says_how_to_install_it_in_one_line(package, name):
+    result = _python(WITHOUT_TORCH + f"from {package} import {name}")
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1] == (f"ModuleNotFoundError: {package}.{name} needs torch, which is not "
+                                              "installed: pip install 'logitless[torch]'"), result.stderr
+    assert "No module named" not in result.stderr and "During handling" not in result.stderr, result.stderr
 
 
 def test_help_answers_without_pytorch():

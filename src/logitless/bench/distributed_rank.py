@@ -1,7 +1,7 @@
 """One rank of `logitless bench distributed`, run by torchrun: one step (forward and backward) of
 `fused_linear_logprobs` on a head sharded on the vocabulary, by each of the ways a sharded model gets it done.
 
-``python -m logitless.bench.distributed_rank OUTPUT.json TOKENS HIDDEN VOCAB DTYPE WAY [WAY ...]``
+``python -m logitless.bench.distributed_rank OUTPUT.json REPEATS TOKENS HIDDEN VOCAB DTYPE WAY [WAY ...]``
 
 The ways (`WAYS`):
 
@@ -11,9 +11,10 @@ The ways (`WAYS`):
   the hidden states travel, the weight stays a shard.
 * ``tensor_parallel``: logitless with the same ``TOKENS`` tokens on every rank (tensor parallelism's layout).
 
-For each way, every rank counts the collectives it runs (their kind and the bytes of their whole tensor: the
-gathered output, the reduce-scattered input, the all-reduced tensor) and its peak memory over the step
-(`logitless.memory.PeakMemory`); rank 0 writes every rank's counts to OUTPUT.json.
+For each way, after a step that warms up, every rank counts the collectives of one step (their kind and the bytes of
+their whole tensor: the gathered output, the reduce-scattered input, the all-reduced tensor) and the most bytes of
+the tensors the step allocated that it held at once (`bench.allocated.AllocatedPeak`, a count that is the same on
+every run), then times ``REPEATS`` steps, each from a barrier; rank 0 writes every rank's numbers to OUTPUT.json.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -72,41 +74,65 @@ class GatheredWeight(torch.autograd.Function):
         return grad_shard / dist.get_world_size()
 
 
-def step(way: str, tokens: int, hidden_size: int, vocab: int, dtype: torch.dtype) -> dict:
-    """One forward and backward of ``way`` on fresh inputs -> {collectives, peak_bytes}."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    from logitless.memory import PeakMemory
-    from logitless.ops import fused_linear_logprobs
-
+def inputs(way: str, tokens: int, hidden_size: int, vocab: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Fresh (this rank's shard of the weight (V/P, H), its hidden states (tokens, H), their target ids (tokens,)):
+    each rank's own tokens, or under tensor parallelism the same tokens on every rank."""
     ranks, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (ranks,))
-    generator = torch.Generator().manual_seed(rank if way != "tensor_parallel" else 0)  # TP: the same tokens
+    generator = torch.Generator().manual_seed(rank if way != "tensor_parallel" else 0)
     shard = (torch.randn(vocab // ranks, hidden_size, generator=generator) * 0.02).to(dtype).requires_grad_()
     hidden = torch.randn(tokens, hidden_size, generator=generator).to(dtype).requires_grad_()
     targets = torch.randint(0, vocab, (tokens,), generator=generator)
-    with counted_collectives() as calls, PeakMemory("cpu") as peak:
-        if way == "gather":
-            log_probs = fused_linear_logprobs(hidden, GatheredWeight.apply(shard), targets)
-        else:
-            weight = DTensor.from_local(shard, mesh, [Shard(0)], run_check=False)
-            tokens_in = hidden if way == "vocab_parallel" else DTensor.from_local(hidden, mesh, [Replicate()],
-                                                                                   run_check=False)
-            log_probs = fused_linear_logprobs(tokens_in, weight, targets)
-        log_probs.float().sum().backward()
+    return shard, hidden, targets
+
+
+def forward_backward(way: str, shard: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor) -> None:
+    """One forward and backward of ``way``: the gradients land in ``shard.grad`` and ``hidden.grad``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from logitless.ops import fused_linear_logprobs
+
+    if way == "gather":
+        log_probs = fused_linear_logprobs(hidden, GatheredWeight.apply(shard), targets)
+    else:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        weight = DTensor.from_local(shard, mesh, [Shard(0)], run_check=False)
+        tokens_in = hidden if way == "vocab_parallel" else DTensor.from_local(hidden, mesh, [Replicate()],
+                                                                               run_check=False)
+        log_probs = fused_linear_logprobs(tokens_in, weight, targets)
+    log_probs.float().sum().backward()
     assert shard.grad is not None and hidden.grad is not None
-    return {"collectives": calls, "peak_bytes": round(peak.megabytes * 2**20)}
 
 
-def main(output: str, tokens: int, hidden_size: int, vocab: int, dtype_name: str, ways: list[str]) -> None:
+def measured_step(way: str, *shape) -> dict:
+    """One step of ``way`` on fresh inputs -> {collectives, peak_bytes}: its collectives, and the most bytes of the
+    tensors it allocated (`AllocatedPeak`: the gradients included, the inputs not) held at once."""
+    from logitless.bench.allocated import AllocatedPeak
+
+    step_inputs = inputs(way, *shape)
+    with counted_collectives() as calls, AllocatedPeak() as allocated:
+        forward_backward(way, *step_inputs)
+    return {"collectives": calls, "peak_bytes": allocated.peak_bytes}
+
+
+def step_seconds(way: str, *shape) -> float:
+    """Wall time of one step of ``way`` on fresh inputs, from a barrier that every rank leaves together."""
+    step_inputs = inputs(way, *shape)
+    dist.barrier()
+    started = time.perf_counter()
+    forward_backward(way, *step_inputs)
+    return time.perf_counter() - started
+
+
+def main(output: str, repeats: int, tokens: int, hidden_size: int, vocab: int, dtype_name: str,
+         ways: list[str]) -> None:
     dist.init_process_group("gloo")
-    dtype = getattr(torch, dtype_name)
+    shape = (tokens, hidden_size, vocab, getattr(torch, dtype_name))
     results = {}
     for way in ways:
-        step(way, tokens, hidden_size, vocab, dtype)  # warm-up: the first step also loads the code
+        step_seconds(way, *shape)  # warm-up: the first step also loads the code
         dist.barrier()
-        mine = step(way, tokens, hidden_size, vocab, dtype)
+        mine = {**measured_step(way, *shape), "seconds": [step_seconds(way, *shape) for _ in range(repeats)]}
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         results[way] = everyone
@@ -119,5 +145,5 @@ def main(output: str, tokens: int, hidden_size: int, vocab: int, dtype_name: str
 
 if __name__ == "__main__":
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6:])
+    main(sys.argv[1], *map(int, sys.argv[2:6]), sys.argv[6], sys.argv[7:])
     os._exit(0)  # gloo can abort at interpreter exit after a clean run

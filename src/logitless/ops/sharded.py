@@ -145,10 +145,14 @@ def vocab_shard(head: LinearHead, hidden: torch.Tensor, name: str = "weight") ->
     mesh, placements = weight.device_mesh, weight.placements
     vocab_dims = [dim for dim, placement in enumerate(placements) if placement == Shard(0)]
     others = [placement for dim, placement in enumerate(placements) if dim not in vocab_dims]
+    if all(isinstance(placement, Replicate) for placement in placements):
+        raise ValueError(f"{name}: a DTensor replicated on every rank (placements {tuple(placements)}) holds the whole "
+                         f"weight on each: pass {name}.to_local(), or shard it on its rows (the vocabulary, Shard(0))")
     if len(vocab_dims) != 1 or any(not isinstance(placement, Replicate) for placement in others):
+        on_hidden = "; a weight sharded on the hidden dimension would need every logit summed over the ranks"
         raise ValueError(f"{name}: expected a DTensor sharded on its rows (the vocabulary, Shard(0)) over one mesh "
-                         f"dimension and replicated on any other, got placements {tuple(placements)}; a weight sharded "
-                         "on the hidden dimension would need every logit summed over the ranks")
+                         f"dimension and replicated on any other, got placements {tuple(placements)}"
+                         f"{on_hidden if Shard(1) in placements else ''}")
     vocab_dim = vocab_dims[0]
     size = mesh.size(vocab_dim)
     if weight.shape[0] % size:
