@@ -1,7 +1,7 @@
 """logitless's TRL trainers as a training script, run by tests/test_trl_launch.py alone and under torchrun, on CPU.
 
 ``python trainer_launch.py MODEL_DIR OUTPUT --teacher TEACHER_DIR [--trainers sft dpo ...] [--layout fsdp2|tp]
-[--rollouts fixed|generated]``
+[--rollouts fixed|generated] [--summary]``
 
 Each trainer trains one SGD step at learning rate 1 (distillation: 100) on a global batch of four prompts (RLOO
 and GRPO: two prompts, two completions each), whatever the number of processes (each takes its share), so the
@@ -44,7 +44,7 @@ GATHERED: list[tuple[int, ...]] = []  # the shape of every DTensor gathered whol
 # issued it or "" for any other caller, such as the fused ops' gathers of hidden states, the bytes it received)
 COLLECTIVES: list[tuple[str, str, int]] = []
 COUNTED = ("all_gather_single", "all_gather_into_tensor", "all_gather", "_all_gather_base", "all_to_all_single",
-           "reduce_scatter_tensor", "all_reduce")
+           "reduce_scatter_single", "reduce_scatter_tensor", "all_reduce")
 HEAD_UNSHARDS: list[str] = []  # one entry per FSDP2 unshard of a parameter group that holds an LM head's weight
 HEAD_WEIGHTS: set[int] = set()  # id() of the LM head weights (policy, teacher, reference) whose unshards are counted
 _UNSHARDING: list[str] = []  # the parameter group whose unshard is running
@@ -179,7 +179,8 @@ def greedy_generation_error(model, model_dir: str) -> float:
     return max((a - b).abs().max().item() for a, b in zip(sharded.logits, expected.logits))
 
 
-def main(model_dir: str, teacher_dir: str, output_path: str, trainers: list[str], layout: str, rollouts: str) -> None:
+def main(model_dir: str, teacher_dir: str, output_path: str, trainers: list[str], layout: str, rollouts: str,
+         summary: bool = False) -> None:
     _count_gathers()
     saved = {}
     for name in trainers:
@@ -203,6 +204,23 @@ def main(model_dir: str, teacher_dir: str, output_path: str, trainers: list[str]
         trainer.accelerator.wait_for_everyone()
     if int(os.environ.get("RANK", 0)) == 0:
         torch.save(saved, output_path)
+        if summary:
+            print_collectives(saved)
+
+
+def print_collectives(saved: dict) -> None:
+    """Per trainer, what its step (generation included) moved on this rank: each collective by the FSDP2 unit whose
+    unshard issued it ("-" outside any unshard: logitless's own, FSDP2's gradient reduce-scatters), its calls and MB
+    (10^6 bytes) received, and the head's unshards."""
+    for name, run in saved.items():
+        print(f"{name}: {len(run['head_unshards'])} unshards of a unit holding the LM head")
+        moved = Counter()
+        calls = Counter()
+        for collective, unit, received in run["collectives"]:
+            moved[collective, unit or "-"] += received
+            calls[collective, unit or "-"] += 1
+        for (collective, unit), received in sorted(moved.items(), key=lambda item: -item[1]):
+            print(f"  {collective:<22} {unit:<20} {calls[collective, unit]:>4} calls {received / 1e6:>9.2f} MB")
 
 
 if __name__ == "__main__":
@@ -213,6 +231,8 @@ if __name__ == "__main__":
     parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=list(TRAINERS))
     parser.add_argument("--layout", choices=("whole", "fsdp2", "tp"), default="whole")
     parser.add_argument("--rollouts", choices=("fixed", "generated"), default="fixed")
+    parser.add_argument("--summary", action="store_true", help="print what each trainer's step moved (rank 0)")
     options = parser.parse_args()
-    main(options.model_dir, options.teacher_dir, options.output, options.trainers, options.layout, options.rollouts)
+    main(options.model_dir, options.teacher_dir, options.output, options.trainers, options.layout, options.rollouts,
+         options.summary)
     os._exit(0)  # gloo can abort at interpreter exit after a clean run
