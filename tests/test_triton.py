@@ -283,7 +283,8 @@ if INTERPRETED or torch.cuda.is_available():
         grad_kernel_calls, kernel = [], triton_ops.block_logits_grad
         monkeypatch.setattr(triton_ops, "block_logits_grad",
                             lambda *args, **kwargs: grad_kernel_calls.append(1) or kernel(*args, **kwargs))
-        assert schedule.implementation("auto", torch.device(DEVICE), torch.float32).kernels(None) is triton_ops
+        chosen = schedule.implementation("auto", torch.device(DEVICE), torch.float32)
+        assert chosen.triton and chosen.kernels(None)._triton is triton_ops
         hidden = (torch.randn(2, 9, 8) * 0.5).to(DEVICE).requires_grad_()
         weight = (torch.randn(1009, 8) * 0.5).to(DEVICE).requires_grad_()
         bias = torch.randn(1009, device=DEVICE)
@@ -322,6 +323,43 @@ if INTERPRETED or torch.cuda.is_available():
         for g, w in zip(torch.autograd.grad(loss, (hidden, weight)), torch.autograd.grad(ref_loss, (hidden, weight))):
             torch.testing.assert_close(g.cpu(), w.cpu(), rtol=1e-5, atol=1e-6)
         assert len(grad_kernel_calls) > calls_before_grpo
+
+    def test_a_kernel_that_cannot_run_here_gives_way_to_the_pytorch_blocks_once(monkeypatch, caplog):
+        """A statistics kernel whose launch fails as on a GPU without the shared memory its tile needs: "auto" runs
+        the PyTorch twin for that call and every later one on the device, with one warning naming the kernel, the
+        device and the compiler's message, and the same numbers; impl="triton" raises the kernel's error."""
+        from triton.runtime.errors import OutOfResources
+
+        from logitless import fused_linear_logprobs
+        from logitless.ops import fallback
+        from logitless.ops import plan as schedule
+
+        class Refused:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    launches.append(grid)
+                    raise OutOfResources(232448, 101376, "shared memory")
+                return launch
+
+        launches = []
+        monkeypatch.setenv("LOGITLESS_TRITON", "1")
+        monkeypatch.setattr(schedule, "SINGLE_PASS_DEVICES", ())
+        monkeypatch.setattr(fallback, "_FAILED", {})
+        monkeypatch.setattr(triton_ops, "_update_stats_kernel", Refused())
+        hidden = (torch.randn(7, 8) * 0.5).to(DEVICE)
+        weight = (torch.randn(301, 8) * 0.5).to(DEVICE)
+        ids = torch.randint(0, 301, (7,)).to(DEVICE)
+        want, _ = reference.linear_logprobs(hidden, weight, ids)
+        with caplog.at_level("WARNING", logger="logitless.ops.fallback"):
+            for _ in range(2):
+                torch.testing.assert_close(fused_linear_logprobs(hidden, weight, ids), want, rtol=1e-5, atol=1e-5)
+        [warning] = [record.getMessage() for record in caplog.records]
+        assert "the Triton kernel of update_stats failed on cpu: OutOfResources: out of resource: shared memory, " \
+            "Required: 232448, Hardware limit: 101376" in warning and "impl='triton' would raise" in warning
+        assert len(launches) == 1  # the second call went straight to the PyTorch blocks
+        assert not schedule.implementation("auto", torch.device(DEVICE), torch.float32).triton
+        with pytest.raises(OutOfResources):
+            fused_linear_logprobs(hidden, weight, ids, impl="triton")
 
     def test_impl_triton_matches_the_reference():
         """impl="triton" runs the kernels in both passes (never the one-pass PyTorch schedule), whatever

@@ -38,6 +38,7 @@ machine (``LOGITLESS_ONE_PASS=1 logitless bench lmhead ...``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
@@ -46,6 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from logitless._checks import check_impl, switch_setting
+from logitless.ops.fallback import FallingBack, failed_on
 from logitless.ops.head import LinearHead, stat_dtype
 from logitless.ops.settings import BlockSizes
 
@@ -120,6 +122,7 @@ class Implementation:
     name: str
     materializes: bool = False  # the whole (N, V) logits, through the oracles of `reference.py`
     triton: bool = False  # the block math of `triton.py`, instead of the accumulator module's own
+    falls_back: bool = False  # chosen by "auto": a kernel that cannot run here gives way to the PyTorch blocks
 
     def unusable(self, device: torch.device, dtype: torch.dtype) -> str | None:
         """Why this implementation cannot run blocks of ``dtype`` statistics on ``device`` (None: it can)."""
@@ -137,12 +140,13 @@ class Implementation:
 
     def kernels(self, pytorch: SimpleNamespace) -> SimpleNamespace | ModuleType:
         """The block math an accumulator runs: ``pytorch`` (the ``PYTORCH_BLOCKS`` of its module: `softmax`, `kl`,
-        `jsd`) or the module `triton`, which has every function of theirs."""
+        `jsd`) or the module `triton`, which has every function of theirs (behind `fallback.FallingBack` when "auto"
+        chose it)."""
         if not self.triton:
             return pytorch
         from logitless.ops import triton as triton_kernels
 
-        return triton_kernels
+        return FallingBack(triton_kernels, pytorch) if self.falls_back else triton_kernels
 
 
 IMPLEMENTATIONS = {implementation.name: implementation for implementation in (
@@ -152,8 +156,9 @@ AUTO_ORDER = ("triton", "chunked")  # what "auto" tries, first usable wins
 
 def implementation(impl: str, device: torch.device, dtype: torch.dtype) -> Implementation:
     """The implementation that runs an op for ``impl`` on ``device`` with ``dtype`` statistics: the one named, or for
-    "auto" the first usable of `AUTO_ORDER` (Triton only on CUDA, or wherever ``LOGITLESS_TRITON=1`` asks for it).
-    A named one that cannot run here is a ValueError naming ``impl``."""
+    "auto" the first usable of `AUTO_ORDER` (Triton only on CUDA, or wherever ``LOGITLESS_TRITON=1`` asks for it,
+    and not on a device where a kernel failed: `fallback`). A named one that cannot run here is a ValueError naming
+    ``impl``."""
     check_impl(impl)
     if impl != "auto":
         reason = IMPLEMENTATIONS[impl].unusable(device, dtype)
@@ -164,6 +169,8 @@ def implementation(impl: str, device: torch.device, dtype: torch.dtype) -> Imple
     for name in AUTO_ORDER:
         chosen = IMPLEMENTATIONS[name]
         wanted = not chosen.triton or setting == "1" or (setting == "auto" and device.type == "cuda")
+        if chosen.triton and failed_on(device) is not None:
+            continue
         if wanted and chosen.unusable(device, dtype) is None:
-            return chosen
+            return dataclasses.replace(chosen, falls_back=True) if chosen.triton else chosen
     raise AssertionError("the PyTorch blocks run everywhere")
