@@ -178,7 +178,7 @@ def test_every_test_the_docs_name_is_in_the_suite():
     nothing."""
     files = {path.stem for path in (ROOT / "tests").glob("test_*.py")}
     functions = {name for path in (ROOT / "tests").glob("*.py")
-                 for name in re.findall(r"^def (test_\w+)", path.read_text(), re.MULTILINE)}
+                 for name in re.findall(r"^\s*def (test_\w+)", path.read_text(), re.MULTILINE)}
     missing = [f"{path.relative_to(ROOT)}:{number}: {name}"
                for path in [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").glob("*.md"))]
                for number, line in enumerate(path.read_text().splitlines(), 1)
