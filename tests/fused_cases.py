@@ -17,19 +17,21 @@ TRAINED = ("hidden", "weight", "bias")
 HEADS = ("hidden", "weight", "bias", "hidden_q", "weight_q")
 
 
-def case_inputs(batch: int, seq: int, hidden: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def case_inputs(batch: int, seq: int, hidden: int, vocab: int, seed: int = 0,
+                teacher_hidden: int | None = None) -> dict[str, torch.Tensor]:
     """fp64 inputs on the CPU: the head (hidden [batch, seq, hidden], weight [vocab, hidden], bias [vocab]), a second
-    head of ``hidden - 2`` features (hidden_q, weight_q), targets, a mask with about a fifth of its tokens off, upstream
-    weights of two per-token outputs [2, batch, seq], one advantage per sequence, and old and reference log-probs near
-    a uniform distribution's."""
+    head of ``teacher_hidden`` features (default ``hidden - 2``: hidden_q, weight_q), targets, a mask with about a
+    fifth of its tokens off, upstream weights of two per-token outputs [2, batch, seq], one advantage per sequence,
+    and old and reference log-probs near a uniform distribution's."""
     generator = torch.Generator().manual_seed(seed)
 
     def randn(*size, scale=1.0):
         return torch.randn(*size, generator=generator, dtype=torch.float64) * scale
 
+    teacher_hidden = hidden - 2 if teacher_hidden is None else teacher_hidden
     return dict(hidden=randn(batch, seq, hidden, scale=0.5), weight=randn(vocab, hidden, scale=0.3),
-                bias=randn(vocab, scale=0.1), hidden_q=randn(batch, seq, hidden - 2, scale=0.5),
-                weight_q=randn(vocab, hidden - 2, scale=0.3),
+                bias=randn(vocab, scale=0.1), hidden_q=randn(batch, seq, teacher_hidden, scale=0.5),
+                weight_q=randn(vocab, teacher_hidden, scale=0.3),
                 targets=torch.randint(0, vocab, (batch, seq), generator=generator),
                 mask=torch.rand(batch, seq, generator=generator) > 0.2,
                 upstream=randn(2, batch, seq), advantages=randn(batch),

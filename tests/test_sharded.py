@@ -1,6 +1,6 @@
 """Every fused op with a head sharded on the vocabulary (a DTensor, Shard(0)), never gathered, on 2 and 4 CPU
 processes (torchrun, gloo): tests/sharded_ops.py runs each op and layout against the one-process op, and counts the
-collectives each step calls.
+collectives each step calls; then random cases over every option (tests/sharded_random.py), on every rank.
 
 The numbers are the one-process op's: each output and gradient's error against the op in fp64 on the same values is
 within twice the one-process fp32 op's own (or 1e-6 of its size, whichever is larger), and in bf16 within 1.5 times
@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from logitless.ops.settings import GRPO_LOSS_TYPES
+from sharded_random import KINDS
 from test_trl_distributed import _free_port
 
 SCRIPT = Path(__file__).with_name("sharded_ops.py")
@@ -34,16 +36,70 @@ def report(request, tmp_path_factory) -> dict:
     return json.loads(output.read_text())
 
 
+def fp32_bound(own: float) -> float:
+    return max(1e-6, 2 * own)
+
+
+def bf16_bound(own: float) -> float:
+    return 1.5 * own + 2e-6
+
+
+def random_bound(own: float) -> float:
+    """The random cases reach the tails of fp32's rounding (small KLs of two near-uniform heads, vespo's exponential
+    weight of a sequence's ratio: sums that cancel), where the order of the sums, the shards' merged in turn, can make
+    the error several times the one-process op's; a wrong merge is off by far more."""
+    return max(1e-5, 4 * own)
+
+
+def beyond(result: dict, bound) -> list[tuple[int, float, float]]:
+    """(index, error, the one-process op's) of each output and gradient of a case whose error exceeds ``bound(the
+    one-process op's)``."""
+    pairs = enumerate(zip(result["errors"], result["one_process_errors"]))
+    return [(index, error, own) for index, (error, own) in pairs if not error <= bound(own)]
+
+
 @pytest.mark.distributed
 def test_every_op_and_layout_equals_the_one_process_op(report):
     layouts = {"tensor", "data", "gather"} | ({"2d"} if report["world"] == 4 else set())
     assert {case.split("/")[1] for case in report["cases"]} == layouts
     assert len({case.split("/")[2] for case in report["cases"]}) == 13  # five ops, and every GRPO loss type
     for case, result in report["cases"].items():
-        fp32 = case.startswith("float32")
-        for index, (error, own) in enumerate(zip(result["errors"], result["one_process_errors"])):
-            bound = max(1e-6, 2 * own) if fp32 else 1.5 * own + 2e-6
-            assert error <= bound, (case, index, error, own)
+        assert beyond(result, fp32_bound if case.startswith("float32") else bf16_bound) == [], case
+
+
+@pytest.mark.distributed
+def test_random_cases_equal_the_one_process_op_on_every_rank(report):
+    """tests/sharded_random.py's cases in fp32, drawn by hypothesis over every option: LOGITLESS_SHARDED_EXAMPLES
+    draws (4 unless set), each a case of every op, GRPO loss type and kind of JSD. On every rank (its tokens, its
+    shard of the head) none raises, and each output and gradient is within `random_bound`."""
+    drawn = [result["case"] for result in report["random"]]
+    assert len(drawn) == len(KINDS) * int(os.environ.get("LOGITLESS_SHARDED_EXAMPLES", 4))
+    # what the draw must hold, checked as hypothesis draws it
+    assert {case["layout"] for case in drawn} == {"tensor", "data"} | ({"2d"} if report["world"] == 4 else set())
+    assert {(case["op"], case.get("loss_type")) for case in drawn} == {
+        ("logprobs", None), ("cross_entropy", None), ("kl", None), ("jsd", None),
+        *(("grpo", loss_type) for loss_type in GRPO_LOSS_TYPES)}
+    betas = {case["beta"] for case in drawn if case["op"] == "jsd"}
+    assert {0.0, 1.0} < betas, betas  # the forward and the reverse KL, and mixtures
+    assert any(len(set(case["sequences"])) > 1 for case in drawn)  # uneven tokens per rank
+    assert any(case["masked_part"] is not None and len(case["sequences"]) > 1 for case in drawn)
+    assert any(case["layout"] == "data" and sum(case["sequences"]) * case["seq"] > case["vocab"]
+               for case in drawn)  # data-parallel with more tokens than the vocabulary: the head gathered
+    options = ("bias", "entropy", "teacher_bias", "teacher_sharded", "old_log_probs", "importance_sampling_level",
+               "softcap", "block_sizes", "label_smoothing", "kl_beta", "kept")
+    for name in options:  # each option on and off, or two of its values
+        assert len({str(case[name]) if name in ("kept", "importance_sampling_level") else bool(case[name])
+                    for case in drawn if name in case}) > 1, name
+    failures = []
+    for result in report["random"]:
+        ranks_of = {}  # what went wrong -> the ranks where it did
+        for rank, outcome in enumerate(result["ranks"]):
+            wrong = (f"raised {outcome['raised']}" if "raised" in outcome else
+                     "(output or gradient, error, one process's) " + str(beyond(outcome, random_bound)))
+            if "raised" in outcome or beyond(outcome, random_bound):
+                ranks_of.setdefault(wrong, []).append(rank)
+        failures += [f"{result['case']}\n  ranks {ranks} {wrong}" for wrong, ranks in ranks_of.items()]
+    assert failures == [], f"{len(failures)} failures in {len(drawn)} cases:\n" + "\n".join(failures)
 
 
 @pytest.mark.distributed

@@ -64,11 +64,13 @@ class KLSums:
         return [*self.p.state(), *self.q.state(), *([] if self.gap is None else [self.gap])]
 
     def with_state(self, values: list[torch.Tensor]) -> KLSums:
-        peer = copy.copy(self)
-        split = len(self.p.state())
-        peer.p, peer.q = self.p.with_state(values[:split]), self.q.with_state(values[split:2 * split])
+        """A copy holding ``values`` (another `state` of the same sums) instead of its own. Each head takes as many
+        as its own state holds: the two may keep different sums (the entropy of one head only)."""
+        peer, kept = copy.copy(self), iter(values)
+        peer.p = self.p.with_state([next(kept) for _ in self.p.state()])
+        peer.q = self.q.with_state([next(kept) for _ in self.q.state()])
         if self.gap is not None:
-            peer.gap = values[-1]
+            peer.gap = next(kept)
         return peer
 
     def merge(self, other: KLSums) -> None:

@@ -117,11 +117,10 @@ class OnlineSoftmax:
         return [getattr(self, name) for name in self.SUMS if getattr(self, name) is not None]
 
     def with_state(self, values: list[torch.Tensor]) -> OnlineSoftmax:
-        """A copy holding ``values`` (another `state` of the same sums) instead of its own."""
-        peer, kept = copy.copy(self), iter(values)
-        for name in self.SUMS:
-            if getattr(self, name) is not None:
-                setattr(peer, name, next(kept))
+        """A copy holding ``values`` (another `state` of the same sums, as many) instead of its own."""
+        peer = copy.copy(self)
+        for name, value in zip([name for name in self.SUMS if getattr(self, name) is not None], values, strict=True):
+            setattr(peer, name, value)
         return peer
 
     def lse(self) -> torch.Tensor:
