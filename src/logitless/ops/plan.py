@@ -169,8 +169,10 @@ def implementation(impl: str, device: torch.device, dtype: torch.dtype) -> Imple
     for name in AUTO_ORDER:
         chosen = IMPLEMENTATIONS[name]
         wanted = not chosen.triton or setting == "1" or (setting == "auto" and device.type == "cuda")
-        if chosen.triton and failed_on(device) is not None:
+        if not wanted or chosen.unusable(device, dtype) is not None:
             continue
-        if wanted and chosen.unusable(device, dtype) is None:
-            return dataclasses.replace(chosen, falls_back=True) if chosen.triton else chosen
+        if not chosen.triton:
+            return chosen
+        if failed_on(device) is None:
+            return dataclasses.replace(chosen, falls_back=True)
     raise AssertionError("the PyTorch blocks run everywhere")
