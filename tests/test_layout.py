@@ -61,6 +61,13 @@ def test_the_fused_ops_need_neither_transformers_nor_trl():
             for name in sorted(_third_party(path) & {"transformers", "trl", "peft"})] == []
 
 
+def test_the_oracles_import_nothing_of_the_ops_they_check():
+    """An oracle that shared code with its op (the head's logits, the soft cap, the GRPO options) would share its
+    bugs: the PyTorch oracles import of logitless only the argument checks, the plain-JAX ones nothing."""
+    assert _imported(PACKAGE / "ops" / "reference.py") <= {"_checks"}
+    assert _imported(PACKAGE / "jax" / "reference.py") == set()
+
+
 def test_imports_are_found_in_every_spelling(tmp_path):
     """What the checks above read: absolute and relative imports, of a module or from a package, anywhere."""
     spellings = {"a.py": "import logitless.recipes.sft", "b.py": "from logitless import bench",
