@@ -167,7 +167,7 @@ def _loss_function(loss: str, impl: str, shape: Shape):
                                             block_sizes=blocks, impl=ops_impl)
             else:
                 def slice_kl(hidden, teacher_hidden):  # (n,)
-                    return reference.kl_stats(Head(weight), hidden, Head(teacher_weight), teacher_hidden).kl
+                    return reference.token_kl(Head(weight), hidden, Head(teacher_weight), teacher_hidden)
 
                 per_token = jnp.where(flat(mask) > 0, _seq_chunked(slice_kl, shape.seq_chunks, flat(hidden),
                                                                     flat(teacher_hidden)), 0)

@@ -1,7 +1,7 @@
 """The plain-JAX oracles: the whole (N, V) logits, then the obvious formulas. ``impl="reference"`` of every op, the
 benchmark's baseline and the tests' oracle; their gradients are JAX's autodiff of these formulas.
 
-Written out in ``jax.numpy`` from the formulas, importing nothing from the ops they check: a head's logits
+Written out in plain JAX from the formulas, importing nothing from the ops they check: a head's logits
 are computed here from its fields (``weight``, ``bias``, ``temperature``, ``softcap``, ``logit_scale``, read by
 name: a `Head` or any object that has them), not through `Head.logits`. Statistics are fp32 (fp64 for fp64
 inputs) and -inf logits are exact: their probability is 0, and a term p * (...) with p = 0 counts 0, in the
@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 class TokenStats(NamedTuple):
@@ -34,15 +35,17 @@ class JSDStats(NamedTuple):
 def head_logits(head, hidden) -> jax.Array:
     """hidden (N, H) -> (N, V): ``cap(logit_scale * (hidden @ weight.T + bias)) / temperature`` from the head's
     fields, ``cap(x) = softcap * tanh(x / softcap)``; the matmul takes the inputs' dtype and accumulates in fp32
-    (fp64 for fp64 hidden states)."""
+    (fp64 for fp64 hidden states). A scale or temperature of 1 is left out, not multiplied by: XLA keeps such a
+    product, and the program is then the one a user would write."""
     dtype = jnp.float64 if hidden.dtype == jnp.float64 else jnp.float32
-    raw = jnp.matmul(hidden, head.weight.T, preferred_element_type=dtype)  # (N, V)
+    raw = lax.dot_general(hidden, head.weight, (((1,), (1,)), ((), ())), preferred_element_type=dtype)  # (N, V)
     if head.bias is not None:
         raw = raw + head.bias.astype(dtype)
-    raw = raw * head.logit_scale
+    if head.logit_scale != 1.0:
+        raw = raw * head.logit_scale
     if head.softcap is not None:
         raw = head.softcap * jnp.tanh(raw / head.softcap)
-    return raw / head.temperature
+    return raw if head.temperature == 1.0 else raw / head.temperature
 
 
 def _p_log_ratio(log_p, log_q) -> jax.Array:
