@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from logitless.checkpoint import (RECORD_FILE, checkpoint_problem, checkpoint_step, complete_checkpoints,
-                                  has_checkpoint, last_complete_checkpoint, load_checkpoint_state, publish_directory,
+                                  last_complete_checkpoint, load_checkpoint_state, publish_directory,
                                   save_checkpoint)
 from logitless.models import tiny_qwen2
 
@@ -74,7 +74,7 @@ def test_save_checkpoint_publishes_checkpoint_step_and_keeps_the_newest(tmp_path
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint-1", "checkpoint-2"]  # no staging left behind
     save_checkpoint(run, 3, model, tokenizer, optimizer, {"step": 3}, keep=2)
     assert [p.name for p in complete_checkpoints(run)] == ["checkpoint-2", "checkpoint-3"]
-    assert has_checkpoint(run / "checkpoint-3") and checkpoint_step(last_complete_checkpoint(run)[0]) == 3
+    assert checkpoint_problem(run / "checkpoint-3") is None and checkpoint_step(last_complete_checkpoint(run)[0]) == 3
     restored = torch.optim.AdamW(model.parameters(), lr=0.1)
     assert load_checkpoint_state(run / "checkpoint-3", restored) == {"step": 3}
     assert restored.param_groups[0]["lr"] == 0.5

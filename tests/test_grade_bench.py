@@ -7,7 +7,7 @@ from dataclasses import asdict
 import pytest
 
 from logitless.bench.grade import VARIANTS, GradeBenchConfig, format_table, run_worker
-from logitless.bench.grade_variance import GradeVarianceConfig
+from logitless.bench.grade_variance_config import GradeVarianceConfig
 from logitless.bench.grade_variance_gradients import estimator_report as run_variance
 from logitless.bench.ratios import add_ratios
 from logitless.cli import main

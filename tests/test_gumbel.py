@@ -1,10 +1,10 @@
-"""Gumbel-softmax samples (dense and top-k), straight-through, and the sparse soft-token embedding."""
+"""Gumbel-softmax samples (top-k, against the dense sample written out), straight-through, and the sparse
+soft-token embedding."""
 
 import pytest
 import torch
 
-from logitless.ops.gumbel import (gumbel_noise, gumbel_softmax_dense, gumbel_softmax_topk,
-                                  perturbed_topk_and_tail_mass, sparse_soft_embedding)
+from logitless.ops.gumbel import gumbel_noise, gumbel_softmax_topk, perturbed_topk_and_tail_mass, sparse_soft_embedding
 
 
 def _relaxed_sample(logits, noise, tau):
@@ -14,16 +14,24 @@ def _relaxed_sample(logits, noise, tau):
     return weights / weights.sum(dim=-1, keepdim=True)
 
 
+def gumbel_softmax_dense(logits, tau, noise, hard=False):
+    """The Gumbel-softmax sample over the whole vocabulary, ``softmax((z + g) / tau)`` in the logits' dtype and
+    differentiable, with ``hard`` the straight-through one-hot (its value the one-hot, its gradient the soft
+    sample's): the top-k sampler's oracle, written out."""
+    soft = torch.softmax((logits + noise) / tau, dim=-1)
+    if not hard:
+        return soft
+    return torch.nn.functional.one_hot(soft.argmax(dim=-1), soft.shape[-1]).to(soft.dtype) + (soft - soft.detach())
+
+
 @pytest.mark.parametrize("tau", [0.3, 1.0, 2.5])
 def test_each_sampler_is_the_softmax_of_the_perturbed_logits_over_tau(tau):
-    """Each sampler on its own against the formula: the dense sample, and the top-k weights (the k largest of the
-    dense sample, renormalized over themselves)."""
+    """The top-k weights against the formula: the k largest of the dense sample, renormalized over themselves."""
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(7)) * 2
     noise = gumbel_noise((3, 40), generator=torch.Generator().manual_seed(8))
     expected = _relaxed_sample(logits, noise, tau)
     # fp32 against fp64: exp rounds each probability to fp32's relative precision times the size of its exponent
     rtol = 8 * torch.finfo(torch.float32).eps * ((logits + noise) / tau).abs().max().item()
-    torch.testing.assert_close(gumbel_softmax_dense(logits, tau, noise=noise).double(), expected, rtol=rtol, atol=0)
     indices, weights = gumbel_softmax_topk(logits, tau, 7, noise=noise)
     kept = expected.gather(-1, indices)
     torch.testing.assert_close(weights.double(), kept / kept.sum(-1, keepdim=True), rtol=rtol, atol=0)
@@ -42,7 +50,7 @@ def test_the_tail_mass_is_the_relaxed_samples_mass_outside_the_kept_tokens(tau):
 def test_topk_with_k_equal_to_vocab_equals_dense_sample_and_gradient():
     logits = torch.randn(3, 17, requires_grad=True)
     noise = gumbel_noise((3, 17), generator=torch.Generator().manual_seed(1))
-    dense = gumbel_softmax_dense(logits, 0.7, noise=noise)
+    dense = gumbel_softmax_dense(logits, 0.7, noise)
     indices, weights = gumbel_softmax_topk(logits, 0.7, 17, noise=noise)
     scattered = torch.zeros(3, 17).scatter(-1, indices, weights)
     torch.testing.assert_close(scattered, dense)
@@ -58,7 +66,7 @@ def test_topk_keeps_the_largest_perturbed_logits_and_renormalizes():
     indices, weights = gumbel_softmax_topk(logits, 0.5, 5, noise=noise)
     expected = (logits + noise).topk(5).indices
     assert torch.equal(indices, expected)
-    dense = gumbel_softmax_dense(logits, 0.5, noise=noise)
+    dense = gumbel_softmax_dense(logits, 0.5, noise)
     torch.testing.assert_close(weights, dense.gather(-1, indices) / dense.gather(-1, indices).sum(-1, keepdim=True))
     torch.testing.assert_close(weights.sum(-1), torch.ones(4))
 
@@ -66,15 +74,20 @@ def test_topk_keeps_the_largest_perturbed_logits_and_renormalizes():
 def test_hard_sample_is_one_hot_forward_soft_backward():
     logits = torch.randn(2, 9, requires_grad=True)
     noise = gumbel_noise((2, 9), generator=torch.Generator().manual_seed(3))
-    hard = gumbel_softmax_dense(logits, 0.9, hard=True, noise=noise)
-    soft = gumbel_softmax_dense(logits, 0.9, noise=noise)
-    assert torch.equal(hard.detach(), torch.nn.functional.one_hot((logits + noise).argmax(-1), 9).float())
-    upstream = torch.randn(2, 9)
+    indices, hard = gumbel_softmax_topk(logits, 0.9, 4, hard=True, noise=noise)
+    soft = gumbel_softmax_topk(logits, 0.9, 4, noise=noise)[1]
+    assert torch.equal(hard.detach(), torch.tensor([[1.0, 0, 0, 0]] * 2))
+    assert torch.equal(indices[:, 0], (logits + noise).argmax(-1))
+    upstream = torch.randn(2, 4)
     torch.testing.assert_close(torch.autograd.grad((hard * upstream).sum(), logits)[0],
                                torch.autograd.grad((soft * upstream).sum(), logits)[0])
-    indices, weights = gumbel_softmax_topk(logits, 0.9, 4, hard=True, noise=noise)
-    assert torch.equal(weights.detach(), torch.tensor([[1.0, 0, 0, 0]] * 2))
-    assert torch.equal(indices[:, 0], (logits + noise).argmax(-1))
+    # with k = V, the dense straight-through sample's value and gradient
+    indices, hard = gumbel_softmax_topk(logits, 0.9, 9, hard=True, noise=noise)
+    dense = gumbel_softmax_dense(logits, 0.9, noise, hard=True)
+    upstream = torch.randn(2, 9)
+    torch.testing.assert_close(torch.zeros(2, 9).scatter(-1, indices, hard), dense)
+    torch.testing.assert_close(torch.autograd.grad((hard * upstream.gather(-1, indices)).sum(), logits)[0],
+                               torch.autograd.grad((dense * upstream).sum(), logits)[0])
 
 
 def test_gumbel_max_samples_the_softmax():
@@ -112,16 +125,15 @@ def test_gradcheck_topk_weights_float64():
     logits = torch.randn(2, 11, dtype=torch.float64, requires_grad=True)
     noise = gumbel_noise((2, 11), generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     assert torch.autograd.gradcheck(lambda z: gumbel_softmax_topk(z, 0.8, 4, noise=noise)[1], (logits,))
-    assert torch.autograd.gradcheck(lambda z: gumbel_softmax_dense(z, 0.8, noise=noise), (logits,))
 
 
 @pytest.mark.parametrize("call, message", [
     (lambda z: gumbel_softmax_topk(z, 1.0, 0), "k: expected an int in \\[1, 10\\]"),
     (lambda z: gumbel_softmax_topk(z, 1.0, 11), "k: expected an int in \\[1, 10\\]"),
     (lambda z: gumbel_softmax_topk(z, 0.0, 3), "tau: expected a finite number > 0"),
-    (lambda z: gumbel_softmax_dense(z, -1.0), "tau: expected a finite number > 0"),
+    (lambda z: gumbel_softmax_topk(z, -1.0, 3), "tau: expected a finite number > 0"),
     (lambda z: gumbel_softmax_topk(z, 1.0, 3, noise=torch.zeros(2, 9)), "noise: shape"),
-    (lambda z: gumbel_softmax_dense(z.long(), 1.0), "logits: expected a floating-point"),
+    (lambda z: gumbel_softmax_topk(z.long(), 1.0, 3), "logits: expected a floating-point"),
     (lambda z: sparse_soft_embedding(torch.zeros(10, 4), torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 2)),
      "weights: shape"),
 ])

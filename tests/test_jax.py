@@ -457,6 +457,28 @@ def test_bad_block_sizes_and_logprob_mask():
     assert fused_linear_logprobs(hidden, weight, jnp.array([0, 1, 2, -100]), mask=jnp.array([1, 1, 1, 0]))[3] == 0
 
 
+def _temperature_before_cap(head, hidden, dtype=None):
+    """`Head.logits` gone wrong: the temperature divides before the soft cap instead of after it."""
+    raw = jnp.matmul(hidden, head.weight.T, preferred_element_type=dtype) * head.logit_scale / head.temperature
+    return head.softcap * jnp.tanh(raw / head.softcap)
+
+
+def test_the_oracle_catches_a_head_transform_in_the_wrong_order(monkeypatch):
+    """The plain-JAX oracle builds its logits from the head's fields, sharing no code with `Head.logits`, which the
+    engine runs: a head transform applied in the wrong order there makes the op and its oracle disagree (with
+    the oracle on `Head.logits` they agreed)."""
+    rng = np.random.default_rng(5)
+    hidden, weight = jnp.asarray(rng.standard_normal((5, H)), jnp.float32), jnp.asarray(rng.standard_normal((V, H)))
+    targets = jnp.asarray(rng.integers(0, V, 5))
+    head = Head(weight, temperature=0.6, softcap=2.5)
+    right = fused_linear_logprobs(hidden, targets=targets, head=head, block_sizes=BLOCKS, impl="chunked")
+    monkeypatch.setattr(Head, "logits", _temperature_before_cap)
+    wrong, oracle = (fused_linear_logprobs(hidden, targets=targets, head=head, block_sizes=BLOCKS, impl=impl)
+                     for impl in ("chunked", "reference"))
+    assert_close(oracle, right)
+    assert not np.allclose(wrong, oracle, atol=1e-2)
+
+
 def test_stats_equal_the_plain_jax_oracle_for_any_block_sizes():
     rng = np.random.default_rng(7)
     hidden, weight = jnp.asarray(rng.standard_normal((10, H)), jnp.float32), jnp.asarray(rng.standard_normal((V, H)))

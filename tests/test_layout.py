@@ -61,6 +61,39 @@ def test_the_fused_ops_need_neither_transformers_nor_trl():
             for name in sorted(_third_party(path) & {"transformers", "trl", "peft"})] == []
 
 
+def test_the_oracles_import_nothing_of_the_ops_they_check():
+    """An oracle that shared code with its op (the head's logits, the soft cap, the GRPO options) would share its
+    bugs: the PyTorch oracles import of logitless only the argument checks, the plain-JAX ones nothing."""
+    assert _imported(PACKAGE / "ops" / "reference.py") <= {"_checks"}
+    assert _imported(PACKAGE / "jax" / "reference.py") == set()
+
+
+def _bench_modules_imported(path: Path) -> set[str]:
+    """The modules of logitless.bench that the module at ``path`` imports anywhere in it, by name: {"options", ...}."""
+    modules = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            module = "logitless.bench" + (f".{node.module}" if node.module else "") if node.level else node.module
+            modules |= {module} | {f"{module}.{alias.name}" for alias in node.names}
+    return {name.split(".")[2] for name in modules if name.startswith("logitless.bench.")
+            and (PACKAGE / "bench" / f"{name.split('.')[2]}.py").exists()}
+
+
+def test_the_benchmarks_import_each_other_one_way():
+    """No circle of imports among bench/'s modules: what two of them share lies in a module below both."""
+    graph = {path.stem: _bench_modules_imported(path) - {path.stem} for path in (PACKAGE / "bench").glob("*.py")}
+    assert graph["lmhead_steps"] and graph["jax"]  # the imports are read
+
+    def circle_from(module, path):
+        if module in path:
+            return path[path.index(module):] + [module]
+        return next(filter(None, (circle_from(imported, path + [module]) for imported in sorted(graph[module]))), None)
+
+    assert [circle for circle in (circle_from(module, []) for module in sorted(graph)) if circle] == []
+
+
 def test_imports_are_found_in_every_spelling(tmp_path):
     """What the checks above read: absolute and relative imports, of a module or from a package, anywhere."""
     spellings = {"a.py": "import logitless.recipes.sft", "b.py": "from logitless import bench",

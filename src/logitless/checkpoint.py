@@ -186,11 +186,6 @@ def save_checkpoint(run_dir: str | Path, step: int, model, tokenizer, optimizer:
     return final
 
 
-def has_checkpoint(directory: str | Path) -> bool:
-    """Whether ``directory`` holds a complete checkpoint."""
-    return checkpoint_problem(directory) is None
-
-
 def load_checkpoint_state(directory: str | Path, optimizer: torch.optim.Optimizer) -> dict:
     """Restore the optimizer in place and return the trainer state saved with it."""
     from safetensors.torch import load_file

@@ -24,23 +24,10 @@ touch only the rows of the tokens a minibatch saw).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
+from logitless.bench.grade_variance_config import PROMPTS, GradeVarianceConfig
 from logitless.bench.options import benchmark_parser, require_writable, write_report
-
-PROMPTS = ["Once upon a time", "The weather today is", "My favourite food is", "Yesterday I went to"]
-METHODS = ("gumbel", "ste", "grpo")
-
-
-@dataclass
-class GradeVarianceConfig:
-    minibatches: int = 32
-    batch_size: int = 8  # rollouts per minibatch: every prompt batch_size / 4 times (GRPO's group size)
-    max_new_tokens: int = 1  # 1: the reference gradient is exact
-    gumbel_topk: int = 1024
-    tau: float = 0.7
-    reference_samples: int = 256
-
 
 def format_table(report: dict) -> str:
     c = report["config"]

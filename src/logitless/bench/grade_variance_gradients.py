@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 import torch
 
-from logitless.bench.grade_variance import METHODS, PROMPTS, GradeVarianceConfig
+from logitless.bench.grade_variance_config import METHODS, PROMPTS, GradeVarianceConfig
 from logitless.grade.gradients import exact_reward_gradient, flat_gradient, reinforce_reward_gradient
 
 

@@ -43,13 +43,13 @@ from logitless.bench import tokamax as bench_tokamax
 from logitless.bench.options import (add_report_options, add_shape_options, benchmark_parser, choices_metavar,
                                      require_positive, require_writable, rows_so_far, write_report)
 from logitless.bench.text_table import MB_PER_BYTE, column, header_line, row_line
+from logitless.bench.xla_memory import memory_of
 from logitless.ops.settings import GRPOSettings
 
 LOSSES = ("ce", "kl", "grpo")
 IMPLEMENTATIONS = ("plain", "seq_chunked", "logitless")
 DTYPES = ("float32", "bfloat16")
 SETTINGS = GRPOSettings(loss_type="grpo", beta=0.04, use_bias_correction_kl=False)  # every implementation's loss
-MEMORY_FIELDS = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes")
 SEQ_CHUNKS = 8
 TOKAMAX_MODES = ("auto", "off", "only")
 
@@ -167,7 +167,7 @@ def _loss_function(loss: str, impl: str, shape: Shape):
                                             block_sizes=blocks, impl=ops_impl)
             else:
                 def slice_kl(hidden, teacher_hidden):  # (n,)
-                    return reference.kl_stats(Head(weight), hidden, Head(teacher_weight), teacher_hidden).kl
+                    return reference.token_kl(Head(weight), hidden, Head(teacher_weight), teacher_hidden)
 
                 per_token = jnp.where(flat(mask) > 0, _seq_chunked(slice_kl, shape.seq_chunks, flat(hidden),
                                                                     flat(teacher_hidden)), 0)
@@ -197,11 +197,6 @@ def compile_step(loss: str, impl: str, shape: Shape):
 
     step = jax.jit(jax.value_and_grad(_loss_function(loss, impl, shape), argnums=(0, 1)))
     return step.lower(*_specs(loss, shape).values()).compile()
-
-
-def memory_of(compiled) -> dict:
-    analysis = compiled.memory_analysis()
-    return {field: int(getattr(analysis, field)) for field in MEMORY_FIELDS}
 
 
 def _timed(compiled, inputs) -> tuple[float, tuple]:

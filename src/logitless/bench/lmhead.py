@@ -49,19 +49,18 @@ import argparse
 import json
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from logitless.bench.busy import busy_processes
+from logitless.bench.lmhead_shape import IMPLEMENTATIONS, LOSSES, Shape
 from logitless.bench.options import (add_device_option, add_report_options, add_shape_options, benchmark_parser,
                                      choices_metavar, require_device, require_positive, require_writable,
                                      rows_so_far, write_report)
 from logitless.bench.ratios import add_ratios, format_ratio, ratio
 from logitless.bench.worker import run_worker_process
 
-IMPLEMENTATIONS = ("materialized", "materialized_minimal", "gemm", "torch_chunked", "liger", "trl", "logitless")
 KL_IMPLEMENTATIONS = ("materialized", "materialized_minimal", "gemm", "trl", "logitless")
-LOSSES = {"grpo": "GRPO loss", "kl": "KL(p || q)"}
 DTYPES = ("float32", "bfloat16")
 
 SUMMARY = ("a loss (GRPO, or the KL between two heads) fwd+bwd through the LM head: time, peak memory, "
@@ -74,28 +73,6 @@ DESCRIPTION = ("A loss forward and backward through the LM head, from final hidd
                "--loss kl: the exact KL(p || q) between the trained head "
                "and a fixed one (a reference model's, a teacher's) over the full vocabulary. Peers that are "
                "not installed are skipped.")
-
-
-@dataclass
-class Shape:
-    block_tokens: int | None = None  # logitless's tokens per row chunk (BlockSizes.tokens); None: its default
-    batch: int = 2
-    seq: int = 512
-    hidden: int = 512
-    vocab: int = 151936
-    dtype: str = "float32"
-    device: str = "cpu"
-    masked_fraction: float = 0.0  # the end of each completion that is padding
-    loss: str = "grpo"  # a key of LOSSES
-
-    @property
-    def tokens(self) -> int:
-        return self.batch * (self.seq - int(self.seq * self.masked_fraction))
-
-    @property
-    def head_matmuls(self) -> int:
-        """Matmuls of N x H x V in a step: the logits of each head read, grad hidden, grad weight."""
-        return 4 if self.loss == "kl" else 3
 
 
 def _spawn(implementation: str, shape: Shape, repeats: int, grads_path: str, profile: bool) -> dict:

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from logitless.bench.lmhead import IMPLEMENTATIONS, Shape
+from logitless.bench.lmhead_shape import IMPLEMENTATIONS, Shape
 from logitless.bench.timing import step_seconds
 from logitless.ops.settings import BlockSizes
 from logitless.ops.settings import GRPOSettings

@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from logitless.bench.text_table import MB_PER_BYTE, Column, column, header_line, row_line
+from logitless.bench.xla_memory import memory_of
 
 IMPLEMENTATIONS = ("plain", "tokamax_xla", "tokamax_chunked_xla", "logitless")
 TOKAMAX = ("tokamax_xla", "tokamax_chunked_xla")
@@ -213,8 +214,6 @@ def _errors(impl: str, reduction: str, result, reference) -> dict:
 
 def _one_dtype(comparison: Comparison, dtype: str, progress: bool) -> dict:
     """rows[reduction][impl] of one dtype."""
-    from logitless.bench.jax import memory_of
-
     rows = {reduction: {} for reduction in REDUCTIONS}
     compiled = {}
     for reduction in REDUCTIONS:

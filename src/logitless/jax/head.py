@@ -6,8 +6,9 @@
 multiplier (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``). A `Head` is a pytree: ``weight``
 and ``bias`` are its arrays (so ``jax.grad`` of a loss of a head gives a `Head` of gradients, and a jitted
 function may take one), ``temperature``, ``softcap`` and ``logit_scale`` its static part. The block engine
-and the materialized oracles compute logits through `Head.logits`, and the engine carries a gradient from
-the logits back to ``hidden @ weight.T + bias`` through `Head.raw_grad`.
+computes logits through `Head.logits` (the plain-JAX oracles, `reference.py`, write the formula out for
+themselves), and carries a gradient from the logits back to ``hidden @ weight.T + bias`` through
+`Head.raw_grad`.
 """
 
 from __future__ import annotations

@@ -78,8 +78,8 @@ def _kept_stats(inputs: LinearInputs, outputs: tuple, need_entropy: bool, need_m
 
 
 def _reference_outputs(inputs: LinearInputs) -> tuple[SoftmaxStats, tuple]:
-    stats = reference.token_stats(inputs.head, inputs.hidden, inputs.targets)
-    return stats, (stats.log_probs, stats.entropy, stats.mean_log_prob)
+    log_probs, entropy, mean_log_prob = reference.token_stats(inputs.head, inputs.hidden, inputs.targets)
+    return SoftmaxStats(log_probs, None, entropy, mean_log_prob), (log_probs, entropy, mean_log_prob)
 
 
 def _token_stats(inputs: LinearInputs, impl: str, need_entropy: bool = False,

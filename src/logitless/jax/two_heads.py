@@ -72,7 +72,7 @@ def fused_linear_kl(hidden_p, weight_p=None, hidden_q=None, weight_q=None, *, bi
                                            ((weight_p, bias_p, head_p), (weight_q, bias_q, head_q)),
                                            (temperature, softcap, logit_scale), mask, impl)
     if impl == "reference":
-        kl = reference.kl_stats(heads[0], hiddens[0], heads[1], hiddens[1]).kl
+        kl = reference.token_kl(heads[0], hiddens[0], heads[1], hiddens[1])
     else:
         (kl,) = fused_stats(KLAccumulator(), BlockSizes.of(block_sizes), heads, hiddens, ())
     return _per_token(kl, keep, leading)
@@ -106,8 +106,7 @@ def fused_linear_jsd(hidden_s, weight_s=None, hidden_t=None, weight_t=None, *, b
                                            ((weight_s, bias_s, head_s), (weight_t, bias_t, head_t)),
                                            (temperature, softcap, logit_scale), mask, impl)
     if impl == "reference":
-        stats = reference.jsd_stats(heads[0], hiddens[0], heads[1], hiddens[1], beta)
-        divergence, entropy = stats.divergence, stats.entropy
+        divergence, entropy = reference.token_jsd(heads[0], hiddens[0], heads[1], hiddens[1], beta)
     else:
         divergence, entropy = fused_stats(JSDAccumulator(beta), BlockSizes.of(block_sizes), heads, hiddens, ())
     divergence = _per_token(divergence, keep, leading)

@@ -1,5 +1,6 @@
-"""Gumbel-softmax samples of a next-token distribution, dense or restricted to k tokens, and the
-soft-token embedding of a sparse sample.
+"""Gumbel-softmax samples of a next-token distribution, restricted to k tokens, the relaxed weights of any
+perturbed logits (the whole vocabulary's for the legacy dense rollout), and the soft-token embedding of a sparse
+sample.
 
 A Gumbel-softmax sample of logits ``z`` (B, V) with noise ``g`` ~ Gumbel(0, 1) is
 ``y = softmax((z + g) / tau)``; its argmax is an exact sample of ``softmax(z)`` (the Gumbel-max trick)
@@ -8,7 +9,7 @@ the gradient the soft sample's: ``y_hard + (y_soft - y_soft.detach())`` (straigh
 
 The top-k version keeps the k tokens with the largest PERTURBED logits ``z + g``: the hard sample is
 still the exact full-vocabulary sample, and the k kept entries are the k largest of the dense soft
-sample, renormalized over themselves. With k = V it equals the dense sample (same noise).
+sample, renormalized over themselves. With k = V it is the dense sample (same noise).
 """
 
 from __future__ import annotations
@@ -53,14 +54,6 @@ def relaxed_weights(perturbed_logits: torch.Tensor, tau: float, hard: bool) -> t
         return soft
     one_hot = torch.zeros_like(soft).scatter_(-1, soft.argmax(dim=-1, keepdim=True), 1.0)
     return one_hot + (soft - soft.detach())
-
-
-def gumbel_softmax_dense(logits: torch.Tensor, tau: float, hard: bool = False, noise: torch.Tensor | None = None,
-                         generator: torch.Generator | None = None) -> torch.Tensor:
-    """(..., V) logits -> (..., V) Gumbel-softmax sample over the whole vocabulary (fp32), differentiable."""
-    _check_logits(logits)
-    tau = check_positive_finite("tau", tau)
-    return relaxed_weights(logits + _check_noise(noise, logits, generator), tau, hard)
 
 
 def perturbed_topk(logits: torch.Tensor, noise: torch.Tensor, k: int) -> torch.Tensor:

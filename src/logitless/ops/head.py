@@ -5,11 +5,12 @@
 ``cap(x) = softcap * tanh(x / softcap)`` is the soft cap of Gemma 2/3n, nanochat and Mistral Large 4
 (the identity without a softcap); ``logit_scale`` is a model's logit multiplier (Cohere's ``logit_scale``,
 Granite's ``1 / logits_scaling``); ``temperature`` divides the logits exactly as in sampling, in the
-policy, old, reference and reward paths alike. The block engine, the materialized oracles,
-`CompletionLogits` and the multiple-choice judge all compute logits through `LinearHead.logits`;
-the engine's accumulators send gradients back through `logit_factor` and `softcap_slope_`. Every public op
-takes a head whole (``head=LinearHead(...)``) or in parts (``weight, bias=, temperature=, softcap=,
-logit_scale=``); `op_head` turns either into the one the op reads.
+policy, old, reference and reward paths alike. The block engine, `CompletionLogits`, GRADE's
+rollouts and the multiple-choice judge all compute logits through `LinearHead.logits` (the materialized
+oracles, `ops/reference.py`, write the formula out for themselves); the engine's accumulators send
+gradients back through `logit_factor` and `softcap_slope_`. Every public op takes a head whole
+(``head=LinearHead(...)``) or in parts (``weight, bias=, temperature=, softcap=, logit_scale=``); `op_head`
+turns either into the one the op reads.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class LinearHead(HeadNumbers):
         if self.logit_scale != 1.0:
             raw.mul_(self.logit_scale)
         if self.softcap is not None:
-            if raw.requires_grad:  # the oracles differentiate through here; tanh keeps its output for backward
+            if raw.requires_grad:  # GRADE's rollouts differentiate through here; tanh keeps its output for backward
                 raw = torch.tanh(raw / self.softcap) * self.softcap
             else:
                 raw.div_(self.softcap).tanh_().mul_(self.softcap)

@@ -1,24 +1,40 @@
 """Materialized oracles: build the full logits and do the obvious thing.
 
-Small and obviously right on purpose, and written out from the formulas, sharing no code with the fused
-ops: `head_logits` computes a head's logits from its fields (not through `LinearHead.logits`), and
-`grpo_loss` is TRL's ``GRPOTrainer._compute_loss`` transcribed on (B, T, V) logits (not the op's
-normalization or metrics code). Every fused op is tested against these, and ``impl="reference"`` of the
-ops and of `get_response_log_probs` is built on them. All statistics are computed in fp32 (fp64 for fp64
-inputs) whatever the input dtype, and -inf logits are exact: their probability is 0 and ``0 * log 0 = 0``
-in the entropy and in its gradient.
+Small and obviously right on purpose, and written out from the formulas, importing nothing from the ops they
+check: `head_logits` computes a head's logits from its fields (``weight``, ``bias``, ``temperature``,
+``softcap``, ``logit_scale``, read by name: a `LinearHead` or any object that has them), and `grpo_loss` is
+TRL's ``GRPOTrainer._compute_loss`` transcribed on (B, T, V) logits, reading its options from TRL's defaults
+and a settings object's fields by name (not the op's normalization, metrics or settings code). Every fused op
+is tested against these, and ``impl="reference"`` of the ops and of `get_response_log_probs` is built on them.
+All statistics are computed in fp32 (fp64 for fp64 inputs) whatever the input dtype, and -inf logits are exact:
+their probability is 0 and ``0 * log 0 = 0`` in the entropy and in its gradient.
 """
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from logitless._checks import check_positive_finite, check_tensor
-from logitless.ops.settings import GRPOSettings
-from logitless.ops.head import LinearHead, op_head, stat_dtype
+from logitless._checks import check_positive_finite, check_tensor, unknown_keyword
+
+
+class HeadFields(Protocol):
+    """What the oracles read of an LM head (a `LinearHead` has these fields)."""
+
+    weight: torch.Tensor  # (V, H)
+    bias: torch.Tensor | None  # (V,)
+    temperature: float
+    softcap: float | None
+    logit_scale: float
+
+
+def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp64 for fp64 inputs, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def entropy_from_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
@@ -56,7 +72,7 @@ def generalized_jsd(log_p_s: torch.Tensor, log_p_t: torch.Tensor, beta: float) -
 def token_extras(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
     """Oracle for the ``extras`` of `linear_token_stats`: (..., V) logits and targets (...) -> log sum p^2, the mean
     of the V logits and whether the target is the first argmax (torch.argmax's pick), (...) each."""
-    logits = logits.to(stat_dtype(logits.dtype))
+    logits = logits.to(_stat_dtype(logits.dtype))
     return {"log_sum_sq_probs": torch.logsumexp(2 * F.log_softmax(logits, dim=-1), dim=-1),
             "mean_logits": logits.mean(dim=-1),
             "is_top1": logits.argmax(dim=-1) == targets}
@@ -68,41 +84,51 @@ def compute_entropy(logits: torch.Tensor) -> torch.Tensor:
     Uses log_softmax, so it stays finite for huge logits (1e4 and beyond); -inf logits count 0.
     """
     check_tensor("logits", logits, floating=True)
-    return entropy_from_log_probs(F.log_softmax(logits.to(stat_dtype(logits.dtype)), dim=-1))
+    return entropy_from_log_probs(F.log_softmax(logits.to(_stat_dtype(logits.dtype)), dim=-1))
 
 
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                          return_token_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / temperature)[target] and optionally the entropy; (..., V) -> (...)."""
     check_positive_finite("temperature", temperature)
-    scaled = logits.to(stat_dtype(logits.dtype)) / temperature  # (..., V)
+    scaled = logits.to(_stat_dtype(logits.dtype)) / temperature  # (..., V)
     log_probs_all = F.log_softmax(scaled, dim=-1)
     log_probs = log_probs_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
     return log_probs, entropy_from_log_probs(log_probs_all) if return_token_entropy else None
 
 
-def head_logits(hidden: torch.Tensor, head: LinearHead) -> torch.Tensor:
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
+            softcap: float | None, logit_scale: float) -> torch.Tensor:
+    """(..., H) -> (..., V): ``cap(logit_scale * (hidden @ weight.T + bias)) / temperature`` in fp32 (fp64 for
+    fp64 inputs), ``cap(x) = softcap * tanh(x / softcap)`` (the identity for softcap None)."""
+    dtype = _stat_dtype(hidden.dtype)
+    raw = hidden.to(dtype) @ weight.to(dtype).T  # (..., V)
+    if bias is not None:
+        raw = raw + bias.to(dtype)
+    raw = raw * logit_scale
+    if softcap is not None:
+        raw = softcap * torch.tanh(raw / softcap)
+    return raw / temperature
+
+
+def head_logits(hidden: torch.Tensor, head: HeadFields) -> torch.Tensor:
     """(..., H) -> (..., V): ``cap(logit_scale * (hidden @ weight.T + bias)) / temperature`` from the head's
     fields, in fp32 (fp64 for fp64 inputs), ``cap(x) = softcap * tanh(x / softcap)``."""
-    dtype = stat_dtype(hidden.dtype)
-    raw = hidden.to(dtype) @ head.weight.to(dtype).T  # (..., V)
-    if head.bias is not None:
-        raw = raw + head.bias.to(dtype)
-    raw = raw * head.logit_scale
-    if head.softcap is not None:
-        raw = head.softcap * torch.tanh(raw / head.softcap)
-    return raw / head.temperature
+    return _logits(hidden, head.weight, head.bias, head.temperature, head.softcap, head.logit_scale)
 
 
 def linear_logits(hidden: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
-                  head: LinearHead | None = None, temperature: float = 1.0, softcap: float | None = None,
+                  head: HeadFields | None = None, temperature: float = 1.0, softcap: float | None = None,
                   logit_scale: float = 1.0) -> torch.Tensor:
-    """The (..., V) logits of an LM head given in parts or whole, as the ops take it."""
-    return head_logits(hidden, op_head(head, weight, bias, temperature, softcap, logit_scale))
+    """The (..., V) logits of an LM head given in parts or whole (``head``, instead of the parts), as the ops
+    take it."""
+    if head is not None:
+        return head_logits(hidden, head)
+    return _logits(hidden, weight, bias, temperature, softcap, logit_scale)
 
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor | None = None, targets: torch.Tensor | None = None, *,
-                    head: LinearHead | None = None, bias: torch.Tensor | None = None, temperature: float = 1.0,
+                    head: HeadFields | None = None, bias: torch.Tensor | None = None, temperature: float = 1.0,
                     softcap: float | None = None, logit_scale: float = 1.0,
                     return_token_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Oracle for `fused_linear_logprobs`: materializes the (..., V) logits. Returns (log_probs, entropy or None)."""
@@ -114,17 +140,43 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor | None = None, ta
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
                   reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor:
     """Oracle for `fused_linear_cross_entropy`: PyTorch's cross-entropy on fp32 logits."""
-    return F.cross_entropy(logits.to(stat_dtype(logits.dtype)).reshape(-1, logits.shape[-1]),
+    return F.cross_entropy(logits.to(_stat_dtype(logits.dtype)).reshape(-1, logits.shape[-1]),
                            targets.long().reshape(-1), ignore_index=ignore_index, reduction=reduction,
                            label_smoothing=label_smoothing)
 
 
+GRPO_DEFAULTS = dict(  # TRL 1.16 GRPOConfig's defaults (its epsilon is epsilon_low), but for loss_type, TRL's "dapo",
+    # and max_completion_length, which None gives the completions' length T
+    loss_type="grpo", beta=0.0, epsilon_low=0.2, epsilon_high=0.2, delta=None, use_bias_correction_kl=True,
+    importance_sampling_level="token", max_completion_length=None, gradient_accumulation_steps=1,
+    top_entropy_quantile=1.0, off_policy_mask_threshold=None, entropy_coef=0.0, sapo_temperature_pos=1.0,
+    sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0)
+
+
+def _grpo_options(settings: Any, options: dict) -> SimpleNamespace:
+    """The GRPO loss's options, by the names of `GRPO_DEFAULTS`: ``settings``' fields of those names (a
+    `GRPOSettings`) or the defaults, with the keyword ``options`` (each equal to its field when ``settings`` is
+    given)."""
+    for name in options:
+        if name not in GRPO_DEFAULTS:
+            raise unknown_keyword("GRPOSettings", name, GRPO_DEFAULTS)
+    if settings is None:
+        return SimpleNamespace(**{**GRPO_DEFAULTS, **options})
+    if not all(hasattr(settings, name) for name in GRPO_DEFAULTS):
+        raise TypeError(f"settings: expected a GRPOSettings, got {type(settings).__name__}")
+    read = {name: getattr(settings, name) for name in GRPO_DEFAULTS}
+    for name, value in options.items():
+        if value != read[name]:
+            raise ValueError(f"{name}: {value!r} disagrees with settings.{name} = {read[name]!r}; give it once")
+    return SimpleNamespace(**read)
+
+
 def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor | None = None, completion_ids: torch.Tensor | None = None,
               completion_mask: torch.Tensor | None = None, advantages: torch.Tensor | None = None, *,
-              head: LinearHead | None = None, bias: torch.Tensor | None = None, temperature: float = 1.0,
+              head: HeadFields | None = None, bias: torch.Tensor | None = None, temperature: float = 1.0,
               softcap: float | None = None, logit_scale: float = 1.0, old_log_probs: torch.Tensor | None = None,
               ref_log_probs: torch.Tensor | None = None, sampling_log_probs: torch.Tensor | None = None,
-              importance_sampling_ratio: torch.Tensor | None = None, settings: GRPOSettings | None = None,
+              importance_sampling_ratio: torch.Tensor | None = None, settings: Any = None,
               num_items_in_batch: float | None = None, **options) -> tuple[torch.Tensor, dict[str, float]]:
     """Oracle for `fused_grpo_loss` (the same arguments): TRL 1.16's ``GRPOTrainer._compute_loss`` and its
     metrics, transcribed line by line on the materialized (B, T, V) logits, for every loss type and option.
@@ -135,13 +187,14 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor | None = None, completi
     outside ``completion_mask`` may hold anything: they are replaced before they are read (an importance
     ratio by 1, as TRL's sampler leaves it there). Assumes valid inputs (the op checks them).
     """
-    head = op_head(head, weight, bias, temperature, softcap, logit_scale)
-    s = GRPOSettings.of(settings, options)
+    s = _grpo_options(settings, options)
     keep = completion_mask.bool()  # (B, T)
-    dtype = stat_dtype(hidden.dtype)
+    dtype = _stat_dtype(hidden.dtype)
     mask = keep.to(dtype)
     hidden = torch.where(keep[..., None], hidden, torch.zeros((), dtype=hidden.dtype))  # (B, T, H)
-    log_probs_all = F.log_softmax(head_logits(hidden, head), dim=-1)  # (B, T, V)
+    logits = linear_logits(hidden, weight, bias, head=head, temperature=temperature, softcap=softcap,
+                           logit_scale=logit_scale)  # (B, T, V)
+    log_probs_all = F.log_softmax(logits, dim=-1)
 
     def at_tokens(values, fill=0.0):  # (B, T) with the positions outside the mask replaced, so never read
         if values is None or values.shape[1] != keep.shape[1]:

@@ -1,5 +1,6 @@
-"""The ops' settings that are not tensors, validated where they are made, without PyTorch or JAX: the PyTorch ops,
-the JAX ops and the oracles share them, and a jitted function may close over them (frozen and hashable).
+"""The ops' settings that are not tensors, validated where they are made, without PyTorch or JAX: the PyTorch ops
+and the JAX ops share them (the oracles read their fields by name), and a jitted function may close over them
+(frozen and hashable).
 
 * `BlockSizes`: tokens per row chunk and vocabulary entries per block of logits.
 * `GRPOSettings`: every option of the GRPO loss that is a setting.
