@@ -259,6 +259,22 @@ if INTERPRETED or torch.cuda.is_available():
         assert torch.isfinite(want).all() and (width == 1 or want.abs().max() > 0)  # one column: p = q = 1
         _assert_close(got, want, "KL block gradient")
 
+    @pytest.mark.parametrize("target", list(triton_ops.STATS_TILES))
+    def test_each_gpu_targets_tiles_give_the_pytorch_blocks_results(target, monkeypatch):
+        """Every kernel at the tiles a GPU target runs (the interpreter runs larger ones: fewer programs), on rows
+        that are not a multiple of the row tile and a prime width of several column tiles, every option on."""
+        monkeypatch.setattr(triton_ops, "device_tiles",
+                            lambda device: (triton_ops.STATS_TILES[target], triton_ops.GRAD_TILES[target]))
+        num_rows, width = 3, 1009
+        test_update_stats(num_rows, width, neg_inf=True)
+        for softcap in (None, 3.0):
+            test_block_logits_grad(num_rows, width, softcap, present=(True, True, True, True))
+            test_kl_block_logits_grad(num_rows, width, softcap)
+            test_jsd_block_logits_grad(num_rows, width, softcap, beta=0.3)
+        test_kl_update_stats(num_rows, width, True, need_gap=True, need_entropy=(True, True))
+        test_jsd_update_stats(num_rows, width, True, beta=0.3)
+        test_jsd_block_logits_grad(num_rows, width, None, beta=0.0)
+
     @pytest.mark.parametrize("softcap", [None, 2.0])
     def test_fused_kl_on_triton_matches_the_pytorch_blocks(softcap):
         """fused_linear_kl with impl="triton" (both passes on the kernels) against impl="chunked" and the
