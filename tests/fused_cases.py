@@ -93,3 +93,22 @@ def outputs_and_grads(op, x, **options) -> list[torch.Tensor]:
     """The op's outputs on ``x``, then the gradients of its loss with respect to hidden, weight and bias."""
     outputs, loss = op(x, **options)
     return [*outputs, *torch.autograd.grad(loss, [x[name] for name in TRAINED])]
+
+
+def run_case(op, shape: tuple[int, int, int, int], dtype: torch.dtype, device: str, values: torch.dtype | None = None,
+             **options) -> list[torch.Tensor]:
+    """The op's outputs and the gradients of hidden, weight and bias on `case_inputs` of ``shape`` (batch, seq,
+    hidden, vocab), in fp64 on the CPU. The heads' inputs hold values of ``values`` (default: ``dtype``), computed in
+    ``dtype``; ``options`` are the op's (``impl``, ``block_sizes``)."""
+    x = on(case_inputs(*shape), device, dtype, values)
+    return [tensor.detach().double().cpu() for tensor in outputs_and_grads(op, x, **options)]
+
+
+def output_names(outputs: list[torch.Tensor]) -> list[str]:
+    """The names of `run_case`'s tensors: the op's outputs, then the gradients."""
+    return [f"output {index}" for index in range(len(outputs) - len(TRAINED))] + [f"grad {n}" for n in TRAINED]
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want||."""
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()

@@ -72,7 +72,8 @@ MISSING = "no-such-data.jsonl"
                                           (["grade", "--method", "x"], 2), (["bench", "grade", "--steps", "0"], 1),
                                           *[([command, "--data", MISSING], 1)
                                             for command in ("sft", "grpo", "grade", "distill")],
-                                          (["distill", "--teacher", __file__], 1)])
+                                          (["distill", "--teacher", __file__], 1),
+                                          (["bench", "compile", "--targets", "sm_75"], 1)])
 def test_help_version_and_option_errors_answer_without_loading_pytorch(argv, status, tmp_path):
     """Every command took 11 - 14 s to say anything, --version and a mistyped option included: the parser imported
     the demo, transformers' Trainer and PEFT; a missing --data file took 14 s, and a --teacher that is a file 12 s.

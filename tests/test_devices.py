@@ -11,23 +11,16 @@ the same dtype, whose error the fused op may not exceed by more than half again.
 import pytest
 import torch
 
-from fused_cases import OPS, TRAINED, case_inputs, on, outputs_and_grads
+from fused_cases import OPS, output_names, relative_error, run_case
 from logitless.ops import BlockSizes
 
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
-BATCH, SEQ, HIDDEN, VOCAB = 2, 37, 64, 4001  # 74 tokens: not a multiple of the chunk; a vocabulary of 4 blocks
+SHAPE = (2, 37, 64, 4001)  # batch, seq, hidden, vocab: 74 tokens, not a multiple of the chunk; 4 vocabulary blocks
 BLOCKS = BlockSizes(16, 1024)
 
 
 def _run(op, dtype: torch.dtype, device: str, impl: str, values: torch.dtype | None = None) -> list[torch.Tensor]:
-    """The op's outputs and the gradients of hidden, weight and bias, in fp64 on the CPU. The heads' inputs hold
-    values of ``values`` (default: ``dtype``), computed in ``dtype``."""
-    x = on(case_inputs(BATCH, SEQ, HIDDEN, VOCAB), device, dtype, values)
-    return [tensor.detach().double().cpu() for tensor in outputs_and_grads(op, x, impl=impl, block_sizes=BLOCKS)]
-
-
-def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+    return run_case(op, SHAPE, dtype, device, values, impl=impl, block_sizes=BLOCKS)
 
 
 # (op, LOGITLESS_ONE_PASS): the losses known at forward time once more on each schedule, whatever the default is
@@ -42,11 +35,10 @@ def test_fused_op_on_this_device_matches_the_fp64_oracle(op, one_pass, dtype, de
     exact = _run(OPS[op], torch.float64, "cpu", "reference", values=dtype)
     fused = _run(OPS[op], dtype, device, "auto")
     materialized = _run(OPS[op], dtype, device, "reference") if dtype == torch.bfloat16 else None
-    names = [f"output {index}" for index in range(len(exact) - len(TRAINED))] + [f"grad {n}" for n in TRAINED]
-    for index, (name, got, want) in enumerate(zip(names, fused, exact)):
-        error = _relative_error(got, want)
+    for index, (name, got, want) in enumerate(zip(output_names(exact), fused, exact)):
+        error = relative_error(got, want)
         if dtype == torch.float32:
             assert error <= 1e-5, (name, error)
         else:
-            bound = _relative_error(materialized[index], want)
+            bound = relative_error(materialized[index], want)
             assert error <= 1.5 * bound + 1e-6, (name, error, bound)

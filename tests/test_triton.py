@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,9 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
+from fused_cases import (OPS, TRAINED, case_inputs, on, output_names, outputs_and_grads, relative_error,  # noqa: E402
+                         run_case)
+from logitless.ops import BlockSizes  # noqa: E402
 from logitless.ops import jsd as jsd_math  # noqa: E402
 from logitless.ops import kl as kl_math  # noqa: E402
 from logitless.ops import reference  # noqa: E402
@@ -29,6 +33,23 @@ DEVICE = "cpu" if INTERPRETED else "cuda"
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 # (n, c): row counts that are not a multiple of the row tile, a prime width spanning several column tiles
 SHAPES = [(3, 1009), (17, 300), (1, 1)]
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def precision_contract() -> dict[str, tuple[float, float]]:
+    """docs/fused_ops.md's precision table: {inputs' dtype: (bound on the outputs, bound on the gradients)}."""
+    section = (Path(__file__).parents[1] / "docs" / "fused_ops.md").read_text().split("\n## Precision\n")[1]
+    rows = re.findall(r"^\| `(\w+)` \| ([0-9.e-]+) \| ([0-9.e-]+) \|$", section.split("\n## ")[0], re.MULTILINE)
+    return {dtype: (float(outputs), float(grads)) for dtype, outputs, grads in rows}
+
+
+def test_the_precision_contract_bounds_each_dtype_by_its_own_rounding():
+    """The published bounds: fp32 outputs in every dtype; gradients within two roundings to the inputs' dtype."""
+    contract = precision_contract()
+    assert list(contract) == list(DTYPES)
+    for dtype, (outputs, grads) in contract.items():
+        assert outputs == 1e-5
+        assert grads == (1e-5 if dtype == "float32" else pytest.approx(torch.finfo(getattr(torch, dtype)).eps, 0.01))
 
 
 def test_imports_without_triton():
@@ -238,6 +259,22 @@ if INTERPRETED or torch.cuda.is_available():
         assert torch.isfinite(want).all() and (width == 1 or want.abs().max() > 0)  # one column: p = q = 1
         _assert_close(got, want, "KL block gradient")
 
+    @pytest.mark.parametrize("target", list(triton_ops.STATS_TILES))
+    def test_each_gpu_targets_tiles_give_the_pytorch_blocks_results(target, monkeypatch):
+        """Every kernel at the tiles a GPU target runs (the interpreter runs larger ones: fewer programs), on rows
+        that are not a multiple of the row tile and a prime width of several column tiles, every option on."""
+        monkeypatch.setattr(triton_ops, "device_tiles",
+                            lambda device: (triton_ops.STATS_TILES[target], triton_ops.GRAD_TILES[target]))
+        num_rows, width = 3, 1009
+        test_update_stats(num_rows, width, neg_inf=True)
+        for softcap in (None, 3.0):
+            test_block_logits_grad(num_rows, width, softcap, present=(True, True, True, True))
+            test_kl_block_logits_grad(num_rows, width, softcap)
+            test_jsd_block_logits_grad(num_rows, width, softcap, beta=0.3)
+        test_kl_update_stats(num_rows, width, True, need_gap=True, need_entropy=(True, True))
+        test_jsd_update_stats(num_rows, width, True, beta=0.3)
+        test_jsd_block_logits_grad(num_rows, width, None, beta=0.0)
+
     @pytest.mark.parametrize("softcap", [None, 2.0])
     def test_fused_kl_on_triton_matches_the_pytorch_blocks(softcap):
         """fused_linear_kl with impl="triton" (both passes on the kernels) against impl="chunked" and the
@@ -270,6 +307,26 @@ if INTERPRETED or torch.cuda.is_available():
             for name, g, w in zip(("kl", "grad hidden", "grad weight", "grad bias"), got, want):
                 assert torch.isfinite(w).all(), name
                 torch.testing.assert_close(g.cpu(), w.cpu(), rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+    # 18 tokens, hidden 16, a prime vocabulary of 3 blocks
+    PRECISION_SHAPE, PRECISION_BLOCKS = (2, 9, 16, 601), dict(block_sizes=BlockSizes(16, 256))
+
+    @pytest.mark.parametrize("impl", ["triton", "chunked"])
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("op", list(OPS))
+    def test_every_op_meets_the_precision_contract(op, dtype, impl):
+        """Each op's outputs and gradients in fp32, bf16 and fp16 inputs against the fp64 oracle on the same input
+        values, within docs/fused_ops.md's bounds; the gradients come back in the inputs' dtype."""
+        outputs_bound, grads_bound = precision_contract()[dtype]
+        dtype = getattr(torch, dtype)
+        exact = run_case(OPS[op], PRECISION_SHAPE, torch.float64, "cpu", values=dtype, impl="reference")
+        x = on(case_inputs(*PRECISION_SHAPE), DEVICE, dtype)
+        got = outputs_and_grads(OPS[op], x, impl=impl, **PRECISION_BLOCKS)
+        assert [g.dtype for g in got[-len(TRAINED):]] == [dtype] * len(TRAINED)
+        for index, (name, g, want) in enumerate(zip(output_names(exact), got, exact)):
+            bound = outputs_bound if index < len(exact) - len(TRAINED) else grads_bound
+            error = relative_error(g.detach().double().cpu(), want)
+            assert error <= bound, (name, error, bound)
 
     def test_fused_ops_end_to_end_on_triton(monkeypatch):
         """The fused ops with the Triton kernels forced, several blocks and chunks, against the oracles. The losses

@@ -4,11 +4,12 @@ of `kl.py`'s), `jsd_update_stats` and `jsd_block_logits_grad` (the generalized J
 first sweep is `kl_update_stats`): every function of the ``PYTORCH_BLOCKS`` of those modules.
 
 Same signatures and results as the PyTorch twins. Every kernel tiles tokens and vocabulary with a
-`BlockSizes` tile: the statistics kernels give each program ``tokens`` rows and stream the block's
-columns in tiles (two passes over the block: its max, then the sums); the gradient kernels are
-elementwise over a 2-D grid of tiles and write the gradient over the logits they read. The block's
-logits themselves come from cuBLAS (`LinearHead.logits`). Tile sizes are reasonable defaults, not
-yet tuned on hardware. Optional: without triton this module still imports and `available()` is False.
+`BlockSizes` tile of the GPU it runs on (`STATS_TILES`, `GRAD_TILES`, `tile_target`): the statistics kernels
+give each program ``tokens`` rows and stream the block's columns in tiles (two passes over the block: its max,
+then the sums); the gradient kernels are elementwise over a 2-D grid of tiles and write the gradient over the
+logits they read. The block's logits themselves come from cuBLAS (`LinearHead.logits`). The tiles are chosen
+from what the compilers report (registers, spills, the warps left resident: `logitless bench compile`), not
+from timings on a GPU. Optional: without triton this module still imports and `available()` is False.
 """
 
 from __future__ import annotations
@@ -31,12 +32,49 @@ try:
 except ImportError:
     triton = None
 
-STATS_TILE = BlockSizes(tokens=16, vocab=256)  # one program of a statistics kernel: 16 rows, columns 256 at a time
-GRAD_TILE = BlockSizes(tokens=32, vocab=256)  # one program of a gradient kernel
+# The kernels' tiles on each GPU target: a statistics kernel's program takes `tokens` rows and streams the block's
+# columns `vocab` at a time, a gradient kernel's program one `tokens` x `vocab` tile. On each target, of the tiles at
+# which every kernel of the kind compiles without spilling registers, the one that leaves the most warps resident
+# per SM (the least of its kernels'), then the largest: `logitless bench compile --tiles sweep` (docs/BENCHMARKS.md).
+STATS_TILES = {"sm_80": BlockSizes(1, 128), "sm_90": BlockSizes(1, 128), "sm_100": BlockSizes(1, 256),
+               "sm_120": BlockSizes(1, 256), "gfx942": BlockSizes(2, 512)}
+GRAD_TILES = {"sm_80": BlockSizes(1, 512), "sm_90": BlockSizes(1, 512), "sm_100": BlockSizes(1, 512),
+              "sm_120": BlockSizes(1, 512), "gfx942": BlockSizes(1, 2048)}
+# (statistics, gradient) tiles of Triton's CPU interpreter, which takes milliseconds a program whatever its tile:
+# large ones, few programs (the tests run each GPU target's tiles through the kernels too)
+INTERPRETER_TILES = (BlockSizes(16, 256), BlockSizes(32, 256))
 
 
-def _tile(sizes: BlockSizes) -> dict[str, int]:
-    return dict(BLOCK_TOKENS=sizes.tokens, BLOCK_VOCAB=sizes.vocab)
+def tile_target(device: torch.device) -> str:
+    """The target of `STATS_TILES` and `GRAD_TILES` whose tiles a CUDA ``device`` runs: an AMD GPU gfx942's; an NVIDIA
+    GPU the listed compute capability at or below its own (sm_86 and sm_89 take sm_80's; one below sm_80, sm_80's)."""
+    if torch.version.hip is not None:
+        return "gfx942"
+    major, minor = torch.cuda.get_device_capability(device)
+    listed = sorted(int(name[3:]) for name in STATS_TILES if name.startswith("sm_"))
+    return f"sm_{max((arch for arch in listed if arch <= 10 * major + minor), default=listed[0])}"
+
+
+def device_tiles(device: torch.device) -> tuple[BlockSizes, BlockSizes]:
+    """The (statistics, gradient) tiles that run on ``device``: its GPU target's, or on the CPU (Triton's interpreter)
+    `INTERPRETER_TILES`."""
+    if device.type != "cuda":
+        return INTERPRETER_TILES
+    target = tile_target(device)
+    return STATS_TILES[target], GRAD_TILES[target]
+
+
+def _stats_launch(num_rows: int, device: torch.device) -> tuple[tuple[int], dict[str, int]]:
+    """A statistics kernel's grid over ``num_rows`` rows on ``device``, and its tile's constexprs."""
+    tile = device_tiles(device)[0]
+    return (triton.cdiv(num_rows, tile.tokens),), dict(BLOCK_TOKENS=tile.tokens, BLOCK_VOCAB=tile.vocab)
+
+
+def _grad_launch(num_rows: int, num_columns: int, device: torch.device) -> tuple[tuple[int, int], dict[str, int]]:
+    """A gradient kernel's grid over an (n, c) block on ``device``, and its tile's constexprs."""
+    tile = device_tiles(device)[1]
+    grid = (triton.cdiv(num_rows, tile.tokens), triton.cdiv(num_columns, tile.vocab))
+    return grid, dict(BLOCK_TOKENS=tile.tokens, BLOCK_VOCAB=tile.vocab)
 
 
 def available() -> bool:
@@ -66,11 +104,11 @@ def update_stats(stats: OnlineSoftmax, logits: torch.Tensor, start: int, targets
         return stats.shift
     optional = (stats.weighted, stats.logit_sum, stats.square_total, stats.max_before_target)
     placeholder = stats.total  # for a sum not kept, whose HAS_* flag keeps the kernel from touching it
-    grid = (triton.cdiv(num_rows, STATS_TILE.tokens),)
+    grid, tile = _stats_launch(num_rows, logits.device)
     _update_stats_kernel[grid](
         logits, num_rows, num_columns, logits.stride(0), targets.contiguous(), start,
         stats.max, stats.shift, stats.total, *(placeholder if s is None else s for s in optional), stats.target_logit,
-        *(s is not None for s in optional), **_tile(STATS_TILE))
+        *(s is not None for s in optional), **tile)
     return stats.shift
 
 
@@ -85,12 +123,12 @@ def block_logits_grad(head: LinearHead, logits: torch.Tensor, start: int, target
         return logits
     row_vectors = [None if v is None else _row_vector(v) for v in (*coefs, expected_logit)]
     placeholder = lse
-    grid = (triton.cdiv(num_rows, GRAD_TILE.tokens), triton.cdiv(num_columns, GRAD_TILE.vocab))
+    grid, tile = _grad_launch(num_rows, num_columns, logits.device)
     _block_grad_kernel[grid](
         logits, num_rows, num_columns, logits.stride(0), targets.contiguous(), start, lse.contiguous(),
         *(placeholder if v is None else v for v in row_vectors),
         1.0 if head.softcap is None else head.temperature / head.softcap,
-        *(v is not None for v in row_vectors[:4]), HAS_SOFTCAP=head.softcap is not None, **_tile(GRAD_TILE))
+        *(v is not None for v in row_vectors[:4]), HAS_SOFTCAP=head.softcap is not None, **tile)
     return logits
 
 
@@ -111,11 +149,11 @@ def kl_update_stats(sums: KLSums, logits_p: torch.Tensor, logits_q: torch.Tensor
         return
     optional = (sums.p.weighted, sums.q.weighted, sums.gap)
     placeholder = sums.p.total  # for a sum not kept, whose HAS_* flag keeps the kernel from touching it
-    _kl_update_stats_kernel[(triton.cdiv(num_rows, STATS_TILE.tokens),)](
+    grid, tile = _stats_launch(num_rows, logits_p.device)
+    _kl_update_stats_kernel[grid](
         logits_p, logits_q, num_rows, num_columns, logits_p.stride(0), logits_q.stride(0),
         sums.p.max, sums.p.shift, sums.p.total, sums.q.max, sums.q.shift, sums.q.total,
-        *(placeholder if s is None else s for s in optional), *(s is not None for s in optional),
-        **_tile(STATS_TILE))
+        *(placeholder if s is None else s for s in optional), *(s is not None for s in optional), **tile)
 
 
 def kl_block_logits_grad(head_p: LinearHead, logits_p: torch.Tensor, logits_q: torch.Tensor, stats: KLStats,
@@ -126,12 +164,12 @@ def kl_block_logits_grad(head_p: LinearHead, logits_p: torch.Tensor, logits_q: t
     num_rows, num_columns = logits_p.shape
     if num_rows == 0:
         return logits_p
-    grid = (triton.cdiv(num_rows, GRAD_TILE.tokens), triton.cdiv(num_columns, GRAD_TILE.vocab))
+    grid, tile = _grad_launch(num_rows, num_columns, logits_p.device)
     _kl_block_grad_kernel[grid](
         logits_p, logits_q, num_rows, num_columns, logits_p.stride(0), logits_q.stride(0),
         *(_row_vector(v) for v in (*stats, grad_kl * head_p.logit_factor)),
         1.0 if head_p.softcap is None else head_p.temperature / head_p.softcap,
-        HAS_SOFTCAP=head_p.softcap is not None, **_tile(GRAD_TILE))
+        HAS_SOFTCAP=head_p.softcap is not None, **tile)
     return logits_p
 
 
@@ -143,10 +181,11 @@ def jsd_update_stats(sums: MixtureSums, logits_s: torch.Tensor, logits_t: torch.
     num_rows, num_columns = logits_s.shape
     if num_rows == 0:
         return
-    _jsd_update_stats_kernel[(triton.cdiv(num_rows, STATS_TILE.tokens),)](
+    grid, tile = _stats_launch(num_rows, logits_s.device)
+    _jsd_update_stats_kernel[grid](
         logits_s, logits_t, num_rows, num_columns, logits_s.stride(0), logits_t.stride(0),
         _row_vector(lse_s), _row_vector(lse_t), sums.student_kl, sums.teacher_kl, math.log1p(-beta), math.log(beta),
-        **_tile(STATS_TILE))
+        **tile)
 
 
 def jsd_block_logits_grad(head_s: LinearHead, logits_s: torch.Tensor, logits_t: torch.Tensor, stats: JSDStats,
@@ -161,13 +200,13 @@ def jsd_block_logits_grad(head_s: LinearHead, logits_s: torch.Tensor, logits_t: 
     forward_kl = beta == 0.0
     row_grad = grad_divergence * (head_s.logit_factor * (1.0 if forward_kl else 1.0 - beta))
     student_kl = stats.lse_s if forward_kl else stats.student_kl  # the forward KL's gradient does not read it
-    grid = (triton.cdiv(num_rows, GRAD_TILE.tokens), triton.cdiv(num_columns, GRAD_TILE.vocab))
+    grid, tile = _grad_launch(num_rows, num_columns, logits_s.device)
     _jsd_block_grad_kernel[grid](
         logits_s, logits_t, num_rows, num_columns, logits_s.stride(0), logits_t.stride(0),
         *(_row_vector(v) for v in (stats.lse_s, stats.lse_t, student_kl, row_grad)),
         0.0 if forward_kl else math.log1p(-beta), 0.0 if forward_kl else math.log(beta),
         1.0 if head_s.softcap is None else head_s.temperature / head_s.softcap,
-        FORWARD_KL=forward_kl, HAS_SOFTCAP=head_s.softcap is not None, **_tile(GRAD_TILE))
+        FORWARD_KL=forward_kl, HAS_SOFTCAP=head_s.softcap is not None, **tile)
     return logits_s
 
 
@@ -469,3 +508,7 @@ if triton is not None:
             capped = z_s * temperature_over_softcap
             grad *= 1.0 - capped * capped
         tl.store(s_pointers, grad, mask=tile)
+
+    # the kernels the ops launch, by the table of their tiles: what `logitless bench compile` compiles
+    TILED_KERNELS = {"STATS_TILES": (_update_stats_kernel, _kl_update_stats_kernel, _jsd_update_stats_kernel),
+                     "GRAD_TILES": (_block_grad_kernel, _kl_block_grad_kernel, _jsd_block_grad_kernel)}
