@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from transformers.integrations import is_deepspeed_zero3_enabled
 from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
 
-from logitless.hf import lm_head_of, model_body
+from logitless.hf import head_hidden_states, lm_head_of, model_body
 from logitless.ops.fused import linear_token_stats
 from logitless.ops.head import LinearHead
 from logitless.trl.notices import head_gathered_by_fsdp
@@ -72,9 +72,9 @@ def add_logitless_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32:
             kwargs.setdefault("output_router_logits", True)
         body_outputs = model_body(self)(*args, **kwargs)
         if shift_labels is None:  # position t scores token t + 1
-            hidden, labels = body_outputs.last_hidden_state[:, :-1], labels[:, 1:]
+            hidden, labels = head_hidden_states(self, body_outputs)[:, :-1], labels[:, 1:]
         else:
-            hidden, labels = body_outputs.last_hidden_state, shift_labels
+            hidden, labels = head_hidden_states(self, body_outputs), shift_labels
         precision = torch.autocast(hidden.device.type, enabled=False) if cast_lm_head_to_fp32 else nullcontext()
         with gathered_output_embedding(self), precision:
             head = scoring_head(self, temperature, cast_lm_head_to_fp32)
