@@ -57,10 +57,11 @@ demo: install
 
 # every test, in two worker processes (pytest-xdist; a test file's tests stay in one worker): first, side by side, the
 # two environments' installs, the lint and the JAX tests (but those that need the torch extra) in the environment with
-# only the JAX install; then every other test
+# only the JAX install; then every other test but the sweep of every causal LM type transformers ships (marked sweep:
+# `$(BIN)/python -m pytest -q -m sweep tests/test_model_sweep.py`, docs/models.md)
 test:
 	$(MAKE) --no-print-directory -j2 lint $(BIN)/.installed-deepspeed test-jax-alone
-	$(BIN)/python -m pytest -q -n 2 -m "not jax_alone or torch"
+	$(BIN)/python -m pytest -q -n 2 -m "(not jax_alone or torch) and not sweep"
 
 # the files whose tests are marked jax_alone (tests/test_jax_alone.py checks the two agree)
 JAX_TESTS := tests/test_jax_alone.py tests/test_jax.py tests/test_jax_two_heads.py tests/test_jax_sharded.py \
@@ -68,17 +69,17 @@ JAX_TESTS := tests/test_jax_alone.py tests/test_jax.py tests/test_jax_two_heads.
 test-jax-alone: $(JAX_VENV)/bin/.installed
 	$(JAX_VENV)/bin/python -m pytest -q -n 2 -m "jax_alone and not torch" $(JAX_TESTS)
 
-# the edit-test loop: the tests not marked slow, distributed or interpreter (pyproject.toml), the fuzz tests at a
+# the edit-test loop: the tests not marked slow, distributed, interpreter or sweep (pyproject.toml), the fuzz tests at a
 # tenth of their examples; `make test` before a commit
 test-fast: install
-	HYPOTHESIS_PROFILE=fast $(BIN)/python -m pytest -q -n 2 -m "not slow and not distributed and not interpreter"
+	HYPOTHESIS_PROFILE=fast $(BIN)/python -m pytest -q -n 2 -m "not slow and not distributed and not interpreter and not sweep"
 
 lint: install
 	$(BIN)/ruff check src tests bench
 
 # the suite with two processes keeping two cores busy beside it, as on a shared machine
 test-loaded: lint $(BIN)/.installed-deepspeed
-	$(BIN)/python -m logitless.bench.busy 2 $(BIN)/python -m pytest -q -n 2
+	$(BIN)/python -m logitless.bench.busy 2 $(BIN)/python -m pytest -q -n 2 -m "not sweep"
 
 # bench/gpu.sh's packages that a GPU machine without PyPI may lack, as wheels in .whl/ for its Python 3.12
 GPU_WHEELS := trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 liger-kernel==0.8.5 \

@@ -1,7 +1,7 @@
 """Run by tests/test_trl_fsdp.py under torchrun (2 CPU processes, gloo): logitless's fused LM head, installed as
 GRPOTrainerWithLogits installs it, on a model sharded with FSDP2, and on one whose head alone is split by tensor
-parallelism, against the same model in one process; and `sharded_logits`, each rank's own rows' logits from a head
-sharded on the vocabulary, against the whole head's.
+parallelism, against the same model in one process; `sharded_logits`, each rank's own rows' logits from a head
+sharded on the vocabulary, against the whole head's; and the check of a sharded model's head, which does not run it.
 
 Each rank scores its own batch; the single-process reference scores both batches and averages the two losses, as
 FSDP2 averages gradients. Rank 0 saves the largest gradient difference of every parameter and the largest
@@ -16,13 +16,15 @@ import sys
 
 import torch
 import torch.distributed as dist
+from head_models import UncheckedQwen2
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
+from logitless.hf_probe import UnreadableHead, check_head
 from logitless.logprobs import get_response_log_probs
-from logitless.models import tiny_qwen2
+from logitless.models import tiny_qwen2, tiny_qwen2_config
 from logitless.ops.head import LinearHead
 from logitless.ops.sharded_logits import sharded_logits
 from logitless.trl.lm_head import add_logitless_lm_head, detached_head
@@ -147,6 +149,29 @@ def compare_sharded_logits(rank: int, world: int) -> dict:
     return {"shape": tuple(rows.shape), "error": error, "refusals": refusals}
 
 
+def sharded_head_checks() -> dict:
+    """`check_head` of models sharded by FSDP2 (their head a DTensor): name -> (the refusal or None, how many times the
+    model's own forward ran). A class the sweep checked is read without running it; another is refused, unless it was
+    checked before it was sharded."""
+    results = {}
+    for name, model, checked_first in (
+            ("checked class", tiny_qwen2(seed=0, tie_word_embeddings=False), False),
+            ("unchecked class", UncheckedQwen2(tiny_qwen2_config(tie_word_embeddings=False)), False),
+            ("unchecked class, checked unsharded", UncheckedQwen2(tiny_qwen2_config(tie_word_embeddings=False)), True)):
+        if checked_first:
+            check_head(model, "")
+        fully_shard(model.lm_head)
+        fully_shard(model)
+        forwards = []
+        model.register_forward_pre_hook(lambda *_: forwards.append(1))
+        try:
+            check_head(model, "the way around")
+            results[name] = (None, len(forwards))
+        except UnreadableHead as refusal:
+            results[name] = (str(refusal), len(forwards))
+    return results
+
+
 @contextlib.contextmanager
 def counted_reduce_scatters():
     """A list that holds one entry per reduce-scatter run while the context lasts."""
@@ -168,6 +193,7 @@ def main(output_path: str) -> None:
                for tied, shard in ((False, True), (False, False), (True, False))}
     results["tensor_parallel"] = compare_tensor_parallel(world)
     results["sharded_logits"] = compare_sharded_logits(rank, world)
+    results["sharded_head_checks"] = sharded_head_checks()
     if rank == 0:
         torch.save(results, output_path)
     dist.barrier()

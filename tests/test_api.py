@@ -131,7 +131,11 @@ def test_the_impl_of_another_vocabulary_names_its_spelling(name, impl):
 
 def test_every_impl_of_get_response_log_probs_agrees_and_only_reference_runs_the_models_head(tiny_model):
     """"reference" is the model's own forward (its lm_head makes the (B, T, V) logits), the others the fused head
-    from hidden states: the same log-probs, and the model's head runs for "reference" alone."""
+    from hidden states: the same log-probs, and the model's head runs for "reference" alone (once the model's first
+    fused call has checked its head against its own forward, `check_head`)."""
+    from logitless.hf_probe import check_head
+
+    check_head(tiny_model, "")
     input_ids = torch.randint(0, 151936, (1, 6), generator=torch.Generator().manual_seed(0))
     head_calls = []
     hook = tiny_model.get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(1))

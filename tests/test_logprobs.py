@@ -4,8 +4,11 @@ causal LMs built from configs."""
 import pytest
 import torch
 
+from head_models import STRUCTURES, halved_logits_qwen2, with_structure
+
 from logitless import fused_linear_logprobs, get_response_log_probs
-from logitless.hf import final_hidden_states, lm_head_of
+from logitless.hf import final_hidden_states, head_structure, lm_head_of, vocabulary_rows
+from logitless.hf_probe import UnreadableHead, check_head
 from logitless.models import tiny_qwen2
 from logitless.ops.head import LinearHead
 
@@ -54,14 +57,52 @@ def test_seed_semantics_are_log_softmax_gather(tiny_model):
     assert "token_entropy" not in get_response_log_probs(tiny_model, input_ids, labels)
 
 
-def test_head_with_logit_scale_cohere():
-    from transformers import CohereConfig, CohereForCausalLM
-
-    model = CohereForCausalLM(CohereConfig(vocab_size=503, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                           num_attention_heads=4, num_key_value_heads=2, logit_scale=0.37,
-                                           pad_token_id=0, bos_token_id=1, eos_token_id=2))
-    input_ids, labels = _batch(vocab=503)
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_each_head_structure_scores_as_its_own_forward(structure):
+    """One tiny model per head structure logitless reads: it names the structure, and the fused log-probs, entropies
+    and gradients equal those of the model's own forward (a BERT-style transform, a muP divisor and an unpadded
+    vocabulary, a language model nested under another prefix, as well as plain, tied, scaled and soft-capped)."""
+    model = with_structure(structure)
+    assert structure in head_structure(model)
+    input_ids, labels = _batch(vocab=vocabulary_rows(model))
     _assert_agree(*_both(model, input_ids, labels, temperature=0.8))
+
+
+def test_a_head_logitless_cannot_read_is_refused_in_one_line_and_the_reference_impl_scores_it():
+    """A model whose forward halves its logits, which no config says: the fused impls refuse it (the first call checks
+    its head against its own forward), naming its class and impl='reference', which scores it."""
+    model = halved_logits_qwen2(vocab_size=211, pad_token_id=0, eos_token_id=0)
+    input_ids, labels = _batch(vocab=211)
+    for impl in ("auto", "chunked"):
+        with pytest.raises(UnreadableHead, match=r"^model: logitless cannot score HalvedLogitsQwen2 from its hidden "
+                                                 r"states: its own forward's log-probs and entropies differ .*; "
+                                                 r"impl='reference' scores it with its own forward") as refusal:
+            get_response_log_probs(model, input_ids, labels, impl=impl)
+        assert "\n" not in str(refusal.value)
+    with torch.no_grad():
+        own = torch.log_softmax(model(input_ids).logits, -1).gather(-1, labels[..., None])[..., 0]
+        torch.testing.assert_close(get_response_log_probs(model, input_ids, labels, impl="reference")["log_probs"], own)
+
+
+def test_the_head_check_runs_once_in_eval_mode_without_gradient_and_leaves_the_model_as_it_was():
+    """The check before a model's first fused call: its own forward once, in eval mode (no dropout; a model in train
+    mode with dropout would otherwise differ from its fused log-probs), without gradient, the random number
+    generator untouched and every module's train/eval flag restored; later calls read the verdict kept on it."""
+    model = tiny_qwen2(seed=1, vocab_size=211, pad_token_id=0, eos_token_id=0, attention_dropout=0.5).train()
+    model.model.layers[0].eval()  # a module the caller keeps in eval mode stays so
+    flags = {name: module.training for name, module in model.named_modules()}
+    forwards = []
+    model.get_output_embeddings().register_forward_hook(lambda *_: forwards.append(torch.is_grad_enabled()))
+    random_state = torch.get_rng_state()
+    check_head(model, "")
+    assert forwards == [False]
+    assert torch.equal(torch.get_rng_state(), random_state)
+    assert {name: module.training for name, module in model.named_modules()} == flags
+    assert all(p.grad is None for p in model.parameters())
+    input_ids, labels = _batch(vocab=211, batch=1, length=4)
+    check_head(model, "")
+    get_response_log_probs(model, input_ids, labels)
+    assert forwards == [False]  # the fused call ran the body alone, and no second check
 
 
 @pytest.mark.parametrize("family, scaling", [("Granite", 4.0), ("HyperCLOVAX", 4.0)])

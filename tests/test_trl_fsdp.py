@@ -40,6 +40,14 @@ def test_fsdp2_gradients_and_completion_rows_equal_one_process(tmp_path):
     whole_head, with_grad = logits_rows["refusals"]
     assert whole_head.startswith("head: sharded_logits needs a weight that is a DTensor")
     assert with_grad.startswith("hidden: sharded_logits computes no gradient")
+    checks = results.pop("sharded_head_checks")  # a sharded head is checked without running the model's forward
+    assert checks["checked class"] == (None, 0) and checks["unchecked class, checked unsharded"] == (None, 0)
+    refusal, forwards = checks["unchecked class"]
+    assert forwards == 0 and refusal == (
+        "model: logitless cannot score UncheckedQwen2 from its hidden states: its head is sharded as a DTensor (FSDP2 "
+        "or tensor parallelism), so its own forward, which would gather it, is not run to check the head, and "
+        "UncheckedQwen2 is not a class logitless has checked (call logitless.hf_probe.check_head on the model before "
+        "it is sharded); the way around")
     tensor_parallel = results.pop("tensor_parallel")
     assert tensor_parallel["head_was_dtensor"] and tensor_parallel["head_grad_is_shard"]
     # tensor parallelism: every rank scores the same tokens, summing dh over the shards; no rows sent to an owner,

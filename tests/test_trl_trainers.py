@@ -12,7 +12,10 @@ trl = pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402
 from trl.trainer import utils as trl_utils  # noqa: E402
 
+from head_models import halved_logits_qwen2  # noqa: E402
+
 import logitless.trl as ours_trl  # noqa: E402
+from logitless.hf_probe import UnreadableHead  # noqa: E402
 from logitless.models import load_model_and_tokenizer, save_model_and_tokenizer, tiny_qwen2  # noqa: E402
 from logitless.trl import lm_head as lm_head_module  # noqa: E402
 
@@ -195,6 +198,35 @@ def test_one_step_equals_stock_trl_on_logitless_head(name, model_dir, other_mode
     moved = max((changed_grads[p] - our_grads[p]).abs().max().item() / max(our_grads[p].abs().max().item(), 1e-12)
                 for p in our_grads)
     assert abs(changed_loss.item() - our_loss.item()) > 1e-4 * max(1.0, abs(our_loss.item())) or moved > 1e-3
+
+
+def test_a_model_whose_head_logitless_cannot_read_is_refused_when_the_trainer_is_built(model_dir, tokenizer,
+                                                                                       tmp_path):
+    """A policy (SFT) or a reference model (DPO) whose forward halves its logits, which no config says: refused in one
+    line naming its class and TRL's own trainer, which takes it."""
+    refusal = (r"^model: logitless cannot score HalvedLogitsQwen2 from its hidden states: its own forward's log-probs "
+               r"and entropies differ from those of the head logitless reads by up to [0-9.e-]+ \(8 positions "
+               r"checked\); TRL's own trl.{} scores it with its own forward$")
+    with pytest.raises(UnreadableHead, match=refusal.format("SFTTrainer")):
+        _sft(ours_trl.SFTTrainer, halved_logits_qwen2(), None, tokenizer, tmp_path / "sft")
+    _sft(trl.SFTTrainer, halved_logits_qwen2(), None, tokenizer, tmp_path / "stock")
+    data = Dataset.from_dict({"prompt": PROMPTS, "chosen": COMPLETIONS, "rejected": OTHERS})
+    with pytest.raises(UnreadableHead, match=refusal.format("DPOTrainer")):
+        ours_trl.DPOTrainer(model=model_dir, ref_model=halved_logits_qwen2(), train_dataset=data,
+                            args=trl.DPOConfig(str(tmp_path / "dpo"), **COMMON), processing_class=tokenizer)
+
+
+def test_distillation_refuses_a_teacher_whose_head_reads_a_transformed_hidden_state(model_dir, tokenizer, tmp_path):
+    """TRL's distillation reads the body's last hidden state and the whole output embedding: a BERT-style teacher,
+    whose head transforms its hidden states first, is refused when the trainer is built."""
+    from transformers import BertConfig, BertLMHeadModel
+
+    teacher = BertLMHeadModel(BertConfig(vocab_size=151936, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=64, is_decoder=True))
+    with pytest.raises(UnreadableHead, match=r"^teacher_model: TRL's DistillationTrainer reads the body's last hidden "
+                                             r"state and whole output embedding of BertLMHeadModel, whose head is "
+                                             r"transformed; logitless cannot distill it$"):
+        _distill(ours_trl.DistillationTrainer, model_dir, teacher, tokenizer, tmp_path)
 
 
 def test_rloo_rewards_read_completion_logits_from_the_old_log_prob_pass(model_dir, other_model_dir, tokenizer,

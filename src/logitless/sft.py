@@ -15,6 +15,7 @@ import torch
 
 from logitless.data import tokenize_prompt_and_output
 from logitless.hf import final_hidden_states, lm_head_of
+from logitless.hf_probe import OWN_FORWARD, check_head
 from logitless.losses import sft_microbatch_train_step
 from logitless.masked import masked_mean
 from logitless.nonfinite import check_step
@@ -31,6 +32,7 @@ class SFTStep(NamedTuple):
 
 def _response_log_probs(model, input_ids, labels, response_mask) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(label), entropy), each (B, T), at the response positions (0 elsewhere), logit-free."""
+    check_head(model, OWN_FORWARD)
     head = lm_head_of(model)
     hidden = final_hidden_states(model, input_ids)  # (B, T, H)
     return fused_linear_logprobs(hidden, targets=labels, head=head, mask=response_mask, return_token_entropy=True)

@@ -8,10 +8,14 @@ from dataclasses import dataclass
 import torch
 
 from logitless.grade.soft_tokens import TokenEmbedding
-from logitless.hf import lm_head_of, model_body
+from logitless.hf import head_structure, lm_head_of, model_body
+from logitless.hf_probe import OWN_FORWARD, check_head
 from logitless.ops.settings import BlockSizes
 from logitless.ops.head import LinearHead
 from logitless.ops.kl import fused_linear_kl
+
+# head structures whose hidden states are not the body's last hidden state, which GRADE's rollouts read step by step
+_NOT_THE_BODYS_OUTPUT = ("transformed", "muP-divided", "predicting stream")
 
 
 @dataclass
@@ -24,10 +28,12 @@ class CausalLMParts:
     @classmethod
     def of(cls, model, name: str) -> CausalLMParts:
         embedding = TokenEmbedding.of(model, name)
-        try:
-            head, body = lm_head_of(model), model_body(model)
-        except TypeError as err:
-            raise TypeError(f"{name}: {str(err).partition(': ')[2]}") from None
+        check_head(model, OWN_FORWARD, name)
+        head, body = lm_head_of(model), model_body(model)
+        unread = [feature for feature in head_structure(model) if feature in _NOT_THE_BODYS_OUTPUT]
+        if unread:
+            raise ValueError(f"{name}: GRADE reads the body's last hidden state, but {type(model).__name__}'s head "
+                             f"is {', '.join(unread)}")
         if head.softcap is not None:
             raise ValueError(f"{name}: soft-capped LM heads (final_logit_softcapping) are not supported by GRADE")
         if head.weight.shape[0] != embedding.vocab_size:

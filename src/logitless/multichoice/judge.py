@@ -6,7 +6,8 @@ import torch
 
 from logitless._checks import check_finite, check_positive_int, check_strings
 from logitless.data import left_padded, pad_token_id
-from logitless.hf import final_hidden_states, lm_head_of, model_body
+from logitless.hf import final_hidden_states, lm_head_of
+from logitless.hf_probe import OWN_FORWARD, check_head
 from logitless.multichoice.letters import check_answer, check_marker, choice_token_ids, letter_logsumexp
 from logitless.multichoice.strip import strip_final_answer
 from logitless.ops.head import LinearHead
@@ -24,8 +25,7 @@ class MultichoiceJudge:
 
     def __init__(self, model, tokenizer, choices: str = "ABCD", marker: str = "ANSWER:", strip_answer: bool = True,
                  batch_size: int = 8):
-        lm_head_of(model)  # raises unless the model has an output embedding the judge can read
-        model_body(model)  # and a body that gives the final hidden states
+        check_head(model, OWN_FORWARD)  # the judge reads the letters' logits from the hidden states the head reads
         check_positive_int("batch_size", batch_size)
         if not isinstance(strip_answer, bool):
             raise TypeError(f"strip_answer: expected a bool, got {type(strip_answer).__name__}")

@@ -7,6 +7,7 @@ import torch
 
 from logitless._checks import check_positive_finite
 from logitless.hf import final_hidden_states, lm_head_of
+from logitless.hf_probe import check_head
 from logitless.multichoice.answer import extract_answer_probability_from_logits
 from logitless.multichoice.letters import token_id_list
 
@@ -27,6 +28,7 @@ def answer_probability_by_recomputing(policy, tokenizer, prompt: str, completion
         raise TypeError(f"prompt: expected a plain-text prompt, got {type(prompt).__name__}")
     ids = token_id_list("completion_ids", completion_ids)
     temperature = check_positive_finite("temperature", temperature)
+    check_head(policy, "extract_answer_probability_from_logits reads the logits of its own forward", "policy")
     prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
     if not prompt_ids:
         raise ValueError("prompt: tokenizes to no tokens; the first completion token needs a row to come from")

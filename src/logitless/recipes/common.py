@@ -124,13 +124,20 @@ def announce_start(command: str, checkpoint: Path | None) -> None:
 
 
 def load_model(field: str, name: str, seed: int):
-    """`load_model_and_tokenizer`, with a failure reported as a ValueError naming ``field``."""
+    """`load_model_and_tokenizer`, with a failure reported as a ValueError naming ``field``, and a model whose logits
+    logitless cannot compute from its hidden states refused (`logitless.hf_probe.check_head`)."""
+    from logitless.hf_probe import check_head  # PyTorch: not before the command's checks
+
     try:
-        return load_model_and_tokenizer(str(Path(name).expanduser()) if name.startswith("~") else name, seed=seed)
+        model, tokenizer = load_model_and_tokenizer(str(Path(name).expanduser()) if name.startswith("~") else name,
+                                                    seed=seed)
     except (OSError, ValueError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"{field}: cannot load {name!r} as a local model directory or a hub model "
                          f"({first_line})") from None
+    check_head(model, "logitless's commands train only models they score from hidden states (TRL's own trainers "
+                      "run the model's own forward)", field)
+    return model, tokenizer
 
 
 def run_recipe(command: str, config, args: argparse.Namespace, prepare, train):

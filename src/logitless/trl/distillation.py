@@ -7,6 +7,11 @@ one function, ``_chunked_divergence_loss``. `divergence_loss` has its signature 
 `logitless.ops.fused_linear_jsd` of the two heads: exact over the full vocabulary, no ``(B, T, V)`` tensor of
 either model, no gradient for the teacher, whose hidden size may differ from the student's. A head sharded on the
 vocabulary (FSDP2) is read shard by shard, never gathered.
+
+TRL's trainer hands the divergence the body's last hidden state and the whole output embedding of each model, so
+a student or teacher whose head reads anything else (`logitless.hf.head_structure`: a BERT-style transform, a
+muP divisor, a padded vocabulary, a nested language model) is refused when the trainer is built, as is one whose
+head logitless cannot read (`logitless.hf_probe.check_head`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import torch
 import trl.trainer.distillation_trainer as trl_distillation
 from trl import DistillationTrainer as TRLDistillationTrainer
 
+from logitless.hf import head_structure, lm_head_of
+from logitless.hf_probe import UnreadableHead, check_head
 from logitless.ops.head import LinearHead
 from logitless.ops.jsd import fused_linear_jsd
 from logitless.trl.checkpoints import AtomicCheckpoints
@@ -67,6 +74,24 @@ def divergence_loss(student_hidden_states: torch.Tensor, teacher_hidden_states: 
     return divergence.sum() / num_items_in_batch, entropy.sum(), count
 
 
+# the structures TRL's distillation reads from a model's body and head as the model's own forward does
+_TRL_READS = ("plain", "tied", "bias", "scaled", "soft-capped")
+_NO_WAY_AROUND = "TRL's own DistillationTrainer reads the same hidden states and head"
+
+
+def check_distillable(model, name: str) -> None:
+    """Refuse (`UnreadableHead`, one line naming ``name``) a model whose divergence TRL's hidden states and head would
+    not give as its own forward's logits do."""
+    check_head(model, _NO_WAY_AROUND, name)
+    unread = [feature for feature in head_structure(model) if feature not in _TRL_READS]
+    if lm_head_of(model).softcap != getattr(model.config.get_text_config(), "final_logit_softcapping", None):
+        unread.append("soft-capped under another name than final_logit_softcapping")
+    if unread:
+        raise UnreadableHead(f"{name}: TRL's DistillationTrainer reads the body's last hidden state and whole output "
+                             f"embedding of {type(model).__name__}, whose head is {', '.join(unread)}; logitless "
+                             "cannot distill it")
+
+
 class LogitlessDivergence:
     """Mixin for `trl.DistillationTrainer`: its divergence is `divergence_loss` (the trainer's own loss code, which
     reads both models' hidden states and heads, runs unchanged around it)."""
@@ -76,6 +101,9 @@ class LogitlessDivergence:
     def __init__(self, *args, **kwargs):
         set_find_unused_parameters(TRLDistillationTrainer, self, args, kwargs)
         super().__init__(*args, **kwargs)
+        for name, model in (("model", self.model), ("teacher_model", self.teacher_model)):
+            if model is not None:
+                check_distillable(self.accelerator.unwrap_model(model), name)
 
     def _compute_loss(self, *args, **kwargs):
         with mock.patch.object(trl_distillation, "_chunked_divergence_loss", divergence_loss):

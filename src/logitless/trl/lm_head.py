@@ -34,7 +34,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
 
-from logitless.hf import lm_head_of, model_body
+from logitless.hf import head_hidden_states, lm_head_of, model_body
 from logitless.ops.fused import linear_token_stats
 from logitless.ops.head import LinearHead
 from logitless.ops.sharded_logits import sharded_logits
@@ -78,9 +78,9 @@ def add_logitless_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32:
             kwargs.setdefault("output_router_logits", True)
         body_outputs = model_body(self)(*args, **kwargs)
         if shift_labels is None:  # position t scores token t + 1
-            hidden, labels = body_outputs.last_hidden_state[:, :-1], labels[:, 1:]
+            hidden, labels = head_hidden_states(self, body_outputs)[:, :-1], labels[:, 1:]
         else:
-            hidden, labels = body_outputs.last_hidden_state, shift_labels
+            hidden, labels = head_hidden_states(self, body_outputs), shift_labels
         precision = torch.autocast(hidden.device.type, enabled=False) if cast_lm_head_to_fp32 else nullcontext()
         with gathered_output_embedding(self), precision:
             head = scoring_head(self, temperature, cast_lm_head_to_fp32)
@@ -171,7 +171,7 @@ def vocabulary_parallel_forward(model, *args, logits_to_keep: int | torch.Tensor
     module never runs and its weight is never gathered; the group's hidden states and each rank's rows' logits move
     instead. The logits come back in the head's dtype, as the model's own head returns them."""
     body_outputs = model_body(model)(*args, **kwargs)
-    hidden = body_outputs.last_hidden_state  # (B, T, H)
+    hidden = head_hidden_states(model, body_outputs)  # (B, T, H): what the head reads
     kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
     hidden = hidden[:, kept]  # (B, T', H)
     head = lm_head_of(model)

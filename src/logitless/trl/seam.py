@@ -6,18 +6,20 @@ top-1 flag and ``log(sum p^2)`` its losses and metrics read then comes from
 ``model(..., labels=labels, fused_lm_head=True)``. `LogitlessHead` builds the trainer with that call
 answered by `add_logitless_lm_head` instead, in the module of the TRL trainer it extends, so that the
 trainer's own loss code runs unchanged on logitless's outputs and neither TRL's head nor the model's
-``lm_head`` module runs in training.
+``lm_head`` module runs in training. Each model TRL installs the head on is first checked against its own forward
+(`logitless.hf_probe.check_head`): a model whose logits logitless cannot compute from its hidden states is refused
+when the trainer is built.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 from unittest import mock
 
 from accelerate.utils import is_peft_model
 
+from logitless.hf_probe import check_head
 from logitless.trl.ddp import set_find_unused_parameters
 from logitless.trl.lm_head import add_logitless_lm_head, has_logitless_lm_head
 from logitless.trl.notices import launch_warnings, scoring_line
@@ -38,7 +40,13 @@ class LogitlessHead:
         trl_class = trl_trainer_class(type(self))
         set_find_unused_parameters(trl_class, self, args, kwargs)
         trl_module = sys.modules[trl_class.__module__]
-        ours = functools.partial(add_logitless_lm_head, on_hidden=getattr(self, "keep_scored_hidden", None))
+        on_hidden = getattr(self, "keep_scored_hidden", None)
+        way_around = f"TRL's own trl.{trl_class.__name__} scores it with its own forward"
+
+        def ours(model, *args, **kwargs):  # before TRL prepares a reference model (FSDP2, ZeRO-3), which shards it
+            check_head(model, way_around)
+            add_logitless_lm_head(model, *args, **kwargs, on_hidden=on_hidden)
+
         with mock.patch.object(trl_module, "add_fused_lm_head", ours):
             super().__init__(*args, **kwargs)
         if not has_logitless_lm_head(self._scoring_model):
