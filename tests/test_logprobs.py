@@ -105,6 +105,22 @@ def test_the_head_check_runs_once_in_eval_mode_without_gradient_and_leaves_the_m
     assert forwards == [False]  # the fused call ran the body alone, and no second check
 
 
+def test_the_head_check_reads_a_forward_that_accelerate_wraps_in_bf16_autocast_as_built():
+    """TRL's bf16=True has Accelerate wrap a prepared model's forward (a distillation teacher's) in bf16 autocast: the
+    check compares the model's arithmetic in the dtype it was built in, so a right head is not refused for the
+    autocast's rounding (0.0015 here), while the halved logits of a wrong one still are."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    model = accelerator.prepare_model(tiny_qwen2(seed=1, vocab_size=211, pad_token_id=0, eos_token_id=0),
+                                      evaluation_mode=True)
+    check_head(model, "")
+    halved = accelerator.prepare_model(halved_logits_qwen2(vocab_size=211, pad_token_id=0, eos_token_id=0),
+                                       evaluation_mode=True)
+    with pytest.raises(UnreadableHead, match="differ"):
+        check_head(halved, "")
+
+
 @pytest.mark.parametrize("family, scaling", [("Granite", 4.0), ("HyperCLOVAX", 4.0)])
 def test_head_with_logits_scaling(family, scaling):
     # Granite divides the logits by logits_scaling, HyperCLOVA X multiplies them by it

@@ -5,7 +5,8 @@ its logits no config says. So before logitless scores a model from its hidden st
 positions both ways, the fused log-probs and entropies (`logitless.hf`'s head and hidden states) against the model's
 own forward (its logits, log-softmax), and refuses a model where they differ, in one line naming its class and the
 way around it. The check runs once per model object (its verdict is kept on the model), in eval mode, without
-gradient, with autocast off and the random number generators untouched, and leaves every module's train/eval flag
+gradient, with autocast off (also the autocast Accelerate wraps a forward in for mixed precision) and the random
+number generators untouched, and leaves every module's train/eval flag
 as it found it.
 
 A sharded model (FSDP2, tensor parallelism: a DTensor head; DeepSpeed ZeRO-3: a partitioned one) is not run: its
@@ -151,7 +152,10 @@ def _probe(model) -> str | None:
         with (torch.no_grad(), torch.random.fork_rng(devices=rng_devices), torch.autocast(device.type, enabled=False)):
             model.eval()
             try:
-                logits = model(input_ids=input_ids, use_cache=False).logits  # (1, T, V)
+                # the forward under Accelerate's mixed-precision wrapper (TRL's bf16=True), where it has one: the
+                # check compares the model's own arithmetic, in the dtype it was built in, not an autocast's roundings
+                own_forward = getattr(model, "_original_forward", model)
+                logits = own_forward(input_ids=input_ids, use_cache=False).logits  # (1, T, V)
             except Exception as err:  # any failure of the model's own forward: there is nothing to check against
                 return f"its own forward fails on {PROBE_TOKENS} token ids ({_first_line(err)})"
             try:

@@ -4,8 +4,10 @@ Same model (an embedded one: the tiny Qwen2 by default, or random weights at Qwe
 with the real 151,936-token Qwen vocabulary; or a local model directory), same prompts, same config,
 each trainer in a fresh process: wall time of ``trainer.train()``, the part of it spent in the loss
 and its backward (the rest is generation and rewards, the same work for both), and the peak memory
-beyond what the process held once the trainer was built (`logitless.memory.PeakMemory`: resident memory
-on a CPU, allocated CUDA memory on a GPU). Setups: ``default`` (GRPOConfig's defaults: loss_type
+beyond what the process held once the trainer was built and had run one forward of 8 tokens without gradient
+(the first-use head check GRPOTrainerWithLogits makes, made for both: the weights a checkpoint loads lazily are
+resident before either measurement) (`logitless.memory.PeakMemory`: resident memory on a CPU, allocated CUDA
+memory on a GPU). Setups: ``default`` (GRPOConfig's defaults: loss_type
 dapo, no KL), ``lora`` (LoRA r=8 on the attention projections) and
 ``cispo`` (a non-default loss type with a KL term, so a reference pass too).
 """
@@ -52,6 +54,7 @@ def run_worker(worker: str, model_dir: str, config: GRPOBenchConfig) -> dict:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
+    from logitless.hf_probe import probe_ids
     from logitless.memory import PeakMemory, synchronize
     from logitless.models import load_tokenizer
     from logitless.trl import GRPOTrainerWithLogits
@@ -79,6 +82,8 @@ def run_worker(worker: str, model_dir: str, config: GRPOBenchConfig) -> dict:
         loss_seconds, device = [0.0], trainer.accelerator.device
         trainer.compute_loss = timed(trainer.compute_loss, loss_seconds, device)
         trainer.accelerator.backward = timed(trainer.accelerator.backward, loss_seconds, device)
+        with torch.no_grad():  # the same start for both: GRPOTrainerWithLogits's first-use head check ran a forward
+            trainer.model(input_ids=probe_ids(trainer.model), use_cache=False)  # (weights read lazily now resident)
         torch.manual_seed(0)
         with PeakMemory(device) as peak:
             started = time.perf_counter()
