@@ -76,8 +76,8 @@ def test_the_tiles_the_ops_launch_compile_without_spilling_on_sm_90_sm_80_and_gf
 
 @pytest.mark.slow
 def test_a_tile_that_spills_and_one_that_does_not_compile_are_reported():
-    """32 x 256 (the gradient kernels' tile before this check) spills the softmax's gradient kernel on sm_90; a tile
-    300 columns wide is not a power of two, which Triton refuses."""
+    """32 x 256 (the interpreter's gradient tile) spills the softmax's gradient kernel on sm_90; a tile 300 columns
+    wide is not a power of two, which Triton refuses."""
     with Compilers() as compilers:
         heaviest = tuple(map(tuple, compilers.call(catalogue)["kernels"]["_block_grad_kernel"]["heaviest"]))
         variants = [Variant("_block_grad_kernel", "sm_90", 32, vocab, heaviest, False, "int64") for vocab in (256, 300)]

@@ -171,8 +171,8 @@ def run(targets: list[str], tiles: str = "default", flags: str = "heaviest", job
             triton_version = compilers.call(compile_job.triton_version)
     except BrokenProcessPool as err:
         raise SystemExit(f"bench compile: a compiler process died ({err})") from None
-    ordered = sorted(rows.values(), key=lambda row: (not row["default"], row["kernel"], row["target"], row["tokens"],
-                                                     row["vocab"]))
+    ordered = sorted(rows.values(), key=lambda row: (not row["default"], row["kernel"], list(TARGETS).index(
+        row["target"]), row["tokens"] * row["vocab"], row["vocab"]))
     for row in ordered:
         row["problems"] = problems(row)
     return {"triton": triton_version, "tiles": tiles, "flags": flags, "blocks": catalogue["blocks"],
