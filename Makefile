@@ -20,9 +20,12 @@ $(BIN)/.installed: pyproject.toml Makefile
 	touch $@
 
 # DeepSpeed, for the ZeRO-3 launch test only: built against the torch above (in an isolated build it would fetch
-# a CUDA torch of its own)
+# a CUDA torch of its own), and its shared-memory collectives for CPU ranks built, which a launch would otherwise
+# compile in its first process group (minutes on a busy 2-core machine, inside the launch test's time limit)
 $(BIN)/.installed-deepspeed: $(BIN)/.installed
 	$(BIN)/python -m pip install --quiet --no-build-isolation $(DEEPSPEED_PIN)
+	$(BIN)/python -c "from deepspeed.accelerator import get_accelerator as a; \
+		a().create_op_builder('ShareMemCommBuilder').load()"
 	touch $@
 
 install: $(BIN)/.installed
