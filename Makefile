@@ -3,8 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
-# Tunix 0.1.7 for tests/test_tunix.py, without its own resolve (which would downgrade transformers and huggingface_hub
-# and pull in tensorflow-datasets): the packages `tunix.rl` and its learners import, pinned
+# Tunix 0.1.7 for tests/jax/test_tunix.py, without its own resolve (which would downgrade transformers and
+# huggingface_hub and pull in tensorflow-datasets): the packages `tunix.rl` and its learners import, pinned
 TUNIX_PINS := google-tunix==0.1.7 google-metrax==0.2.4 clu==0.0.12 wrapt==2.5.2 tensorboardX==2.6.5 \
 	jaxtyping==0.3.11 wadler-lindig==0.1.8 sentencepiece==0.2.3 perfetto==0.59.1
 DEEPSPEED_PIN := deepspeed==0.19.8
@@ -61,14 +61,14 @@ demo: install
 # every test, in two worker processes (pytest-xdist; a test file's tests stay in one worker): first, side by side, the
 # two environments' installs, the lint and the JAX tests (but those that need the torch extra) in the environment with
 # only the JAX install; then every other test but the sweep of every causal LM type transformers ships (marked sweep:
-# `$(BIN)/python -m pytest -q -m sweep tests/test_model_sweep.py`, docs/models.md)
+# `$(BIN)/python -m pytest -q -m sweep tests/library/test_model_sweep.py`, docs/models.md)
 test:
 	$(MAKE) --no-print-directory -j2 lint $(BIN)/.installed-deepspeed test-jax-alone
 	$(BIN)/python -m pytest -q -n 2 -m "(not jax_alone or torch) and not sweep"
 
-# the files whose tests are marked jax_alone (tests/test_jax_alone.py checks the two agree)
-JAX_TESTS := tests/test_jax_alone.py tests/test_jax.py tests/test_jax_two_heads.py tests/test_jax_sharded.py \
-	tests/test_jax_bench.py tests/test_docs.py
+# the files whose tests are marked jax_alone (tests/jax/test_jax_without_torch.py checks the two agree)
+JAX_TESTS := tests/jax/test_jax_without_torch.py tests/jax/test_jax_one_head.py tests/jax/test_jax_two_heads.py \
+	tests/jax/test_jax_sharded.py tests/bench/test_bench_jax.py tests/project/test_docs.py
 test-jax-alone: $(JAX_VENV)/bin/.installed
 	$(JAX_VENV)/bin/python -m pytest -q -n 2 -m "jax_alone and not torch" $(JAX_TESTS)
 

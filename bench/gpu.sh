@@ -66,8 +66,8 @@ SHAPE="-B 1 -T 8192 -H 4096 --dtype bfloat16 --device cuda --repeats 10"  # -V i
 
 step nvidia_smi 30 nvidia-smi
 step versions 60 "$PYTHON" "$WORK/versions.py"
-step cuda_tests 150 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton.py tests/test_devices.py \
-    tests/test_backend.py tests/test_ops_engine.py
+step cuda_tests 150 "$PYTHON" -m pytest -q -p no:cacheprovider tests/ops/test_triton.py tests/ops/test_devices.py \
+    tests/ops/test_implementations.py tests/ops/test_engine.py
 step lmhead_cuda 240 "$PYTHON" -m logitless bench lmhead $SHAPE -V 151936 --profile \
     --json "$WORK/lmhead_cuda.json" --plot "$WORK/lmhead_cuda.png"
 step lmhead_cuda_v248320 120 "$PYTHON" -m logitless bench lmhead $SHAPE -V 248320 \

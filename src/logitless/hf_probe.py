@@ -11,7 +11,7 @@ as it found it.
 
 A sharded model (FSDP2, tensor parallelism: a DTensor head; DeepSpeed ZeRO-3: a partitioned one) is not run: its
 own forward would gather the head. Then its class must be one of transformers' whose tiny random model the sweep
-(`tests/model_sweep.py`) found equal to its own forward, `CHECKED_CLASSES`; another is refused, unless it was
+(`tests/helpers/model_sweep.py`) found equal to its own forward, `CHECKED_CLASSES`; another is refused, unless it was
 checked on the same model object before it was sharded (the verdict stays on the object).
 """
 
@@ -30,8 +30,8 @@ REFERENCE_IMPL = "impl='reference' scores it with its own forward (its (B, T, V)
 OWN_FORWARD = "get_response_log_probs(..., impl='reference') scores it with its own forward"
 
 # transformers' causal LM classes whose tiny random model, built from the default config of each model type that
-# uses it, scores equal to its own forward through logitless's head (tests/model_sweep.py, docs/models.md): a sharded
-# model of one of these classes is read without running it.
+# uses it, scores equal to its own forward through logitless's head (tests/helpers/model_sweep.py, docs/models.md): a
+# sharded model of one of these classes is read without running it.
 CHECKED_CLASSES = frozenset("""
 AfmoeForCausalLM Apertus1p5TextForCausalLM ApertusForCausalLM ArceeForCausalLM AriaTextForCausalLM
 BailingHybridForCausalLM BambaForCausalLM BartForCausalLM BeamForCausalLM BertGenerationDecoder BertLMHeadModel
