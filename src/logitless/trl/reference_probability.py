@@ -29,7 +29,7 @@ import torch
 
 from logitless._checks import check_choice, check_positive_finite
 from logitless.hf import final_hidden_states, lm_head_of
-from logitless.hf_probe import REFERENCE_IMPL, check_head
+from logitless.hf_probe import check_head
 from logitless.ops.fused import fused_linear_logprobs
 
 AGGREGATES = ("mean", "sequence")
@@ -139,7 +139,7 @@ def reference_probability_reward(model, tokenizer, *, answer_column: str = "solu
     if not getattr(tokenizer, "is_fast", False):
         raise TypeError("tokenizer: expected a fast tokenizer (is_fast): the reference answer's tokens are found "
                         "from the character offsets only fast tokenizers give")
-    check_head(model, REFERENCE_IMPL)
+    check_head(model, "reference_probability_reward reads the answer's probabilities from those hidden states only")
 
     def reference_probability(prompts, completions, log_metric=None, **columns) -> list[float]:
         references = columns.get(answer_column)
