@@ -4,6 +4,7 @@
 DistillationTrainer) switches a script. Split by concern: `seam` (TRL's fused-LM-head seam answered
 for every trainer) and `lm_head` (the head itself), `distillation` (the exact divergence of on-policy
 distillation), `rewards` (``completion_logits`` / ``completion_logprobs`` for reward functions),
+`reference_probability` (RLPR's reward) and `std_filter` (RLPR's filter of low-variance groups),
 `checkpoints` and `resume` (atomic checkpoints, exact GRPO resume), `notices` (the line and warnings a
 run starts with), `trainer` (`GRPOTrainerWithLogits`) and `trainers` (the others).
 """
@@ -16,10 +17,12 @@ from logitless.trl.checkpoints import CHECKPOINT_STAGING  # noqa: E402
 from logitless.trl.distillation import DistillationTrainer  # noqa: E402
 from logitless.trl.lm_head import add_logitless_lm_head  # noqa: E402
 from logitless.trl.nonfinite import NonFiniteGuard  # noqa: E402
+from logitless.trl.reference_probability import reference_probability_reward  # noqa: E402
 from logitless.trl.rewards import LOGIT_KWARGS, wanted_logit_kwargs  # noqa: E402
+from logitless.trl.std_filter import RewardStdFilter  # noqa: E402
 from logitless.trl.trainer import GRPOTrainerWithLogits  # noqa: E402
 from logitless.trl.trainers import DPOTrainer, GRPOTrainer, KTOTrainer, RLOOTrainer, SFTTrainer  # noqa: E402
 
 __all__ = ["CHECKPOINT_STAGING", "DPOTrainer", "DistillationTrainer", "GRPOTrainer", "GRPOTrainerWithLogits",
-           "KTOTrainer", "LOGIT_KWARGS", "NonFiniteGuard", "RLOOTrainer", "SFTTrainer", "add_logitless_lm_head",
-           "wanted_logit_kwargs"]
+           "KTOTrainer", "LOGIT_KWARGS", "NonFiniteGuard", "RLOOTrainer", "RewardStdFilter", "SFTTrainer",
+           "add_logitless_lm_head", "reference_probability_reward", "wanted_logit_kwargs"]

@@ -13,7 +13,9 @@ Adopt it by changing one import; every GRPOConfig option keeps its meaning.
 3. Checkpoints appear complete or not at all, and resume from the newest complete one
    (`logitless.trl.checkpoints`) to the weights the uninterrupted run would have reached
    (`logitless.trl.resume`).
-4. Training starts with one line naming the head that scores the tokens and the policy's layout over the
+4. ``reward_std_filter=RewardStdFilter()`` drops from the loss the prompts whose group of rewards varies less than
+   RLPR's moving threshold (`logitless.trl.std_filter`).
+5. Training starts with one line naming the head that scores the tokens and the policy's layout over the
    processes, and a warning where the launch asked for a layout that accelerate does not run
    (`logitless.trl.notices`).
 """
@@ -26,7 +28,9 @@ from logitless.trl.checkpoints import AtomicCheckpoints
 from logitless.trl.resume import ExactResume
 from logitless.trl.rewards import LogitAwareRewards
 from logitless.trl.seam import LogitlessHead
+from logitless.trl.std_filter import RewardStdFiltering
 
 
-class GRPOTrainerWithLogits(AtomicCheckpoints, ExactResume, LogitAwareRewards, LogitlessHead, GRPOTrainer):
+class GRPOTrainerWithLogits(AtomicCheckpoints, ExactResume, RewardStdFiltering, LogitAwareRewards, LogitlessHead,
+                            GRPOTrainer):
     """Drop-in for `trl.GRPOTrainer`; see the module docstring."""
