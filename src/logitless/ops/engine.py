@@ -56,7 +56,7 @@ class Sweep(Protocol):
         with a sweep of its own)."""
 
     def across(self, shard) -> None:
-        """Combine with the sweeps of the same rows that the other ranks of ``shard`` (a `sharded.VocabShard`) ran
+        """Combine with the sweeps of the same rows that the other ranks of ``shard`` (a `vocab_shard.VocabShard`) ran
         over their vocabulary shards, in rank order, so that every rank holds the same sums over the whole
         vocabulary (`logitless.jax.engine`'s ``Sweep.across`` over mesh axes)."""
 

@@ -42,7 +42,6 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -50,9 +49,7 @@ from logitless._checks import check_impl, switch_setting
 from logitless.ops.fallback import FallingBack, failed_on
 from logitless.ops.head import LinearHead, stat_dtype
 from logitless.ops.settings import BlockSizes
-
-if TYPE_CHECKING:
-    from logitless.ops.sharded import VocabShard
+from logitless.ops.vocab_shard import VocabShard
 
 BLOCK_BYTES = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}  # two passes: one block's logits
 MIN_VOCAB_BLOCK = 256  # blocks narrower than this make thin matmuls: take fewer tokens per chunk instead
