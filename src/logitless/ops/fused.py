@@ -25,10 +25,11 @@ from torch.distributed.tensor import DTensor
 from logitless._checks import (check_choice, check_head_shapes, check_impl, check_mask, check_strings,
                                check_tensor, check_token_ids, checked_keywords, head_wholes)
 from logitless.ops import reference
+from logitless.ops.base import BlockPlan
 from logitless.ops.engine import ChunkLoss, LinearStats, one_pass, refuse_second_derivative
 from logitless.ops.grpo import check_grpo_inputs, grpo_objective, grpo_token_loss
 from logitless.ops.head import LinearHead, op_head, stat_dtype
-from logitless.ops.plan import BlockPlan, implementation, plan_blocks
+from logitless.ops.plan import implementation, plan_blocks
 from logitless.ops.settings import GRPO_OPTIONS, BlockSizes, GRPOSettings
 from logitless.ops.sharded import on_this_rank
 from logitless.ops.softmax import PYTORCH_BLOCKS, TOKEN_EXTRAS, SoftmaxAccumulator, TokenStats, stat_grads

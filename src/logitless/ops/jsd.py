@@ -45,7 +45,8 @@ import torch
 
 from logitless._checks import checked_keywords, head_wholes
 from logitless.ops import reference
-from logitless.ops.engine import LinearStats, Scratch, merged_across
+from logitless.ops.base import merged_across
+from logitless.ops.engine import LinearStats, Scratch
 from logitless.ops.head import LinearHead, stat_dtype
 from logitless.ops.kl import KLStats, KLSums, kl_block_logits_grad, kl_stats, kl_update_stats
 from logitless.ops.plan import implementation, plan_blocks
@@ -151,7 +152,7 @@ class JSDGrads(NamedTuple):
 
 
 class JSDSweep:
-    """The first `engine.Sweep` of one row chunk over blocks of both heads' logits (the student's first): statistics
+    """The first `base.Sweep` of one row chunk over blocks of both heads' logits (the student's first): statistics
     `JSDStats` (the divergence too for beta 0 or 1), per-row gradients `JSDGrads`."""
 
     def __init__(self, head_s: LinearHead, beta: float, kernels: ModuleType, num_rows: int, dtype: torch.dtype,
@@ -188,7 +189,7 @@ class JSDSweep:
 
 
 class MixtureSweep:
-    """An `engine.Sweep` of one row chunk, 0 < beta < 1: the KLs of both distributions against the mixture, from
+    """An `base.Sweep` of one row chunk, 0 < beta < 1: the KLs of both distributions against the mixture, from
     the first sweep's log-sum-exps; finishes as the first sweep's `JSDStats` with the divergence."""
 
     def __init__(self, normalizers: JSDStats, beta: float, kernels: ModuleType, has_neg_inf: bool, scratch: Scratch):
@@ -209,7 +210,7 @@ class MixtureSweep:
 
 @dataclass(eq=False)
 class JSDAccumulator:
-    """The `engine.Accumulator` of the generalized JSD of ``head_s`` from ``head_t`` (fixed) per token: outputs
+    """The `base.Accumulator` of the generalized JSD of ``head_s`` from ``head_t`` (fixed) per token: outputs
     (divergence, the student's entropy without gradient), with statistics of ``dtype`` on ``device`` and the block
     math of ``kernels`` (`PYTORCH_BLOCKS` or `triton`); a second sweep for 0 < beta < 1. Its row chunks share
     one `Scratch`."""

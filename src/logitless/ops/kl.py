@@ -41,7 +41,8 @@ import torch
 
 from logitless._checks import checked_keywords, head_wholes
 from logitless.ops import reference
-from logitless.ops.engine import LinearStats, Scratch, merged_across
+from logitless.ops.base import merged_across
+from logitless.ops.engine import LinearStats, Scratch
 from logitless.ops.head import LinearHead, stat_dtype
 from logitless.ops.plan import implementation, plan_blocks
 from logitless.ops.settings import BlockSizes
@@ -163,7 +164,7 @@ class KLGrads(NamedTuple):
 
 
 class KLSweep:
-    """An `engine.Sweep` of one row chunk over blocks of both heads' logits (p's first), with the block math of
+    """An `base.Sweep` of one row chunk over blocks of both heads' logits (p's first), with the block math of
     ``kernels`` (`PYTORCH_BLOCKS` or `triton`): statistics `KLStats`, per-row gradients `KLGrads`."""
 
     def __init__(self, head_p: LinearHead, kernels: ModuleType, num_rows: int, dtype: torch.dtype,
@@ -188,7 +189,7 @@ class KLSweep:
 
 @dataclass(eq=False)
 class KLAccumulator:
-    """The `engine.Accumulator` of KL(p || q) per token (its one output), ``head_q`` fixed, with statistics of
+    """The `base.Accumulator` of KL(p || q) per token (its one output), ``head_q`` fixed, with statistics of
     ``dtype`` on ``device`` and the block math of ``kernels``; its row chunks share one `Scratch`."""
 
     head_p: LinearHead

@@ -4,7 +4,7 @@ FSDP2's ``fully_shard``), run without ever gathering the weight.
 Each rank runs the block engine over its own rows of the vocabulary, and the statistics of the softmax (and of the
 KL and the JSD) combine exactly across the shards: every sweep's running sums over its columns (the max, the sums
 of exponentials, the target's logit, the entropy's and the divergences' sums) are gathered, O(tokens) numbers per
-rank, and merged in rank order (`engine.Sweep.across`), so every rank holds the statistics over the whole
+rank, and merged in rank order (`base.Sweep.across`), so every rank holds the statistics over the whole
 vocabulary. The weight's gradient is computed where it lives, one shard per rank; the hidden states' gradient is
 summed over the shards. Two layouts of the tokens, told by the hidden states:
 

@@ -42,7 +42,8 @@ from typing import NamedTuple
 
 import torch
 
-from logitless.ops.engine import Scratch, merged_across
+from logitless.ops.base import merged_across
+from logitless.ops.engine import Scratch
 from logitless.ops.head import LinearHead
 
 
@@ -288,7 +289,7 @@ class KeptWeights(NamedTuple):
 
 
 class SoftmaxSweep:
-    """An `engine.Sweep` of one row chunk: statistics `TokenStats`, per-row gradients `StatGrads`."""
+    """An `base.Sweep` of one row chunk: statistics `TokenStats`, per-row gradients `StatGrads`."""
 
     def __init__(self, head: LinearHead, targets: torch.Tensor, kernels: ModuleType, dtype: torch.dtype,
                  has_neg_inf: bool, need_entropy: bool, need_mean_log_prob: bool, extras: tuple[str, ...],
@@ -328,7 +329,7 @@ class SoftmaxSweep:
 
 @dataclass(eq=False)
 class SoftmaxAccumulator:
-    """The `engine.Accumulator` of the softmax statistics of ``head``'s logits for the tokens' ``targets`` (N,), with
+    """The `base.Accumulator` of the softmax statistics of ``head``'s logits for the tokens' ``targets`` (N,), with
     statistics of ``dtype`` and the block math of ``kernels`` (`PYTORCH_BLOCKS` or `triton`): outputs (log_probs,
     entropy, mean_log_prob, then the ``extras`` of `TOKEN_EXTRAS`), the entropy and mean log p as zeros without
     gradient unless asked for, the extras always without. Its row chunks, which the engine runs one after

@@ -1,7 +1,7 @@
 """One rank's part of a vocabulary sharded over ranks (`VocabShard`): which rows it holds, how the tokens are laid
 out over the ranks, and the collectives by which the ranks' partial results combine (gathered in rank order, so
 every rank gets the same bits). A `LinearHead` holding such a shard names it (``head.shard``); the engine reads it
-from the op's `plan.BlockPlan`; `sharded.py` makes it from a DTensor weight."""
+from the op's `base.BlockPlan`; `sharded.py` makes it from a DTensor weight."""
 
 from __future__ import annotations
 
