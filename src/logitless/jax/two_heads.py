@@ -1,5 +1,5 @@
 """The public JAX ops that read two LM heads, `fused_linear_kl` and `fused_linear_jsd`, with the arguments and
-semantics of the PyTorch ones (`logitless.ops.kl`, `logitless.ops.jsd`); the accumulators are `kl.py`'s and
+semantics of the PyTorch ones (`logitless.ops.two_heads`, as here); the accumulators are `kl.py`'s and
 `jsd.py`'s. A side is named by the suffix of its arguments (``p`` and ``q``, ``s`` and ``t``), and so is every error
 (``weight_q: ...``).
 
