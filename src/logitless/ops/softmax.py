@@ -251,12 +251,7 @@ def block_logits_grad(head: LinearHead, logits: torch.Tensor, start: int, target
         grad.mul_(coefs.probs.neg().unsqueeze(1))
     else:
         grad.zero_()
-    if coefs.uniform is not None:
-        grad.add_(coefs.uniform.unsqueeze(1))
-    if coefs.onehot is not None:
-        rows, columns = targets_in_block(targets, start, grad.shape[1])
-        grad[rows, columns] += coefs.onehot[rows]
-    return head.softcap_slope_(grad, slope_logits)
+    return head.softcap_slope_(_add_target_terms_(grad, start, targets, coefs), slope_logits)
 
 
 def block_grad_from_weights(weights: torch.Tensor, shift: torch.Tensor, start: int, targets: torch.Tensor,
@@ -271,6 +266,12 @@ def block_grad_from_weights(weights: torch.Tensor, shift: torch.Tensor, start: i
         grad = weights.zero_()
     else:
         grad = weights.mul_((coefs.probs * (shift - lse).exp()).neg_().unsqueeze(1))  # (n, c)
+    return _add_target_terms_(grad, start, targets, coefs)
+
+
+def _add_target_terms_(grad: torch.Tensor, start: int, targets: torch.Tensor, coefs: StatGrads) -> torch.Tensor:
+    """In place: the closed form's terms that need no probabilities, ``g_m / V`` everywhere and ``g_lp`` at each
+    row's target (where it lies in the block starting at ``start``), added to a block's gradient (n, c)."""
     if coefs.uniform is not None:
         grad.add_(coefs.uniform.unsqueeze(1))
     if coefs.onehot is not None:

@@ -11,9 +11,10 @@ from typing import NamedTuple
 
 import torch
 
-from logitless._checks import check_impl, check_mask, check_tensor, checked_keywords, head_wholes
+from logitless._checks import check_beta, check_impl, check_mask, check_tensor, checked_keywords, head_wholes
 from logitless.ops import reference
 from logitless.ops.engine import LinearStats
+from logitless.ops.fused import scatter_kept
 from logitless.ops.head import LinearHead, op_head, stat_dtype
 from logitless.ops.jsd import PYTORCH_BLOCKS as JSD_BLOCKS, JSDAccumulator
 from logitless.ops.kl import PYTORCH_BLOCKS as KL_BLOCKS, KLAccumulator
@@ -117,12 +118,6 @@ def kept_rows(hidden: torch.Tensor, other_hidden: torch.Tensor, mask, sides: tup
     return flat.index_select(0, kept), other_flat.index_select(0, kept), kept
 
 
-def scatter_kept(values: torch.Tensor, kept: torch.Tensor | None, leading: torch.Size) -> torch.Tensor:
-    """Per-kept-token values (K,) back at their positions, with the leading dims; dropped tokens get 0."""
-    if kept is not None:
-        values = torch.zeros(leading.numel(), dtype=values.dtype, device=values.device).index_copy(0, kept, values)
-    return values.reshape(leading)
-
 
 def _heads_kl(hidden_p: torch.Tensor, head_p: LinearHead, hidden_q: torch.Tensor, head_q: LinearHead,
               block_sizes: BlockSizes, impl: str) -> torch.Tensor:
@@ -163,12 +158,6 @@ def fused_linear_kl(hidden_p: torch.Tensor, weight_p: torch.Tensor | None = None
                         sides.leading)
 
 
-def _check_beta(beta) -> float:
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta: expected a number in [0, 1], got {beta!r}")
-    return float(beta)
-
-
 def _heads_jsd(hidden_s: torch.Tensor, head_s: LinearHead, hidden_t: torch.Tensor, head_t: LinearHead, beta: float,
                block_sizes: BlockSizes, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(divergence (N,), the student's entropy (N,)) of flat hidden_s (N, H_s) and hidden_t (N, H_t) under two
@@ -207,7 +196,7 @@ def fused_linear_jsd(hidden_s: torch.Tensor, weight_s: torch.Tensor | None = Non
     gets no gradient. ``block_sizes`` and ``impl`` ("auto" | "reference" | "chunked" | "triton") as in
     `fused_linear_logprobs`.
     """
-    beta = _check_beta(beta)
+    beta = check_beta(beta)
     sides = two_head_inputs(("s", "t"), (hidden_s, hidden_t), (head_s, head_t), (weight_s, weight_t),
                             (bias_s, bias_t), temperature, softcap, logit_scale, mask, block_sizes, impl)
     divergence, entropy = _heads_jsd(sides.flat, sides.head, sides.fixed_flat, sides.fixed, beta, sides.sizes, impl)
