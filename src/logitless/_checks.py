@@ -112,6 +112,13 @@ def check_finite_numbers(config, names: Sequence[str], *, allow_zero: bool = Fal
         check_finite_number(name, getattr(config, name), allow_zero=allow_zero)
 
 
+def check_beta(beta) -> float:
+    """The generalized JSD's ``beta``, which picks the divergence (the PyTorch and JAX ops'): a number in [0, 1]."""
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta: expected a number in [0, 1], got {beta!r}")
+    return float(beta)
+
+
 def dataclass_from_dict(cls, values: dict):
     """``cls(**values)``, naming any key that is not one of the dataclass's fields."""
     known = {field.name for field in dataclasses.fields(cls)}

@@ -12,7 +12,7 @@ from fused_cases import OPS, case_inputs, cross_entropy, on, outputs_and_grads
 from logitless import fused_grpo_loss
 from logitless.ops import BlockSizes, LinearHead, default_block_sizes
 from logitless.ops import engine
-from logitless.ops.plan import BlockPlan
+from logitless.ops.base import BlockPlan
 
 BLOCKS = BlockSizes(tokens=5, vocab=64)  # several row chunks and vocabulary blocks on the shapes below
 TRITON_RUNS_HERE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"

@@ -10,7 +10,7 @@ import torch
 from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
 
 from logitless.ops import BlockSizes, LinearHead, engine, reference
-from logitless.ops.jsd import fused_linear_jsd
+from logitless.ops.two_heads import fused_linear_jsd
 
 BETAS = [0.0, 0.5, 1.0, 0.3]
 BLOCKS = BlockSizes(tokens=5, vocab=64)  # 13 rows: 3 chunks, the last of 3; 1009 columns: 16 blocks, the last of 49

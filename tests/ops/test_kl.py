@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from logitless.ops import BlockSizes
-from logitless.ops.kl import fused_linear_kl
+from logitless.ops.two_heads import fused_linear_kl
 
 
 def linear_kl(hidden_p, weight_p, hidden_q, weight_q, *, bias_p=None, bias_q=None, temperature=1.0, mask=None):

@@ -1,6 +1,7 @@
 """The library stays apart from the programs built on it: nothing in it imports recipes/, bench/, the demo or the
 CLI. The recipes and the benchmarks never import each other, nor the demo, which uses both, nor the CLI. Since the
-library imports no program, no program reaches another through it: the direct imports are the whole story."""
+library imports no program, no program reaches another through it: the direct imports are the whole story. No
+modules of the package import each other in a circle."""
 
 import ast
 from pathlib import Path
@@ -9,19 +10,48 @@ PACKAGE = Path(__file__).resolve().parents[2] / "src" / "logitless"
 PROGRAMS = {"recipes", "bench", "demo", "demo_options", "cli", "__main__"}  # __main__: `python -m logitless`, the CLI
 
 
-def _imported(path: Path, root: Path = PACKAGE) -> set[str]:
-    """The parts of logitless (in ``root``) that the module at ``path`` imports anywhere in it (at the top or
-    inside a function), by their name below logitless: {"recipes", "multichoice", ...}."""
+def _import_names(path: Path, root: Path = PACKAGE) -> list[list[str]]:
+    """Every name the module at ``path`` imports anywhere in it (at the top, inside a function, under ``if
+    TYPE_CHECKING:``), relative imports resolved, as parts: ``from logitless.ops import fused`` gives
+    ["logitless", "ops", "fused"], ``from .head import LinearHead`` in ops/ ["logitless", "ops", "head",
+    "LinearHead"]."""
     package = path.relative_to(root.parent).parent.parts  # ("logitless", "bench") for logitless/bench/x.py
-    modules = []
+    names = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            modules += [alias.name.split(".") for alias in node.names]
+            names += [alias.name.split(".") for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = [*package[:len(package) - node.level + 1]] if node.level else []
             module = base + (node.module.split(".") if node.module else [])
-            modules += [module + [alias.name] for alias in node.names]  # `from logitless import bench` names bench
-    return {module[1] for module in modules if module[0] == "logitless" and len(module) > 1}
+            names += [module + [alias.name] for alias in node.names]  # `from logitless import bench` names bench
+    return names
+
+
+def _imported(path: Path, root: Path = PACKAGE) -> set[str]:
+    """The parts of logitless (in ``root``) that the module at ``path`` imports anywhere in it (at the top or
+    inside a function), by their name below logitless: {"recipes", "multichoice", ...}."""
+    return {name[1] for name in _import_names(path, root) if name[0] == "logitless" and len(name) > 1}
+
+
+def _module_names(root: Path = PACKAGE) -> dict[str, Path]:
+    """Every module of the package in ``root`` by its dotted name: {"logitless": .../__init__.py, "logitless.ops.head":
+    .../ops/head.py, ...}."""
+    names = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def _modules_imported(path: Path, modules: dict[str, Path], root: Path = PACKAGE) -> set[str]:
+    """The ``modules`` of the package in ``root`` that the module at ``path`` imports anywhere in it, by dotted
+    name: for each name imported, the longest of its prefixes that is a module (``from logitless.ops import head``
+    imports logitless.ops.head, ``from logitless.ops.head import LinearHead`` too)."""
+    found = set()
+    for name in _import_names(path, root):
+        prefixes = (".".join(name[:end]) for end in range(len(name), 0, -1))
+        found |= {next((prefix for prefix in prefixes if prefix in modules), None)} - {None}
+    return found
 
 
 def _offenders(files, forbidden: set[str]) -> list[str]:
@@ -68,45 +98,62 @@ def test_the_oracles_import_nothing_of_the_ops_they_check():
     assert _imported(PACKAGE / "jax" / "reference.py") == set()
 
 
-def _bench_modules_imported(path: Path) -> set[str]:
-    """The modules of logitless.bench that the module at ``path`` imports anywhere in it, by name: {"options", ...}."""
-    modules = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            modules |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            module = "logitless.bench" + (f".{node.module}" if node.module else "") if node.level else node.module
-            modules |= {module} | {f"{module}.{alias.name}" for alias in node.names}
-    return {name.split(".")[2] for name in modules if name.startswith("logitless.bench.")
-            and (PACKAGE / "bench" / f"{name.split('.')[2]}.py").exists()}
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circles of ``graph`` (module -> the modules it imports): each group of modules that reach each other
+    through their imports, sorted."""
+    reach = {}
+    for module in graph:
+        seen, todo = set(), list(graph[module])
+        while todo:
+            imported = todo.pop()
+            if imported not in seen:
+                seen.add(imported)
+                todo += graph[imported]
+        reach[module] = seen
+    return sorted({tuple(sorted(other for other in reach[module] if module in reach[other]))
+                   for module in graph if module in reach[module]})
 
 
-def test_the_benchmarks_import_each_other_one_way():
-    """No circle of imports among bench/'s modules: what two of them share lies in a module below both."""
-    graph = {path.stem: _bench_modules_imported(path) - {path.stem} for path in (PACKAGE / "bench").glob("*.py")}
-    assert graph["lmhead_steps"] and graph["jax"]  # the imports are read
+def test_the_library_and_its_programs_import_each_other_one_way():
+    """No circle of imports among the package's modules, counting every import (at the top, inside a function,
+    for type checking only): what two modules share lies in a module below both."""
+    modules = _module_names()
+    graph = {name: _modules_imported(path, modules) - {name} for name, path in modules.items()}
+    assert "logitless.ops.head" in graph["logitless.ops.fused"] and "logitless.bench.options" in graph[
+        "logitless.bench.jax"]  # the imports are read
+    assert _circles(graph) == []
 
-    def circle_from(module, path):
-        if module in path:
-            return path[path.index(module):] + [module]
-        return next(filter(None, (circle_from(imported, path + [module]) for imported in sorted(graph[module]))), None)
 
-    assert [circle for circle in (circle_from(module, []) for module in sorted(graph)) if circle] == []
+def test_a_circle_is_found_through_any_number_of_modules():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"f"}, "f": {"e"}, "g": {"a"}}
+    assert _circles(graph) == [("a", "b", "c"), ("e", "f")]
 
 
 def test_imports_are_found_in_every_spelling(tmp_path):
-    """What the checks above read: absolute and relative imports, of a module or from a package, anywhere."""
+    """What the checks above read: absolute and relative imports, of a module or from a package, anywhere, for type
+    checking too."""
     spellings = {"a.py": "import logitless.recipes.sft", "b.py": "from logitless import bench",
                  "c.py": "def f():\n    from logitless.demo import run", "d.py": "from ..cli import main",
-                 "e.py": "from . import worker", "f.py": "import torch\nfrom logitless.ops import fused"}
-    folder = tmp_path / "logitless" / "bench"
-    folder.mkdir(parents=True)
-    found = {}
+                 "e.py": "from . import worker", "f.py": "import torch\nfrom logitless.ops import fused",
+                 "g.py": "if TYPE_CHECKING:\n    from ..ops.head import LinearHead"}
+    root = tmp_path / "logitless"
+    for module in ("__init__", "cli", "demo", "recipes/__init__", "recipes/sft", "bench/__init__", "bench/worker",
+                   "ops/__init__", "ops/fused", "ops/head"):
+        (root / f"{module}.py").parent.mkdir(parents=True, exist_ok=True)
+        (root / f"{module}.py").write_text("")
+    imported, modules_imported = {}, {}
     for name, code in spellings.items():
-        (folder / name).write_text(code + "\n")
-        found[name] = _imported(folder / name, tmp_path / "logitless")
-    assert found == {"a.py": {"recipes"}, "b.py": {"bench"}, "c.py": {"demo"}, "d.py": {"cli"}, "e.py": {"bench"},
-                     "f.py": {"ops"}}
+        (root / "bench" / name).write_text(code + "\n")
+        imported[name] = _imported(root / "bench" / name, root)
+    modules = _module_names(root)
+    for name in spellings:
+        modules_imported[name] = _modules_imported(root / "bench" / name, modules, root)
+    assert imported == {"a.py": {"recipes"}, "b.py": {"bench"}, "c.py": {"demo"}, "d.py": {"cli"}, "e.py": {"bench"},
+                        "f.py": {"ops"}, "g.py": {"ops"}}
+    assert modules_imported == {"a.py": {"logitless.recipes.sft"}, "b.py": {"logitless.bench"},
+                                "c.py": {"logitless.demo"}, "d.py": {"logitless.cli"},
+                                "e.py": {"logitless.bench.worker"},
+                                "f.py": {"logitless.ops.fused"}, "g.py": {"logitless.ops.head"}}
 
 
 def _defined(path: Path) -> set[str]:

@@ -192,7 +192,7 @@ def step_kl_trl(inputs):
 
 
 def step_kl_logitless(inputs):
-    from logitless.ops.kl import fused_linear_kl
+    from logitless.ops.two_heads import fused_linear_kl
 
     kl = fused_linear_kl(inputs["hidden"], inputs["weight"], inputs["hidden_q"], inputs["weight_q"],
                          temperature=TEMPERATURE, mask=inputs["completion_mask"], block_sizes=inputs["block_sizes"])

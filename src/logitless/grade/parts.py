@@ -12,7 +12,7 @@ from logitless.hf import head_structure, lm_head_of, model_body
 from logitless.hf_probe import OWN_FORWARD, check_head
 from logitless.ops.settings import BlockSizes
 from logitless.ops.head import LinearHead
-from logitless.ops.kl import fused_linear_kl
+from logitless.ops.two_heads import fused_linear_kl
 
 # head structures whose hidden states are not the body's last hidden state, which GRADE's rollouts read step by step
 _NOT_THE_BODYS_OUTPUT = ("transformed", "muP-divided", "predicting stream")

@@ -1,5 +1,5 @@
 """The public JAX ops that read two LM heads, `fused_linear_kl` and `fused_linear_jsd`, with the arguments and
-semantics of the PyTorch ones (`logitless.ops.kl`, `logitless.ops.jsd`); the accumulators are `kl.py`'s and
+semantics of the PyTorch ones (`logitless.ops.two_heads`, as here); the accumulators are `kl.py`'s and
 `jsd.py`'s. A side is named by the suffix of its arguments (``p`` and ``q``, ``s`` and ``t``), and so is every error
 (``weight_q: ...``).
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from logitless._checks import JAX_IMPLS, check_impl, checked_keywords, head_wholes
+from logitless._checks import JAX_IMPLS, check_beta, check_impl, checked_keywords, head_wholes
 from logitless.jax import reference
 from logitless.jax.checks import check_array, check_mask, take_head
 from logitless.jax.head import Head
@@ -78,12 +78,6 @@ def fused_linear_kl(hidden_p, weight_p=None, hidden_q=None, weight_q=None, *, bi
     return _per_token(kl, keep, leading)
 
 
-def _check_beta(beta) -> float:
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta: expected a number in [0, 1], got {beta!r}")
-    return float(beta)
-
-
 @checked_keywords(wholes=head_wholes("_s", "_t"))
 def fused_linear_jsd(hidden_s, weight_s=None, hidden_t=None, weight_t=None, *, beta: float = 0.5, bias_s=None,
                      bias_t=None, temperature: float = 1.0, mask=None, softcap: float | None = None,
@@ -101,7 +95,7 @@ def fused_linear_jsd(hidden_s, weight_s=None, hidden_t=None, weight_t=None, *, b
     entropy)``; 0 where ``mask`` is 0. Differentiable with respect to the student; the teacher takes a gradient
     only where JAX differentiates it. ``block_sizes`` and ``impl`` as in `fused_linear_logprobs`.
     """
-    beta = _check_beta(beta)
+    beta = check_beta(beta)
     leading, heads, hiddens, keep = _sides(("s", "t"), (hidden_s, hidden_t),
                                            ((weight_s, bias_s, head_s), (weight_t, bias_t, head_t)),
                                            (temperature, softcap, logit_scale), mask, impl)

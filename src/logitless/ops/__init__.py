@@ -1,7 +1,7 @@
 """LM-head ops: one head definition (`head`), the ops' settings (`settings`), materialized oracles (`reference`),
-how a call runs (`plan`: its implementation, schedule and block sizes), the block engine (`engine`), its
-accumulators with their block math (`softmax`, `kl`, `jsd`; the Triton twins in `triton`) and the public ops
-(`fused`, `kl`, `jsd`).
+how a call runs (`plan`: its implementation, schedule and block sizes), what the planner, the engine and the
+accumulators share (`base`), the block engine (`engine`), its accumulators with their block math (`softmax`, `kl`,
+`jsd`; the Triton twins in `triton`) and the public ops (`fused`, `two_heads`).
 
 Nothing here imports transformers or TRL. The names below are imported on first use, so that a module
 such as `settings` loads without PyTorch.
@@ -13,7 +13,7 @@ _EXPORTS = {name: f"logitless.ops.{module}" for module, names in (
     ("plan", ("default_block_sizes",)), ("settings", ("BlockSizes", "GRPOSettings")),
     ("fused", ("fused_grpo_loss", "fused_linear_cross_entropy", "fused_linear_logprobs")),
     ("gumbel", ("gumbel_softmax_topk",)), ("head", ("LinearHead",)),
-    ("kl", ("fused_linear_kl",)), ("jsd", ("fused_linear_jsd",)), ("reference", ("compute_entropy",)),
+    ("two_heads", ("fused_linear_jsd", "fused_linear_kl")), ("reference", ("compute_entropy",)),
 ) for name in names}
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = exports(__name__, _EXPORTS)

@@ -1,6 +1,6 @@
 """The block engine behind every fused LM-head op: which blocks of logits exist when, and what each feeds.
 
-Tokens are taken in row chunks and the vocabulary in blocks (`plan.BlockPlan`); a block's logits
+Tokens are taken in row chunks and the vocabulary in blocks (`base.BlockPlan`); a block's logits
 ``head.logits(hidden[rows], columns)`` are the only logits that exist. What an op computes from them is
 an `Accumulator`, plugged into one of two schedules, both exact:
 
@@ -25,7 +25,7 @@ states only. Pass 1 may sweep each row chunk's blocks twice, for statistics whos
 a whole sweep gives (the generalized JSD sums against a mixture of two normalized distributions, so it
 needs both log-sum-exps first): the second sweep starts from the chunk's first statistics.
 
-The protocol is `logitless.jax.engine`'s, with PyTorch's in-place style: an `Accumulator` says what an op
+The protocol (`base.py`) is `logitless.jax.engine`'s, with PyTorch's in-place style: an `Accumulator` says what an op
 computes (its heads, its sweeps, its outputs and their per-row gradients); a `Sweep` holds one row chunk's
 running statistics (JAX hands them from call to call instead) and turns a block into its logits gradient.
 A block's temporaries live in a `Scratch`, and the inputs' gradients are summed by `InputGrads`.
@@ -35,82 +35,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 
+from logitless.ops.base import Accumulator, BlockPlan, Sweep
 from logitless.ops.head import LinearHead, matmul_stat, stat_dtype
-from logitless.ops.plan import BlockPlan
 from logitless.ops.workers import BlockWorkers
-
-
-class Sweep(Protocol):
-    """One row chunk's running per-row statistics over the vocabulary blocks, and a block's logits gradient."""
-
-    def update(self, start: int, logits: list[torch.Tensor]) -> object:
-        """Fold in the block starting at vocabulary entry ``start``: each head's logits (n, c), which may be
-        overwritten. Returns the block as `block_grad` takes it once the block is kept (one pass)."""
-
-    def merge(self, other) -> None:
-        """Fold in ``other``, a sweep of the same rows over other blocks (the one-pass schedule sweeps each block
-        with a sweep of its own)."""
-
-    def across(self, shard) -> None:
-        """Combine with the sweeps of the same rows that the other ranks of ``shard`` (a `sharded.VocabShard`) ran
-        over their vocabulary shards, in rank order, so that every rank holds the same sums over the whole
-        vocabulary (`logitless.jax.engine`'s ``Sweep.across`` over mesh axes)."""
-
-    def finish(self) -> NamedTuple:
-        """The chunk's per-row statistics, (n,) each (None for one not computed)."""
-
-    def block_grad(self, start: int, block, stats: NamedTuple, row_grads: NamedTuple) -> torch.Tensor:
-        """d loss / d (hidden @ W.T + b) of the first head for one block (n, c), which is consumed: ``block``
-        is the heads' recomputed logits (two passes) or what `update` returned (one pass); ``stats`` the
-        chunk's finished statistics; ``row_grads`` the loss's per-row gradients, (n,) each or None."""
-
-
-class Accumulator(Protocol):
-    """What an op computes from its blocks of logits, and what `LinearStats` returns and differentiates."""
-
-    name: str  # the op, in errors: "the fused KL"
-    heads: tuple[LinearHead, ...]  # the heads whose logits each block holds; the first one's inputs get gradients
-    differentiable: tuple[bool, ...]  # which of `outputs` carry a gradient
-
-    def sweep(self, rows: slice) -> Sweep:
-        """A sweep of the row chunk ``rows`` (a slice of all tokens, within bounds)."""
-
-    def second_sweep(self, rows: slice, first: NamedTuple) -> Sweep | None:
-        """The sweep that follows the first over the same chunk, from its finished statistics (None: none)."""
-
-    def outputs(self, stats: NamedTuple) -> tuple[torch.Tensor, ...]:
-        """The op's outputs, (N,) each, from every token's statistics."""
-
-    def row_grads(self, grad_outputs: tuple, stats: NamedTuple) -> NamedTuple:
-        """The per-row gradients `Sweep.block_grad` reads, from the outputs' gradients (None where zero)."""
-
-    def every_rank(self, gather: Callable[[torch.Tensor], torch.Tensor]) -> Accumulator:
-        """The accumulator for every rank's tokens, its per-row inputs (target ids) ``gather``-ed: what
-        data-parallel vocabulary shards sweep (`sharded.py`)."""
 
 
 NewSweep = Callable[[slice], Sweep]  # a row chunk's slice of all tokens (within bounds) -> its sweep
 # chunk_loss(rows, stats) -> (the loss summed over the chunk's tokens (), its per-row gradients; None when no
 # gradient is needed)
 ChunkLoss = Callable[[slice, tuple], tuple[torch.Tensor, "tuple | None"]]
-
-
-def merged_across(sums, shard):
-    """Running sums (an object with ``state()``, ``with_state(values)`` and ``merge(other)``: `softmax.OnlineSoftmax`,
-    `kl.KLSums`...) merged in rank order with the sums of the same rows that the other ranks of ``shard`` kept over
-    their vocabulary shards: one gather of O(rows) numbers, and every rank gets the same bits."""
-    merged = None
-    for values in shard.gather(torch.stack(sums.state())):
-        peer = sums.with_state(list(values))
-        if merged is None:
-            merged = peer
-        else:
-            merged.merge(peer)
-    return merged
 
 
 def refuse_second_derivative(op: str) -> None:

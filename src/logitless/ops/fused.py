@@ -25,10 +25,11 @@ from torch.distributed.tensor import DTensor
 from logitless._checks import (check_choice, check_head_shapes, check_impl, check_mask, check_strings,
                                check_tensor, check_token_ids, checked_keywords, head_wholes)
 from logitless.ops import reference
+from logitless.ops.base import BlockPlan
 from logitless.ops.engine import ChunkLoss, LinearStats, one_pass, refuse_second_derivative
 from logitless.ops.grpo import check_grpo_inputs, grpo_objective, grpo_token_loss
 from logitless.ops.head import LinearHead, op_head, stat_dtype
-from logitless.ops.plan import BlockPlan, implementation, plan_blocks
+from logitless.ops.plan import implementation, plan_blocks
 from logitless.ops.settings import GRPO_OPTIONS, BlockSizes, GRPOSettings
 from logitless.ops.sharded import on_this_rank
 from logitless.ops.softmax import PYTORCH_BLOCKS, TOKEN_EXTRAS, SoftmaxAccumulator, TokenStats, stat_grads
@@ -194,8 +195,9 @@ def _linear_inputs(head: LinearHead, hidden, targets, mask, targets_name="target
     return flat_hidden, flat_targets, kept
 
 
-def _scatter_rows(values: torch.Tensor, kept: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
-    """Put per-kept-token values back at their positions; dropped tokens get 0."""
+def scatter_kept(values: torch.Tensor, kept: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
+    """Per-kept-token values (K,) back at their positions among the tokens of ``shape`` (the leading dims); dropped
+    tokens get 0."""
     if kept is None:
         return values.reshape(shape)
     full = torch.zeros(shape.numel(), dtype=values.dtype, device=values.device)
@@ -232,8 +234,8 @@ def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor | None = No
     else:
         log_probs, entropy, _ = linear_token_stats(flat_hidden, targets=flat_targets, head=head,
                                                    need_entropy=return_token_entropy, block_sizes=sizes, impl=impl)
-    log_probs = _scatter_rows(log_probs, kept, targets.shape)
-    return (log_probs, _scatter_rows(entropy, kept, targets.shape)) if return_token_entropy else log_probs
+    log_probs = scatter_kept(log_probs, kept, targets.shape)
+    return (log_probs, scatter_kept(entropy, kept, targets.shape)) if return_token_entropy else log_probs
 
 
 @checked_keywords(wholes=head_wholes(""))
@@ -271,7 +273,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor | None
         log_probs, _, mean_log_prob = linear_token_stats(flat_hidden, targets=flat_targets, head=head,
                                                          need_entropy=False, need_mean_log_prob=label_smoothing > 0,
                                                          block_sizes=sizes, impl=impl)
-        return _scatter_rows(_cross_entropy_terms(log_probs, mean_log_prob, label_smoothing), kept, targets.shape)
+        return scatter_kept(_cross_entropy_terms(log_probs, mean_log_prob, label_smoothing), kept, targets.shape)
     num_tokens = flat_targets.shape[0]
     scale = 1.0 / num_tokens if reduction == "mean" and num_tokens else 1.0
 
@@ -336,7 +338,7 @@ def fused_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor | None = None,
                                                  targets_name="completion_ids")
 
     def per_token(values):  # (K,) -> (B, T)
-        return _scatter_rows(values, kept, completion_ids.shape)
+        return scatter_kept(values, kept, completion_ids.shape)
 
     if settings.per_token and importance_sampling_ratio is None:  # each token's gradient known from its log-prob
 

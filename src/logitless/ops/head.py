@@ -16,14 +16,11 @@ turns either into the one the op reads.
 from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from logitless._checks import HeadNumbers, check_tensor
-
-if TYPE_CHECKING:
-    from logitless.ops.sharded import VocabShard
+from logitless.ops.vocab_shard import VocabShard
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -61,7 +58,7 @@ class LinearHead(HeadNumbers):
     weight: torch.Tensor
     _: KW_ONLY
     bias: torch.Tensor | None = None
-    shard: VocabShard | None = None  # the weight is this rank's rows of a vocabulary sharded over ranks (`sharded.py`)
+    shard: VocabShard | None = None  # the weight is this rank's rows of a vocabulary sharded over ranks
 
     def __post_init__(self):
         check_tensor("weight", self.weight, ndim=2, floating=True)

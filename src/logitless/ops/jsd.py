@@ -1,7 +1,7 @@
 """The generalized Jensen-Shannon divergence of a student's LM head from a teacher's, exact over the full
-vocabulary, without (N, V) logits: TRL's on-policy distillation loss (``DistillationTrainer``), as the op
-`fused_linear_jsd`, its accumulator, and the math of one block of both heads' logits (the PyTorch twins of the
-JSD kernels in `triton.py`).
+vocabulary, without (N, V) logits, TRL's on-policy distillation loss (``DistillationTrainer``): the
+accumulator of the op `two_heads.fused_linear_jsd`, and the math of one block of both heads' logits (the PyTorch
+twins of the JSD kernels in `triton.py`).
 
 p_s is the distribution being trained (the student), from ``hidden_s`` and its head; p_t a fixed target
 (the teacher) from ``hidden_t`` and its own head, which may have another hidden size. ``beta`` picks the
@@ -43,14 +43,10 @@ from typing import NamedTuple
 
 import torch
 
-from logitless._checks import checked_keywords, head_wholes
-from logitless.ops import reference
-from logitless.ops.engine import LinearStats, Scratch, merged_across
-from logitless.ops.head import LinearHead, stat_dtype
+from logitless.ops.base import merged_across
+from logitless.ops.engine import Scratch
+from logitless.ops.head import LinearHead
 from logitless.ops.kl import KLStats, KLSums, kl_block_logits_grad, kl_stats, kl_update_stats
-from logitless.ops.plan import implementation, plan_blocks
-from logitless.ops.settings import BlockSizes
-from logitless.ops.two_heads import fixed_head, scatter_kept, two_head_inputs
 
 
 class JSDStats(NamedTuple):
@@ -151,7 +147,7 @@ class JSDGrads(NamedTuple):
 
 
 class JSDSweep:
-    """The first `engine.Sweep` of one row chunk over blocks of both heads' logits (the student's first): statistics
+    """The first `base.Sweep` of one row chunk over blocks of both heads' logits (the student's first): statistics
     `JSDStats` (the divergence too for beta 0 or 1), per-row gradients `JSDGrads`."""
 
     def __init__(self, head_s: LinearHead, beta: float, kernels: ModuleType, num_rows: int, dtype: torch.dtype,
@@ -188,7 +184,7 @@ class JSDSweep:
 
 
 class MixtureSweep:
-    """An `engine.Sweep` of one row chunk, 0 < beta < 1: the KLs of both distributions against the mixture, from
+    """An `base.Sweep` of one row chunk, 0 < beta < 1: the KLs of both distributions against the mixture, from
     the first sweep's log-sum-exps; finishes as the first sweep's `JSDStats` with the divergence."""
 
     def __init__(self, normalizers: JSDStats, beta: float, kernels: ModuleType, has_neg_inf: bool, scratch: Scratch):
@@ -209,7 +205,7 @@ class MixtureSweep:
 
 @dataclass(eq=False)
 class JSDAccumulator:
-    """The `engine.Accumulator` of the generalized JSD of ``head_s`` from ``head_t`` (fixed) per token: outputs
+    """The `base.Accumulator` of the generalized JSD of ``head_s`` from ``head_t`` (fixed) per token: outputs
     (divergence, the student's entropy without gradient), with statistics of ``dtype`` on ``device`` and the block
     math of ``kernels`` (`PYTORCH_BLOCKS` or `triton`); a second sweep for 0 < beta < 1. Its row chunks share
     one `Scratch`."""
@@ -245,55 +241,3 @@ class JSDAccumulator:
 
     def row_grads(self, grad_outputs: tuple, stats: JSDStats) -> JSDGrads:
         return JSDGrads(grad_outputs[0].to(stats.lse_s.dtype))
-
-
-def _check_beta(beta) -> float:
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta: expected a number in [0, 1], got {beta!r}")
-    return float(beta)
-
-
-def _heads_jsd(hidden_s: torch.Tensor, head_s: LinearHead, hidden_t: torch.Tensor, head_t: LinearHead, beta: float,
-               block_sizes: BlockSizes, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(divergence (N,), the student's entropy (N,)) of flat hidden_s (N, H_s) and hidden_t (N, H_t) under two
-    `LinearHead`s; the divergence is differentiable on the student's side, the entropy is not."""
-    fixed_t, dtype = fixed_head(head_t), stat_dtype(hidden_s.dtype)
-    chosen = implementation(impl, hidden_s.device, dtype)
-    if chosen.materializes:
-        log_p_s = torch.log_softmax(reference.head_logits(hidden_s, head_s), dim=-1)
-        log_p_t = torch.log_softmax(reference.head_logits(hidden_t.detach(), fixed_t), dim=-1)
-        return reference.generalized_jsd(log_p_s, log_p_t, beta), reference.entropy_from_log_probs(log_p_s).detach()
-    accumulator = JSDAccumulator(head_s, fixed_t, beta, chosen.kernels(PYTORCH_BLOCKS), dtype, hidden_s.device)
-    plan = plan_blocks(hidden_s.shape[0], head_s, hidden_s.device, block_sizes)
-    return LinearStats.apply(accumulator, plan, hidden_s, head_s.weight, head_s.bias, hidden_t.detach())
-
-
-@checked_keywords(wholes=head_wholes("_s", "_t"))
-def fused_linear_jsd(hidden_s: torch.Tensor, weight_s: torch.Tensor | None = None, hidden_t: torch.Tensor | None = None,
-                     weight_t: torch.Tensor | None = None, *, head_s: LinearHead | None = None,
-                     head_t: LinearHead | None = None, beta: float = 0.5, bias_s: torch.Tensor | None = None,
-                     bias_t: torch.Tensor | None = None, temperature: float = 1.0, softcap: float | None = None,
-                     logit_scale: float = 1.0, mask: torch.Tensor | None = None, return_token_entropy: bool = False,
-                     block_sizes: BlockSizes | None = None, impl: str = "auto"):
-    """Per-token generalized JSD of a student's LM head from a teacher's over the full vocabulary, without (N, V)
-    logits.
-
-    hidden_s (..., H_s) with weight_s (V, H_s); hidden_t (..., H_t) with weight_t (V, H_t): the same leading
-    dims and vocabulary, hidden sizes may differ. ``beta`` in [0, 1] picks the divergence as TRL's
-    DistillationTrainer does: 0 the forward KL(p_t || p_s), 1 the reverse KL(p_s || p_t), otherwise
-    ``beta KL(p_t || m) + (1 - beta) KL(p_s || m)`` with the mixture ``m = (1 - beta) p_s + beta p_t``. The heads
-    are given in parts (both logits ``cap(logit_scale * (hidden @ weight.T + bias)) / temperature`` with the same
-    ``softcap``, ``logit_scale`` and ``temperature``) or whole (``head_s=``, ``head_t=``, each with its own, as
-    TRL gives each model its own logit scale and soft cap), as in `fused_linear_kl`. Returns the divergence with
-    hidden's leading dims, fp32 (fp64 for fp64 input), and with ``return_token_entropy`` also the student's
-    entropy (without gradient): ``(divergence, entropy)``. Tokens where ``mask`` is 0 are skipped and get 0.
-    Differentiable with respect to hidden_s and the student's weight and bias; the teacher is a fixed target and
-    gets no gradient. ``block_sizes`` and ``impl`` ("auto" | "reference" | "chunked" | "triton") as in
-    `fused_linear_logprobs`.
-    """
-    beta = _check_beta(beta)
-    sides = two_head_inputs(("s", "t"), (hidden_s, hidden_t), (head_s, head_t), (weight_s, weight_t),
-                            (bias_s, bias_t), temperature, softcap, logit_scale, mask, block_sizes, impl)
-    divergence, entropy = _heads_jsd(sides.flat, sides.head, sides.fixed_flat, sides.fixed, beta, sides.sizes, impl)
-    divergence = scatter_kept(divergence, sides.kept, sides.leading)
-    return (divergence, scatter_kept(entropy, sides.kept, sides.leading)) if return_token_entropy else divergence

@@ -1,6 +1,6 @@
-"""Exact per-token KL(p || q) between two LM heads' distributions, without (N, V) logits: the op
-`fused_linear_kl`, its accumulator, and the math of one block of both heads' logits (the PyTorch twins of the
-KL kernels in `triton.py`).
+"""Exact per-token KL(p || q) between two LM heads' distributions, without (N, V) logits: the
+accumulator of the op `two_heads.fused_linear_kl`, and the math of one block of both heads' logits (the PyTorch
+twins of the KL kernels in `triton.py`).
 
 p is the distribution being trained (a policy, a student), from ``hidden_p`` and its head; q a fixed
 target (a reference, a teacher) from ``hidden_q`` and its own head, which may have another hidden
@@ -39,14 +39,10 @@ from typing import NamedTuple
 
 import torch
 
-from logitless._checks import checked_keywords, head_wholes
-from logitless.ops import reference
-from logitless.ops.engine import LinearStats, Scratch, merged_across
-from logitless.ops.head import LinearHead, stat_dtype
-from logitless.ops.plan import implementation, plan_blocks
-from logitless.ops.settings import BlockSizes
+from logitless.ops.base import merged_across
+from logitless.ops.engine import Scratch
+from logitless.ops.head import LinearHead
 from logitless.ops.softmax import OnlineSoftmax
-from logitless.ops.two_heads import fixed_head, scatter_kept, two_head_inputs
 
 
 class KLSums:
@@ -163,7 +159,7 @@ class KLGrads(NamedTuple):
 
 
 class KLSweep:
-    """An `engine.Sweep` of one row chunk over blocks of both heads' logits (p's first), with the block math of
+    """An `base.Sweep` of one row chunk over blocks of both heads' logits (p's first), with the block math of
     ``kernels`` (`PYTORCH_BLOCKS` or `triton`): statistics `KLStats`, per-row gradients `KLGrads`."""
 
     def __init__(self, head_p: LinearHead, kernels: ModuleType, num_rows: int, dtype: torch.dtype,
@@ -188,7 +184,7 @@ class KLSweep:
 
 @dataclass(eq=False)
 class KLAccumulator:
-    """The `engine.Accumulator` of KL(p || q) per token (its one output), ``head_q`` fixed, with statistics of
+    """The `base.Accumulator` of KL(p || q) per token (its one output), ``head_q`` fixed, with statistics of
     ``dtype`` on ``device`` and the block math of ``kernels``; its row chunks share one `Scratch`."""
 
     head_p: LinearHead
@@ -219,42 +215,3 @@ class KLAccumulator:
 
     def row_grads(self, grad_outputs: tuple, stats: KLStats) -> KLGrads:
         return KLGrads(grad_outputs[0].to(stats.kl.dtype))
-
-
-def _heads_kl(hidden_p: torch.Tensor, head_p: LinearHead, hidden_q: torch.Tensor, head_q: LinearHead,
-              block_sizes: BlockSizes, impl: str) -> torch.Tensor:
-    """KL(p || q) per token of flat hidden_p (N, H_p) and hidden_q (N, H_q) under two `LinearHead`s."""
-    fixed_q, dtype = fixed_head(head_q), stat_dtype(hidden_p.dtype)
-    chosen = implementation(impl, hidden_p.device, dtype)
-    if chosen.materializes:
-        return reference.kl_from_log_probs(torch.log_softmax(reference.head_logits(hidden_p, head_p), dim=-1),
-                                           torch.log_softmax(reference.head_logits(hidden_q.detach(), fixed_q), dim=-1))
-    accumulator = KLAccumulator(head_p, fixed_q, chosen.kernels(PYTORCH_BLOCKS), dtype, hidden_p.device)
-    plan = plan_blocks(hidden_p.shape[0], head_p, hidden_p.device, block_sizes)
-    (kl,) = LinearStats.apply(accumulator, plan, hidden_p, head_p.weight, head_p.bias, hidden_q.detach())
-    return kl
-
-
-@checked_keywords(wholes=head_wholes("_p", "_q"))
-def fused_linear_kl(hidden_p: torch.Tensor, weight_p: torch.Tensor | None = None, hidden_q: torch.Tensor | None = None,
-                    weight_q: torch.Tensor | None = None, *, head_p: LinearHead | None = None,
-                    head_q: LinearHead | None = None, bias_p: torch.Tensor | None = None,
-                    bias_q: torch.Tensor | None = None, temperature: float = 1.0, softcap: float | None = None,
-                    logit_scale: float = 1.0, mask: torch.Tensor | None = None, block_sizes: BlockSizes | None = None,
-                    impl: str = "auto") -> torch.Tensor:
-    """Per-token KL(p || q) of two LM heads over the full vocabulary, without (N, V) logits.
-
-    hidden_p (..., H_p) with weight_p (V, H_p); hidden_q (..., H_q) with weight_q (V, H_q): the same
-    leading dims and vocabulary, hidden sizes may differ (a teacher and a student). Given in parts, both logits
-    are made ``cap(logit_scale * (hidden @ weight.T + bias)) / temperature`` by the same ``softcap``,
-    ``logit_scale`` and ``temperature``, as in `fused_linear_logprobs`; given whole (``head_p=``, ``head_q=``:
-    two `LinearHead`s, e.g. `logitless.hf.lm_head_of` of two models), each head has its own. Returns the KL with
-    hidden's leading dims, fp32 (fp64 for fp64 input); tokens where ``mask`` is 0 are skipped and get 0.
-    Differentiable with respect to hidden_p and p's weight and bias; the q side is a fixed target and gets no
-    gradient. ``block_sizes`` and ``impl`` ("auto" | "reference" | "chunked" | "triton") as in
-    `fused_linear_logprobs`.
-    """
-    sides = two_head_inputs(("p", "q"), (hidden_p, hidden_q), (head_p, head_q), (weight_p, weight_q),
-                            (bias_p, bias_q), temperature, softcap, logit_scale, mask, block_sizes, impl)
-    return scatter_kept(_heads_kl(sides.flat, sides.head, sides.fixed_flat, sides.fixed, sides.sizes, impl), sides.kept,
-                        sides.leading)

@@ -1,5 +1,5 @@
 """How one op call runs: its implementation (`implementation`, the registry behind every op's ``impl``), and for
-the block engine its schedule and block sizes (`plan_blocks`: a `BlockPlan`, one pass or two).
+the block engine its schedule and block sizes (`plan_blocks`: a `base.BlockPlan`, one pass or two).
 
 Implementations (`IMPLEMENTATIONS`, one for each value of ``impl`` in `logitless._checks.IMPLS` but "auto"):
 
@@ -42,17 +42,14 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
-from typing import TYPE_CHECKING
 
 import torch
 
 from logitless._checks import check_impl, switch_setting
+from logitless.ops.base import BlockPlan
 from logitless.ops.fallback import FallingBack, failed_on
 from logitless.ops.head import LinearHead, stat_dtype
 from logitless.ops.settings import BlockSizes
-
-if TYPE_CHECKING:
-    from logitless.ops.sharded import VocabShard
 
 BLOCK_BYTES = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}  # two passes: one block's logits
 MIN_VOCAB_BLOCK = 256  # blocks narrower than this make thin matmuls: take fewer tokens per chunk instead
@@ -82,14 +79,6 @@ def default_block_sizes(device: torch.device | str, dtype: torch.dtype, *, num_t
         vocab = max(MIN_VOCAB_BLOCK, budget // (logit_bytes * tokens) // 64 * 64)
         vocab = min(vocab, MAX_VOCAB_BLOCK.get(device_type, vocab))
     return BlockSizes(max(1, min(tokens, num_tokens)), min(vocab, vocab_size))
-
-
-@dataclass(frozen=True)
-class BlockPlan:
-    sizes: BlockSizes  # concrete: tokens per row chunk, vocabulary entries per block
-    single_pass: bool  # the one-pass driver: a chunk's logits are kept from its statistics to its gradient
-    shard: VocabShard | None = None  # the head's vocabulary is sharded over ranks: this rank's part (`sharded.py`)
-    counts: tuple[int, ...] | None = None  # data-parallel shards: every rank's number of tokens, in rank order
 
 
 def plan_blocks(num_tokens: int, head: LinearHead, device: torch.device, requested: BlockSizes = BlockSizes(),

@@ -42,7 +42,8 @@ from typing import NamedTuple
 
 import torch
 
-from logitless.ops.engine import Scratch, merged_across
+from logitless.ops.base import merged_across
+from logitless.ops.engine import Scratch
 from logitless.ops.head import LinearHead
 
 
@@ -250,12 +251,7 @@ def block_logits_grad(head: LinearHead, logits: torch.Tensor, start: int, target
         grad.mul_(coefs.probs.neg().unsqueeze(1))
     else:
         grad.zero_()
-    if coefs.uniform is not None:
-        grad.add_(coefs.uniform.unsqueeze(1))
-    if coefs.onehot is not None:
-        rows, columns = targets_in_block(targets, start, grad.shape[1])
-        grad[rows, columns] += coefs.onehot[rows]
-    return head.softcap_slope_(grad, slope_logits)
+    return head.softcap_slope_(_add_target_terms_(grad, start, targets, coefs), slope_logits)
 
 
 def block_grad_from_weights(weights: torch.Tensor, shift: torch.Tensor, start: int, targets: torch.Tensor,
@@ -270,6 +266,12 @@ def block_grad_from_weights(weights: torch.Tensor, shift: torch.Tensor, start: i
         grad = weights.zero_()
     else:
         grad = weights.mul_((coefs.probs * (shift - lse).exp()).neg_().unsqueeze(1))  # (n, c)
+    return _add_target_terms_(grad, start, targets, coefs)
+
+
+def _add_target_terms_(grad: torch.Tensor, start: int, targets: torch.Tensor, coefs: StatGrads) -> torch.Tensor:
+    """In place: the closed form's terms that need no probabilities, ``g_m / V`` everywhere and ``g_lp`` at each
+    row's target (where it lies in the block starting at ``start``), added to a block's gradient (n, c)."""
     if coefs.uniform is not None:
         grad.add_(coefs.uniform.unsqueeze(1))
     if coefs.onehot is not None:
@@ -288,7 +290,7 @@ class KeptWeights(NamedTuple):
 
 
 class SoftmaxSweep:
-    """An `engine.Sweep` of one row chunk: statistics `TokenStats`, per-row gradients `StatGrads`."""
+    """An `base.Sweep` of one row chunk: statistics `TokenStats`, per-row gradients `StatGrads`."""
 
     def __init__(self, head: LinearHead, targets: torch.Tensor, kernels: ModuleType, dtype: torch.dtype,
                  has_neg_inf: bool, need_entropy: bool, need_mean_log_prob: bool, extras: tuple[str, ...],
@@ -328,7 +330,7 @@ class SoftmaxSweep:
 
 @dataclass(eq=False)
 class SoftmaxAccumulator:
-    """The `engine.Accumulator` of the softmax statistics of ``head``'s logits for the tokens' ``targets`` (N,), with
+    """The `base.Accumulator` of the softmax statistics of ``head``'s logits for the tokens' ``targets`` (N,), with
     statistics of ``dtype`` and the block math of ``kernels`` (`PYTORCH_BLOCKS` or `triton`): outputs (log_probs,
     entropy, mean_log_prob, then the ``extras`` of `TOKEN_EXTRAS`), the entropy and mean log p as zeros without
     gradient unless asked for, the extras always without. Its row chunks, which the engine runs one after

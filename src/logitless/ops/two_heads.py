@@ -1,7 +1,8 @@
-"""The inputs of the ops that read two LM heads (`fused_linear_kl`, `fused_linear_jsd`): each side's `LinearHead`
-(whole or in parts) and checks, the fixed side's head without gradient, and the tokens both sides keep.
-A side is named by the
-suffix of its arguments (``p`` and ``q``, ``s`` and ``t``), and so is every error (``weight_q: ...``)."""
+"""The ops that read two LM heads, `fused_linear_kl` and `fused_linear_jsd`, and their inputs: each side's
+`LinearHead` (whole or in parts) and checks, the fixed side's head without gradient, and the tokens both sides keep.
+A side is named by the suffix of its arguments (``p`` and ``q``, ``s`` and ``t``), and so is every error
+(``weight_q: ...``). What they compute is the accumulators' of `kl.py` and `jsd.py`, run by the block engine (or
+the materialized oracles of `reference.py`, for ``impl="reference"``)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,14 @@ from typing import NamedTuple
 
 import torch
 
-from logitless._checks import check_impl, check_mask, check_tensor
+from logitless._checks import check_beta, check_impl, check_mask, check_tensor, checked_keywords, head_wholes
+from logitless.ops import reference
+from logitless.ops.engine import LinearStats
+from logitless.ops.fused import scatter_kept
 from logitless.ops.head import LinearHead, op_head, stat_dtype
-from logitless.ops.plan import implementation
+from logitless.ops.jsd import PYTORCH_BLOCKS as JSD_BLOCKS, JSDAccumulator
+from logitless.ops.kl import PYTORCH_BLOCKS as KL_BLOCKS, KLAccumulator
+from logitless.ops.plan import implementation, plan_blocks
 from logitless.ops.settings import BlockSizes
 
 
@@ -112,8 +118,87 @@ def kept_rows(hidden: torch.Tensor, other_hidden: torch.Tensor, mask, sides: tup
     return flat.index_select(0, kept), other_flat.index_select(0, kept), kept
 
 
-def scatter_kept(values: torch.Tensor, kept: torch.Tensor | None, leading: torch.Size) -> torch.Tensor:
-    """Per-kept-token values (K,) back at their positions, with the leading dims; dropped tokens get 0."""
-    if kept is not None:
-        values = torch.zeros(leading.numel(), dtype=values.dtype, device=values.device).index_copy(0, kept, values)
-    return values.reshape(leading)
+
+def _heads_kl(hidden_p: torch.Tensor, head_p: LinearHead, hidden_q: torch.Tensor, head_q: LinearHead,
+              block_sizes: BlockSizes, impl: str) -> torch.Tensor:
+    """KL(p || q) per token of flat hidden_p (N, H_p) and hidden_q (N, H_q) under two `LinearHead`s."""
+    fixed_q, dtype = fixed_head(head_q), stat_dtype(hidden_p.dtype)
+    chosen = implementation(impl, hidden_p.device, dtype)
+    if chosen.materializes:
+        return reference.kl_from_log_probs(torch.log_softmax(reference.head_logits(hidden_p, head_p), dim=-1),
+                                           torch.log_softmax(reference.head_logits(hidden_q.detach(), fixed_q), dim=-1))
+    accumulator = KLAccumulator(head_p, fixed_q, chosen.kernels(KL_BLOCKS), dtype, hidden_p.device)
+    plan = plan_blocks(hidden_p.shape[0], head_p, hidden_p.device, block_sizes)
+    (kl,) = LinearStats.apply(accumulator, plan, hidden_p, head_p.weight, head_p.bias, hidden_q.detach())
+    return kl
+
+
+@checked_keywords(wholes=head_wholes("_p", "_q"))
+def fused_linear_kl(hidden_p: torch.Tensor, weight_p: torch.Tensor | None = None, hidden_q: torch.Tensor | None = None,
+                    weight_q: torch.Tensor | None = None, *, head_p: LinearHead | None = None,
+                    head_q: LinearHead | None = None, bias_p: torch.Tensor | None = None,
+                    bias_q: torch.Tensor | None = None, temperature: float = 1.0, softcap: float | None = None,
+                    logit_scale: float = 1.0, mask: torch.Tensor | None = None, block_sizes: BlockSizes | None = None,
+                    impl: str = "auto") -> torch.Tensor:
+    """Per-token KL(p || q) of two LM heads over the full vocabulary, without (N, V) logits.
+
+    hidden_p (..., H_p) with weight_p (V, H_p); hidden_q (..., H_q) with weight_q (V, H_q): the same
+    leading dims and vocabulary, hidden sizes may differ (a teacher and a student). Given in parts, both logits
+    are made ``cap(logit_scale * (hidden @ weight.T + bias)) / temperature`` by the same ``softcap``,
+    ``logit_scale`` and ``temperature``, as in `fused_linear_logprobs`; given whole (``head_p=``, ``head_q=``:
+    two `LinearHead`s, e.g. `logitless.hf.lm_head_of` of two models), each head has its own. Returns the KL with
+    hidden's leading dims, fp32 (fp64 for fp64 input); tokens where ``mask`` is 0 are skipped and get 0.
+    Differentiable with respect to hidden_p and p's weight and bias; the q side is a fixed target and gets no
+    gradient. ``block_sizes`` and ``impl`` ("auto" | "reference" | "chunked" | "triton") as in
+    `fused_linear_logprobs`.
+    """
+    sides = two_head_inputs(("p", "q"), (hidden_p, hidden_q), (head_p, head_q), (weight_p, weight_q),
+                            (bias_p, bias_q), temperature, softcap, logit_scale, mask, block_sizes, impl)
+    return scatter_kept(_heads_kl(sides.flat, sides.head, sides.fixed_flat, sides.fixed, sides.sizes, impl), sides.kept,
+                        sides.leading)
+
+
+def _heads_jsd(hidden_s: torch.Tensor, head_s: LinearHead, hidden_t: torch.Tensor, head_t: LinearHead, beta: float,
+               block_sizes: BlockSizes, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(divergence (N,), the student's entropy (N,)) of flat hidden_s (N, H_s) and hidden_t (N, H_t) under two
+    `LinearHead`s; the divergence is differentiable on the student's side, the entropy is not."""
+    fixed_t, dtype = fixed_head(head_t), stat_dtype(hidden_s.dtype)
+    chosen = implementation(impl, hidden_s.device, dtype)
+    if chosen.materializes:
+        log_p_s = torch.log_softmax(reference.head_logits(hidden_s, head_s), dim=-1)
+        log_p_t = torch.log_softmax(reference.head_logits(hidden_t.detach(), fixed_t), dim=-1)
+        return reference.generalized_jsd(log_p_s, log_p_t, beta), reference.entropy_from_log_probs(log_p_s).detach()
+    accumulator = JSDAccumulator(head_s, fixed_t, beta, chosen.kernels(JSD_BLOCKS), dtype, hidden_s.device)
+    plan = plan_blocks(hidden_s.shape[0], head_s, hidden_s.device, block_sizes)
+    return LinearStats.apply(accumulator, plan, hidden_s, head_s.weight, head_s.bias, hidden_t.detach())
+
+
+@checked_keywords(wholes=head_wholes("_s", "_t"))
+def fused_linear_jsd(hidden_s: torch.Tensor, weight_s: torch.Tensor | None = None, hidden_t: torch.Tensor | None = None,
+                     weight_t: torch.Tensor | None = None, *, head_s: LinearHead | None = None,
+                     head_t: LinearHead | None = None, beta: float = 0.5, bias_s: torch.Tensor | None = None,
+                     bias_t: torch.Tensor | None = None, temperature: float = 1.0, softcap: float | None = None,
+                     logit_scale: float = 1.0, mask: torch.Tensor | None = None, return_token_entropy: bool = False,
+                     block_sizes: BlockSizes | None = None, impl: str = "auto"):
+    """Per-token generalized JSD of a student's LM head from a teacher's over the full vocabulary, without (N, V)
+    logits.
+
+    hidden_s (..., H_s) with weight_s (V, H_s); hidden_t (..., H_t) with weight_t (V, H_t): the same leading
+    dims and vocabulary, hidden sizes may differ. ``beta`` in [0, 1] picks the divergence as TRL's
+    DistillationTrainer does: 0 the forward KL(p_t || p_s), 1 the reverse KL(p_s || p_t), otherwise
+    ``beta KL(p_t || m) + (1 - beta) KL(p_s || m)`` with the mixture ``m = (1 - beta) p_s + beta p_t``. The heads
+    are given in parts (both logits ``cap(logit_scale * (hidden @ weight.T + bias)) / temperature`` with the same
+    ``softcap``, ``logit_scale`` and ``temperature``) or whole (``head_s=``, ``head_t=``, each with its own, as
+    TRL gives each model its own logit scale and soft cap), as in `fused_linear_kl`. Returns the divergence with
+    hidden's leading dims, fp32 (fp64 for fp64 input), and with ``return_token_entropy`` also the student's
+    entropy (without gradient): ``(divergence, entropy)``. Tokens where ``mask`` is 0 are skipped and get 0.
+    Differentiable with respect to hidden_s and the student's weight and bias; the teacher is a fixed target and
+    gets no gradient. ``block_sizes`` and ``impl`` ("auto" | "reference" | "chunked" | "triton") as in
+    `fused_linear_logprobs`.
+    """
+    beta = check_beta(beta)
+    sides = two_head_inputs(("s", "t"), (hidden_s, hidden_t), (head_s, head_t), (weight_s, weight_t),
+                            (bias_s, bias_t), temperature, softcap, logit_scale, mask, block_sizes, impl)
+    divergence, entropy = _heads_jsd(sides.flat, sides.head, sides.fixed_flat, sides.fixed, beta, sides.sizes, impl)
+    divergence = scatter_kept(divergence, sides.kept, sides.leading)
+    return (divergence, scatter_kept(entropy, sides.kept, sides.leading)) if return_token_entropy else divergence

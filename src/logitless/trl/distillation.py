@@ -25,7 +25,7 @@ from trl import DistillationTrainer as TRLDistillationTrainer
 from logitless.hf import head_structure, lm_head_of
 from logitless.hf_probe import UnreadableHead, check_head
 from logitless.ops.head import LinearHead
-from logitless.ops.jsd import fused_linear_jsd
+from logitless.ops.two_heads import fused_linear_jsd
 from logitless.trl.checkpoints import AtomicCheckpoints
 from logitless.trl.ddp import set_find_unused_parameters
 from logitless.trl.lm_head import gather_head_in_backward, zero3_gathered

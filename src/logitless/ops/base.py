@@ -1,0 +1,89 @@
+"""What the ops modules share, below the engine that runs it and the planner that sizes it: a call's plan of blocks
+(`BlockPlan`, made by `plan.py`, run by `engine.py`), what an op computes from its blocks of logits (the `Accumulator`
+and `Sweep` protocols, which `softmax.py`, `kl.py` and `jsd.py` implement and the engine drives), and how a sweep's
+running sums combine across the ranks of a vocabulary shard (`merged_across`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+
+from logitless.ops.head import LinearHead
+from logitless.ops.settings import BlockSizes
+from logitless.ops.vocab_shard import VocabShard
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """How a call runs on the block engine (`plan.plan_blocks`): its block sizes, its schedule, its vocabulary shard."""
+
+    sizes: BlockSizes  # concrete: tokens per row chunk, vocabulary entries per block
+    single_pass: bool  # the one-pass driver: a chunk's logits are kept from its statistics to its gradient
+    shard: VocabShard | None = None  # the head's vocabulary is sharded over ranks: this rank's part
+    counts: tuple[int, ...] | None = None  # data-parallel shards: every rank's number of tokens, in rank order
+
+
+class Sweep(Protocol):
+    """One row chunk's running per-row statistics over the vocabulary blocks, and a block's logits gradient."""
+
+    def update(self, start: int, logits: list[torch.Tensor]) -> object:
+        """Fold in the block starting at vocabulary entry ``start``: each head's logits (n, c), which may be
+        overwritten. Returns the block as `block_grad` takes it once the block is kept (one pass)."""
+
+    def merge(self, other) -> None:
+        """Fold in ``other``, a sweep of the same rows over other blocks (the one-pass schedule sweeps each block
+        with a sweep of its own)."""
+
+    def across(self, shard) -> None:
+        """Combine with the sweeps of the same rows that the other ranks of ``shard`` (a `vocab_shard.VocabShard`) ran
+        over their vocabulary shards, in rank order, so that every rank holds the same sums over the whole
+        vocabulary (`logitless.jax.engine`'s ``Sweep.across`` over mesh axes)."""
+
+    def finish(self) -> NamedTuple:
+        """The chunk's per-row statistics, (n,) each (None for one not computed)."""
+
+    def block_grad(self, start: int, block, stats: NamedTuple, row_grads: NamedTuple) -> torch.Tensor:
+        """d loss / d (hidden @ W.T + b) of the first head for one block (n, c), which is consumed: ``block``
+        is the heads' recomputed logits (two passes) or what `update` returned (one pass); ``stats`` the
+        chunk's finished statistics; ``row_grads`` the loss's per-row gradients, (n,) each or None."""
+
+
+class Accumulator(Protocol):
+    """What an op computes from its blocks of logits, and what `LinearStats` returns and differentiates."""
+
+    name: str  # the op, in errors: "the fused KL"
+    heads: tuple[LinearHead, ...]  # the heads whose logits each block holds; the first one's inputs get gradients
+    differentiable: tuple[bool, ...]  # which of `outputs` carry a gradient
+
+    def sweep(self, rows: slice) -> Sweep:
+        """A sweep of the row chunk ``rows`` (a slice of all tokens, within bounds)."""
+
+    def second_sweep(self, rows: slice, first: NamedTuple) -> Sweep | None:
+        """The sweep that follows the first over the same chunk, from its finished statistics (None: none)."""
+
+    def outputs(self, stats: NamedTuple) -> tuple[torch.Tensor, ...]:
+        """The op's outputs, (N,) each, from every token's statistics."""
+
+    def row_grads(self, grad_outputs: tuple, stats: NamedTuple) -> NamedTuple:
+        """The per-row gradients `Sweep.block_grad` reads, from the outputs' gradients (None where zero)."""
+
+    def every_rank(self, gather: Callable[[torch.Tensor], torch.Tensor]) -> Accumulator:
+        """The accumulator for every rank's tokens, its per-row inputs (target ids) ``gather``-ed: what
+        data-parallel vocabulary shards sweep (`sharded.py`)."""
+
+
+def merged_across(sums, shard):
+    """Running sums (an object with ``state()``, ``with_state(values)`` and ``merge(other)``: `softmax.OnlineSoftmax`,
+    `kl.KLSums`...) merged in rank order with the sums of the same rows that the other ranks of ``shard`` kept over
+    their vocabulary shards: one gather of O(rows) numbers, and every rank gets the same bits."""
+    merged = None
+    for values in shard.gather(torch.stack(sums.state())):
+        peer = sums.with_state(list(values))
+        if merged is None:
+            merged = peer
+        else:
+            merged.merge(peer)
+    return merged
