@@ -14,8 +14,10 @@ Needs the ``tunix`` extra (``pip install 'logitless[tunix]'``). See docs/tunix.m
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -26,13 +28,58 @@ from logitless.jax import fused_linear_logprobs
 
 try:
     from flax import nnx
+    from tunix.models.gemma.model import Gemma
+    from tunix.models.gemma3.model import Gemma3
+    from tunix.models.gemma4.model import Gemma4
+    from tunix.models.llama3.model import Llama3
     from tunix.models.qwen2.model import Qwen2
+    from tunix.models.qwen3.model import Qwen3
     from tunix.rl import algo_core, common
 except ImportError as err:  # say how to get it, not just that it is missing
     raise ImportError("logitless.tunix needs Tunix: pip install 'logitless[tunix]'") from err
 
 TUNIX_VERSION = "0.1.7"  # the release built against: its compute_per_token_logps takes the arguments this one does
-SUPPORTED_MODELS = (Qwen2,)  # models whose __call__ ends with the head alone: `embedder.decode` or `lm_head`
+
+
+@dataclass(frozen=True)
+class _Family:
+    """How a Tunix 0.1.7 model family's ``__call__`` ends: the head is the input embedding's ``decode`` where
+    ``tied(config)``, else the ``lm_head`` Einsum (its ``w`` (H, V)); ``head_dtype(head)`` is the dtype the head
+    casts its input and weight to (None: it casts neither, and ``jnp.dot`` promotes them); ``take_softcap(model)``
+    returns the final soft cap (None: none) and removes it from the model, whose output is then the hidden states."""
+
+    tied: Callable
+    head_dtype: Callable
+    take_softcap: Callable
+    other_variables: frozenset = frozenset()  # the head module's variables that are not the head (Gemma 4's)
+
+
+def _no_softcap(model) -> None:
+    return None
+
+
+def _take_attribute_softcap(model) -> float | None:  # Gemma: ``final_logits_softcap`` on the model
+    softcap, model.final_logits_softcap = model.final_logits_softcap, None
+    return softcap
+
+
+def _take_config_softcap(model) -> float | None:  # Gemma 4: ``final_logit_softcap`` in its config
+    softcap = model.config.final_logit_softcap
+    model.config = dataclasses.replace(model.config, final_logit_softcap=None)
+    return softcap
+
+
+_OWN_DTYPE = lambda head: head.dtype  # noqa: E731
+_PROMOTED = lambda head: None  # noqa: E731
+FAMILIES = {
+    Qwen2: _Family(lambda config: config.use_tied_embedding, _OWN_DTYPE, _no_softcap),
+    Qwen3: _Family(lambda config: config.use_tied_embedding, _OWN_DTYPE, _no_softcap),
+    Llama3: _Family(lambda config: config.weight_tying, _PROMOTED, _no_softcap),
+    Gemma: _Family(lambda config: True, _PROMOTED, _take_attribute_softcap),
+    Gemma3: _Family(lambda config: True, _PROMOTED, _no_softcap),
+    Gemma4: _Family(lambda config: True, lambda head: head.config.dtype, _take_config_softcap,
+                    frozenset({"per_layer_input_embedding"})),
+}  # the model classes logitless.tunix scores, each read as its __call__ computes its logits
 
 
 @jax.tree_util.register_dataclass
@@ -54,25 +101,30 @@ def _takes(model, keyword: str) -> bool:
     return keyword in parameters or any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
-def _detach_head(model) -> jax.Array:
-    """The output embedding (V, H) of ``model`` (a merged copy, changed in place), in the dtype its head computes in;
-    the model's head is then the identity, so that calling the model returns its final hidden states (B, L, H), cast
-    to fp32 as its logits would be."""
-    if not isinstance(model, SUPPORTED_MODELS):
-        names = ", ".join(f"{cls.__module__}.{cls.__name__}" for cls in SUPPORTED_MODELS)
-        raise TypeError(f"model: logitless.tunix scores {names}, got {type(model).__module__}.{type(model).__name__}")
-    tied = model.config.use_tied_embedding
+def _detach_head(model) -> tuple[jax.Array, jnp.dtype | None, float | None]:
+    """The output embedding (V, H) of ``model`` (a merged copy, changed in place), in the dtype its head casts it to
+    (None: its own, where the head casts nothing), and the final soft cap (None: none); the model's head and cap are
+    then the identity, so that calling the model returns its final hidden states (B, L, H), cast as its logits would
+    be."""
+    family = FAMILIES.get(type(model))
+    if family is None:
+        names = ", ".join(cls.__name__ for cls in FAMILIES)
+        raise TypeError(f"model: logitless.tunix scores Tunix's {names}, got {type(model).__module__}."
+                        f"{type(model).__name__}")
+    tied = family.tied(model.config)
     head, weight_name = (model.embedder, "input_embedding") if tied else (model.lm_head, "w")
-    variables = sorted(name for name, value in vars(head).items() if isinstance(value, nnx.Variable))
+    variables = sorted(name for name, value in vars(head).items()
+                       if isinstance(value, nnx.Variable) and name not in family.other_variables)
     if variables != [weight_name]:  # an adapter (LoRA) on the head would be left out of the fused logits
         raise NotImplementedError(f"model: its head holds {variables}; logitless.tunix scores a plain head "
                                   f"({weight_name!r} only)")
     weight = head.input_embedding[...] if tied else head.w[...].T  # (V, H); an lm_head's is (H, V)
+    dtype = family.head_dtype(head)
     if tied:
         model.embedder.decode = _identity  # encode still embeds the ids
     else:
         model.lm_head = _identity
-    return weight.astype(head.dtype)  # as Tunix's head casts it
+    return (weight if dtype is None else weight.astype(dtype)), dtype, family.take_softcap(model)
 
 
 def _identity(hidden):
@@ -95,7 +147,7 @@ def compute_per_token_logps(graphdef, state, prompt_tokens: jax.Array, completio
     ``stop_gradient`` stops both.
     """
     model = nnx.merge(graphdef, state)
-    head_weight = _detach_head(model)  # (V, H)
+    head_weight, head_dtype, softcap = _detach_head(model)  # (V, H)
     input_tokens, positions, attention_mask, padding_segments = common.process_ids(
         prompt_tokens, completion_tokens, pad_id, eos_id, segment_ids, segment_positions)
     model_kwargs = {"positions": positions, "cache": None, "attention_mask": attention_mask}
@@ -107,6 +159,8 @@ def compute_per_token_logps(graphdef, state, prompt_tokens: jax.Array, completio
     if images is not None:
         model_kwargs["images"] = images
     final_hidden, _ = model(input_tokens, **model_kwargs)  # (B, L, H), L = P + C
+    if head_dtype is None:  # a head that casts nothing computes in the promoted dtype of its input and weight
+        head_weight = head_weight.astype(jnp.result_type(final_hidden.dtype, head_weight.dtype))
     final_hidden = final_hidden.astype(head_weight.dtype)  # exact: the states were in this dtype before the fp32 cast
 
     scored = input_tokens.shape[1] - 1 if segment_ids is not None else completion_tokens.shape[1]
@@ -114,7 +168,7 @@ def compute_per_token_logps(graphdef, state, prompt_tokens: jax.Array, completio
     scored_ids = input_tokens[:, -scored:]  # (B, S)
     outputs = fused_linear_logprobs(scoring_hidden, head_weight, scored_ids,
                                     temperature=1.0 if temperature in (0.0, 1.0) else temperature,
-                                    return_token_entropy=return_logits)
+                                    softcap=softcap, return_token_entropy=return_logits)
     log_probs, entropy = outputs if return_logits else (outputs, None)  # (B, S) each
     if segment_ids is not None:  # (B, L - 1) -> (B, L), as Tunix aligns the packed row
         log_probs = jnp.pad(log_probs, ((0, 0), (1, 0)), constant_values=0.0)

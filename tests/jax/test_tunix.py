@@ -112,6 +112,57 @@ def test_switched_scoring_equals_tunix(tunix, tied, temperature, packed):
         np.testing.assert_allclose(token_entropy.entropy[:, 0], np.log(vocab), rtol=4 * EPS)
 
 
+def tiny_family(family, vocab=1000, seed=0):
+    """A one-layer Tunix model of ``family`` from a config (random weights; its head scaled to a language model's
+    spread of logits; Gemma's and Gemma 4's final soft cap 1, which bends logits of that size)."""
+    from flax import nnx
+    from tunix.models.gemma import model as gemma
+    from tunix.models.gemma3 import model as gemma3
+    from tunix.models.gemma4 import model as gemma4
+    from tunix.models.llama3 import model as llama3
+    from tunix.models.qwen3 import model as qwen3
+
+    shape = dict(num_layers=1, embed_dim=32, hidden_dim=64, num_heads=4, head_dim=8, num_kv_heads=2)
+    rope = dict(rope_theta=10000, norm_eps=1e-6)
+    build = {
+        "llama3": lambda: llama3.Llama3(llama3.ModelConfig(vocab_size=vocab, **rope, **shape), rngs=nnx.Rngs(seed)),
+        "llama3-tied": lambda: llama3.Llama3(llama3.ModelConfig(vocab_size=vocab, weight_tying=True, **rope, **shape),
+                                             rngs=nnx.Rngs(seed)),
+        "qwen3": lambda: qwen3.Qwen3(qwen3.ModelConfig(vocab_size=vocab, **rope, **shape), rngs=nnx.Rngs(seed)),
+        "gemma": lambda: gemma.Gemma(gemma.ModelConfig(
+            num_embed=vocab, final_logit_softcap=1.0, use_post_attn_norm=True, use_post_ffw_norm=True,
+            attention_types=(gemma.AttentionType.GLOBAL,), **shape), rngs=nnx.Rngs(seed)),
+        "gemma3": lambda: gemma3.Gemma3(gemma3.ModelConfig(num_embed=vocab, sliding_window_size=8,
+                                                           param_dtype=jnp.float32, **shape), rngs=nnx.Rngs(seed)),
+        "gemma4": lambda: gemma4.Gemma4(gemma4.ModelConfig(num_embed=vocab, sliding_window_size=8,
+                                                           final_logit_softcap=1.0, **shape), rngs=nnx.Rngs(seed)),
+    }
+    model = build[family]()
+    embedding = model.embedder.input_embedding
+    embedding[...] = 0.05 * embedding[...] / max(float(jnp.std(embedding[...])), 1e-6)
+    if hasattr(model, "lm_head"):
+        model.lm_head.w[...] = 0.15 * model.lm_head.w[...] / max(float(jnp.std(model.lm_head.w[...])), 1e-6)
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama3", "llama3-tied", "qwen3", "gemma", "gemma3", "gemma4"])
+def test_every_tunix_family_is_scored_as_stock_tunix_scores_it(tunix, family):
+    """Each model family Tunix 0.1.7 ships, tied or not, with Gemma's final soft cap (which the switch applies in
+    the fused head, not after it) and Gemma 4's casts: the log-probs and entropy equal Tunix's, at a temperature."""
+    nnx, common, algo_core, switch = tunix["nnx"], tunix["common"], tunix["algo_core"], tunix["switch"]
+    graphdef, state = nnx.split(tiny_family(family))
+    prompt_ids, completion_ids = token_batch(1000)
+    arguments = (graphdef, state, prompt_ids, completion_ids, PAD, EOS)
+    stock_log_probs, stock_logits = common.compute_per_token_logps(*arguments, return_logits=True, temperature=0.7)
+    log_probs, token_entropy = switch.compute_per_token_logps(*arguments, return_logits=True, temperature=0.7)
+    if family in ("gemma", "gemma4"):  # logits in the cap's bend (tanh(x) < 0.96 x): a head read without it differs
+        assert 0.5 < 0.7 * float(jnp.abs(stock_logits).max()) <= 1.0
+    assert_rounding(log_probs, stock_log_probs, 16, f"{family} log-probs")
+    stock_entropy = algo_core.compute_entropy_from_logits(stock_logits)
+    assert_rounding(switch.compute_entropy_from_logits(token_entropy), stock_entropy, 16, f"{family} entropy")
+    assert float(stock_entropy.min()) > 0.1
+
+
 def grpo_example(tunix, vocab, seed=0, old=True):
     """A GRPO `TrainExample` (B=4, P=6, C=5) with the reference's and the old policy's log-probs near the policy's."""
     prompt_ids, completion_ids = token_batch(vocab, seed=seed)
@@ -218,7 +269,8 @@ def test_another_tunix_signature_another_model_and_no_tunix_are_refused_by_name(
 
     graphdef, state = nnx.split(NotQwen2())
     prompt_ids, completion_ids = token_batch(50)
-    with pytest.raises(TypeError, match="model: logitless.tunix scores tunix.models.qwen2.model.Qwen2, got"):
+    with pytest.raises(TypeError, match=r"^model: logitless.tunix scores Tunix's Qwen2, Qwen3, Llama3, Gemma, Gemma3, "
+                                        r"Gemma4, got .*NotQwen2\n"):
         switch.compute_per_token_logps(graphdef, state, prompt_ids, completion_ids, PAD, EOS)
 
     without_tunix = "import sys; sys.modules['tunix'] = None; import logitless.tunix"
