@@ -1,8 +1,10 @@
-"""`logitless grpo`: GRPO on multiple-choice questions with the judge reward, logit-free, crash-safe.
+"""`logitless grpo`: GRPO on multiple-choice questions, logit-free, crash-safe.
 
-The policy trains with `GRPOTrainerWithLogits`; the reward is ``P(correct | model) * (1 -
-P(correct | judge))``, the first factor read from the ``completion_logits`` the trainer passes, the
-judge a frozen causal LM (by default a copy of the initial policy).
+The policy trains with `GRPOTrainerWithLogits`. The reward (``reward``) is the judge reward, ``P(correct | model) *
+(1 - P(correct | judge))``, the first factor read from the ``completion_logits`` the trainer passes, the judge a
+frozen causal LM (by default a copy of the initial policy); or RLPR's verifier-free reward,
+`reference_probability_reward` of the correct letter, which replaces what the completion wrote after "ANSWER:".
+``reward_std_filter`` adds RLPR's filter of the groups whose rewards hardly vary (`RewardStdFilter`).
 
 Before any model is loaded (`prepare_grpo`): the options and the questions are checked and the
 output directory is claimed (`logitless.rundir`). Checkpoints (``checkpoint-STEP``, each complete or
@@ -85,20 +87,15 @@ def train_grpo_multichoice(config: MultichoiceGRPOConfig | GRPOPlan, *, progress
     from trl import GRPOConfig
 
     from logitless.multichoice.data import to_trl_dataset
-    from logitless.multichoice.judge import MultichoiceJudge
-    from logitless.multichoice.reward import multichoice_judge_reward
     from logitless.recipes.trl_runs import EqualRewardsWarning, train_resumably
-    from logitless.trl import GRPOTrainerWithLogits
+    from logitless.trl import GRPOTrainerWithLogits, RewardStdFilter
     from logitless.trl.nonfinite import NonFiniteGuard
 
     plan = config if isinstance(config, GRPOPlan) else prepare_grpo(config)
     config, output_dir = plan.config, plan.run.path
     hf_logging.disable_progress_bar()  # no bars for each checkpoint write and model load
     policy, tokenizer = load_model("model", config.model, config.seed)
-    judge_model, _ = load_model("judge", config.judge, config.seed) if config.judge else load_model(
-        "model", config.model, config.seed)
-    judge_model.requires_grad_(False)
-    reward = multichoice_judge_reward(MultichoiceJudge(judge_model, tokenizer), tokenizer)
+    reward = make_reward(config, policy, tokenizer)
     args = GRPOConfig(output_dir=str(output_dir), use_cpu=True, bf16=False, activation_checkpointing=False,
                       per_device_train_batch_size=config.completions_per_step, num_generations=config.num_generations,
                       max_completion_length=config.max_completion_length, max_steps=config.steps,
@@ -109,10 +106,11 @@ def train_grpo_multichoice(config: MultichoiceGRPOConfig | GRPOPlan, *, progress
     guard = NonFiniteGuard(config.on_nonfinite, NONFINITE_ADVICE)
     trainer = GRPOTrainerWithLogits(model=policy, reward_funcs=reward, args=args,
                                     train_dataset=to_trl_dataset(plan.records), processing_class=tokenizer,
-                                    callbacks=[guard, EqualRewardsWarning("grpo", config.steps, WARM_UP_HINT)])
+                                    callbacks=[guard, EqualRewardsWarning("grpo", config.steps, WARM_UP_HINT)],
+                                    reward_std_filter=RewardStdFilter() if config.reward_std_filter else None)
 
     def write_outputs(log_history: list[dict]) -> dict:
-        history = write_history(output_dir, log_history, guard.skipped)
+        history = write_history(output_dir, config, log_history, guard.skipped)
         write_run_card(output_dir, config, history)
         return history
 
@@ -121,22 +119,61 @@ def train_grpo_multichoice(config: MultichoiceGRPOConfig | GRPOPlan, *, progress
     return write_outputs(trainer.state.log_history)
 
 
-REWARD_FORMULA = "P(correct | model) x (1 - P(correct | judge))"
+REWARD_FORMULAS = {"judge": "P(correct | model) x (1 - P(correct | judge))",
+                   "reference-probability": "clip(P(correct letter | reasoning) - P(correct letter | prompt), 0, 1)"}
 
 
-def write_history(output_dir: Path, log_history: list[dict], skipped: list[int]) -> dict:
+def make_reward(config: MultichoiceGRPOConfig, policy, tokenizer):
+    """The reward function ``config.reward`` names, for TRL; the judge reward loads its judge (frozen)."""
+    if config.reward == "reference-probability":  # the letter the prompt asks for after "ANSWER:", ending the line
+        from logitless.trl import reference_probability_reward
+
+        return reference_probability_reward(policy, tokenizer, answer_column="answer", answer_start="ANSWER:",
+                                            answer_end="\n", temperature=config.temperature)
+    from logitless.multichoice.judge import MultichoiceJudge
+    from logitless.multichoice.reward import multichoice_judge_reward
+
+    judge_model, _ = load_model("judge", config.judge, config.seed) if config.judge else load_model(
+        "model", config.model, config.seed)
+    judge_model.requires_grad_(False)
+    return multichoice_judge_reward(MultichoiceJudge(judge_model, tokenizer), tokenizer)
+
+
+def logged_metrics(config: MultichoiceGRPOConfig) -> tuple[tuple[str, str, str], ...]:
+    """(history.json's name, the Trainer's metric, the curve's label) of what the reward and the filter log."""
+    if config.reward == "judge":
+        metrics = (("p_correct_model", "multichoice/p_correct_model", "P(correct | model)"),
+                   ("p_correct_judge", "multichoice/p_correct_judge",
+                    "P(correct | judge), of the policy's chain of thought"))
+    else:
+        from logitless.trl.reference_probability import (NO_ANSWER_METRIC, WITH_REASONING_METRIC,
+                                                         WITHOUT_REASONING_METRIC)
+
+        metrics = (("no_answer", NO_ANSWER_METRIC, "completions with no answer after 'ANSWER:' (reward 0)"),
+                   ("p_reference_with_reasoning", WITH_REASONING_METRIC, "P(correct letter | reasoning)"),
+                   ("p_reference_without_reasoning", WITHOUT_REASONING_METRIC, "P(correct letter | prompt)"))
+    if config.reward_std_filter:
+        from logitless.trl.std_filter import DROPPED_METRIC, THRESHOLD_METRIC
+
+        metrics += (("std_filter_dropped", DROPPED_METRIC, "questions dropped by the std filter"),
+                    ("std_filter_threshold", THRESHOLD_METRIC, "the std filter's threshold"))
+    return metrics
+
+
+def write_history(output_dir: Path, config: MultichoiceGRPOConfig, log_history: list[dict],
+                  skipped: list[int]) -> dict:
     """history.json and reward.png from the Trainer's log; returns the per-step history."""
     logged = [entry for entry in log_history if "reward" in entry]
+    metrics = logged_metrics(config)
     history = {name: [entry.get(key, float("nan")) for entry in logged]
-               for name, key in (("reward", "reward"), ("p_correct_model", "multichoice/p_correct_model"),
-                                 ("p_correct_judge", "multichoice/p_correct_judge"), ("loss", "loss"),
+               for name, key in (("reward", "reward"), *((name, key) for name, key, _ in metrics), ("loss", "loss"),
                                  ("entropy", "entropy"), ("learning_rate", "learning_rate"),
                                  ("frac_reward_zero_std", "frac_reward_zero_std"))}
     history["skipped"] = skipped
     write_json_atomically(output_dir / "history.json", history)
-    curves = {f"reward = {REWARD_FORMULA}": history["reward"], "P(correct | model)": history["p_correct_model"],
-              "P(correct | judge), of the policy's chain of thought": history["p_correct_judge"]}
-    plot_curves(curves, output_dir / "reward.png", title="logitless grpo: the multiple-choice judge reward",
+    curves = {f"reward = {REWARD_FORMULAS[config.reward]}": history["reward"],
+              **{label: history[name] for name, _, label in metrics}}
+    plot_curves(curves, output_dir / "reward.png", title=f"logitless grpo: the {config.reward} reward",
                 ylabel="per-step mean")
     return history
 
@@ -151,14 +188,17 @@ def write_run_card(output_dir: Path, config: MultichoiceGRPOConfig, history: dic
     (in place of the hub model card TRL writes, which names no base model for a local or embedded one)."""
     rewards = history["reward"]
     trend = f"{rewards[0]:.4f} -> {rewards[-1]:.4f} over {plural(len(rewards), 'step')}" if rewards else "no step yet"
+    reward_line = (f"{REWARD_FORMULAS['judge']}, the judge `{config.judge or 'a frozen copy of the initial policy'}`"
+                   if config.reward == "judge" else f"RLPR's, {REWARD_FORMULAS[config.reward]}")
+    if config.reward_std_filter:
+        reward_line += ", with RLPR's filter of the questions whose rewards hardly vary"
     write_text_atomically(output_dir / "README.md", f"""# logitless grpo run
 
 GRPO (TRL's GRPOTrainer, scored by logitless's fused LM head) of the policy `{config.model}` on multiple-choice
 questions ({config.data or f"{SYNTHETIC_QUESTIONS} synthetic questions"}), loss type `{config.loss_type}`,
 learning rate {config.learning_rate}, {config.num_generations} completions per question.
 
-- reward: {REWARD_FORMULA}, the judge `{config.judge or "a frozen copy of the initial policy"}`; per step mean
-  {trend} (history.json, reward.png)
+- reward: {reward_line}; per step mean {trend} (history.json, reward.png)
 - checkpoints: `checkpoint-STEP/` (each complete or absent); rerun the same `logitless grpo` command to resume
 
 """ + loading_snippet(output_dir))

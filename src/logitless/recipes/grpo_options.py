@@ -12,11 +12,15 @@ from logitless.ops.settings import GRPO_LOSS_TYPES
 from logitless.recipes.config import MODEL_HELP, RUN_CONTROL_HELP, RecipeConfig, check_model_name
 from logitless.recipes.options import add_config_parser
 
-DESCRIPTION = "`logitless grpo`: GRPO on multiple-choice questions with the judge reward, logit-free, crash-safe."
+DESCRIPTION = ("`logitless grpo`: GRPO on multiple-choice questions with the judge reward or RLPR's "
+               "reference-probability reward, logit-free, crash-safe.")
 
 # TRL's loss types, by TRL's names (those of `GRPOSettings`), each of which needs no other option: luspo, meant for
 # sequence-level importance sampling, is not offered
 LOSS_TYPES = tuple(name for name in GRPO_LOSS_TYPES if name != "luspo")
+# "judge": P(correct | model) x (1 - P(correct | judge)); "reference-probability": RLPR's verifier-free reward of the
+# correct letter (`logitless.trl.reference_probability`)
+REWARDS = ("judge", "reference-probability")
 SYNTHETIC_QUESTIONS = 256  # the default question set, the same whatever the number of steps
 
 
@@ -33,8 +37,10 @@ class MultichoiceGRPOConfig(RecipeConfig):
     loss_type: str = "dapo"
     temperature: float = 1.0
     save_every: int = 2
+    reward: str = "judge"
+    reward_std_filter: bool = False  # RLPR's filter of the groups whose rewards hardly vary (the paper's settings)
 
-    CHOICES = {**RecipeConfig.CHOICES, "loss_type": LOSS_TYPES}
+    CHOICES = {**RecipeConfig.CHOICES, "loss_type": LOSS_TYPES, "reward": REWARDS}
     MODEL_OPTIONS = ("model", "judge")
 
     def __post_init__(self):
@@ -44,7 +50,13 @@ class MultichoiceGRPOConfig(RecipeConfig):
         check_generations(self.num_generations, self.completions_per_step)
         check_finite_numbers(self, ("learning_rate", "temperature"))
         check_choice("loss_type", self.loss_type, LOSS_TYPES)
+        check_choice("reward", self.reward, REWARDS)
+        if not isinstance(self.reward_std_filter, bool):
+            raise TypeError(f"reward_std_filter: expected true or false, got {self.reward_std_filter!r}")
         if self.judge is not None:
+            if self.reward != "judge":
+                raise ValueError(f"judge: has no effect on this run (used with --reward judge only, not "
+                                 f"{self.reward}); leave it out, or pass --reward judge")
             check_model_name("judge", self.judge)
 
     @property
@@ -54,7 +66,14 @@ class MultichoiceGRPOConfig(RecipeConfig):
 
 HELP = {
     "model": f"policy: {MODEL_HELP}",
-    "judge": "judge model reading the chain of thought (default: a frozen copy of the initial policy)",
+    "reward": "what a completion scores: 'judge', P(correct | model) x (1 - P(correct | judge)); or "
+              "'reference-probability', RLPR's verifier-free reward: how much the completion's reasoning raises the "
+              "policy's own probability of the correct letter after 'ANSWER:' (0 without an answer)",
+    "judge": "judge model reading the chain of thought, for --reward judge (default: a frozen copy of the initial "
+             "policy)",
+    "reward_std_filter": "drop from the loss the questions whose group of rewards varies less than 0.5 x a moving "
+                         "average of the group stds (RLPR's filter, with the paper's settings: the first 10 steps only "
+                         "measure the stds) (default: off)",
     "data": "questions: a jsonl file, a saved dataset directory or a hub dataset with question, choices, answer "
             f"(default: {SYNTHETIC_QUESTIONS} synthetic questions)",
     "output_dir": "run directory: checkpoint-STEP directories, history.json, reward.png (both written at every "
@@ -70,12 +89,12 @@ HELP = {
     "seed": "seed of the model's initialization, the question order and sampling",
     **RUN_CONTROL_HELP,
 }
-RESULT_OPTIONS = ("judge", "data", "completions_per_step", "num_generations", "max_completion_length",
-                  "learning_rate", "loss_type", "temperature", "seed")
+RESULT_OPTIONS = ("reward", "reward_std_filter", "judge", "data", "completions_per_step", "num_generations",
+                  "max_completion_length", "learning_rate", "loss_type", "temperature", "seed")
 FIXED_OPTIONS = ("model",)  # a resume continues the checkpoint's weights; the default judge is a copy of the model
 
 
 def add_parser(subcommands) -> argparse.ArgumentParser:
-    return add_config_parser(subcommands, "grpo", "GRPO on multiple-choice questions with the judge reward, "
-                             "logit-free, resumable from --output-dir", MultichoiceGRPOConfig, HELP,
+    return add_config_parser(subcommands, "grpo", "GRPO on multiple-choice questions with the judge or RLPR's "
+                             "reward, logit-free, resumable from --output-dir", MultichoiceGRPOConfig, HELP,
                              later("logitless.recipes.grpo", "run_command"), DESCRIPTION)
