@@ -169,17 +169,19 @@ class RunDirectory:
         return _matching(self.path, self.outputs)
 
     def resume_changes(self, options: dict, *, result_options: Iterable[str], fixed_options: Iterable[str] = (),
-                       allow_changed: Iterable[str] = ()) -> dict[str, list]:
+                       allow_changed: Iterable[str] = (), defaults: dict | None = None) -> dict[str, list]:
         """The options a resume with ``options`` changes (name -> [recorded, now]), writing nothing.
 
         A change of an option in ``result_options`` is refused unless ``allow_changed`` names it; an option in
-        ``fixed_options`` may never change.
+        ``fixed_options`` may never change. An option the run did not record (the command gained it after the run
+        began) ran at its value in ``defaults``, and is compared as that.
         """
         result_options, fixed_options = tuple(result_options), tuple(fixed_options)
         _check_allow_changed(allow_changed, result_options, fixed_options)
         before = (self.previous or {}).get("options")
         if before is None:
             return {}
+        before = {**(defaults or {}), **before}
         changes = {name: [before.get(name), options[name]] for name in result_options + fixed_options
                    if before.get(name) != options[name]}
         fixed = [name for name in changes if name in fixed_options]
@@ -199,16 +201,18 @@ class RunDirectory:
         return changes
 
     def start(self, options: dict, *, resume: bool, result_options: Iterable[str], fixed_options: Iterable[str] = (),
-              allow_changed: Iterable[str] = (), step: int | None = None) -> dict[str, list]:
+              allow_changed: Iterable[str] = (), step: int | None = None,
+              defaults: dict | None = None) -> dict[str, list]:
         """Record ``options`` for this run; returns the changes a resume was allowed to make.
 
         ``resume``: the run continues from a checkpoint in the directory, with the options `resume_changes`
-        allows. Without ``resume`` the run starts over and the directory's earlier outputs (``outputs`` of
-        `claim`) are removed, so no stale checkpoint of another run can be resumed later.
+        allows (``defaults``: the values of options the run did not record). Without ``resume`` the run starts
+        over and the directory's earlier outputs (``outputs`` of `claim`) are removed, so no stale checkpoint of
+        another run can be resumed later.
         """
         if resume:
             changes = self.resume_changes(options, result_options=result_options, fixed_options=fixed_options,
-                                          allow_changed=allow_changed)
+                                          allow_changed=allow_changed, defaults=defaults)
         else:
             _check_allow_changed(allow_changed, tuple(result_options), tuple(fixed_options))
             changes = {}

@@ -59,6 +59,18 @@ def test_resume_compares_the_options_that_change_the_result(tmp_path):
     assert record["options"]["learning_rate"] == 0.2 and record["changes"][0]["step"] == 3
 
 
+def test_an_option_the_command_gained_after_a_run_began_is_compared_as_its_default(tmp_path):
+    """A run recorded before its command had ``reward`` ran as its default does: resuming at the default changes
+    nothing, another value is a change of the result (refused unless allowed)."""
+    run = RunDirectory.claim(tmp_path, "grpo", outputs=())
+    rules = dict(result_options=("learning_rate", "reward"), defaults={"reward": "judge", "learning_rate": 0.5})
+    run.start(OPTIONS, resume=False, result_options=("learning_rate",))  # recorded without reward
+    assert "reward" not in json.loads((tmp_path / MARKER).read_text())["options"]
+    with pytest.raises(ValueError, match=r"^reward: .*reward 'judge' -> 'other'"):
+        run.start(dict(OPTIONS, reward="other"), resume=True, **rules)
+    assert run.start(dict(OPTIONS, reward="judge"), resume=True, **rules) == {}
+
+
 def test_helpers(tmp_path):
     (tmp_path / "d.jsonl").write_text("a")
     assert file_identity(str(tmp_path / "d.jsonl")).endswith("(sha256 ca978112ca1bbdca)")

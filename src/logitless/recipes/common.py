@@ -100,15 +100,17 @@ def claim_run(command: str, config, outputs: tuple[str, ...], result_options, fi
     with run.released_on_error():
         checkpoint = resume_checkpoint(command, run.path, config)
         options = {**dataclasses.asdict(config), "data": file_identity(config.data)}
+        defaults = {field.name: field.default for field in dataclasses.fields(config)
+                    if field.default is not dataclasses.MISSING}  # of options a run begun before them ran without
         if checkpoint is not None and checkpoint_step(checkpoint) == config.steps:  # compared, not recorded
             changes = run.resume_changes(options, result_options=result_options, fixed_options=fixed_options,
-                                         allow_changed=config.allow_changed)
+                                         allow_changed=config.allow_changed, defaults=defaults)
             return RunPlan(config, run, checkpoint, changes, finished=nothing_left(command, run.path, config.steps))
         if before_start is not None:
             before_start(checkpoint)
         changes = run.start(options, resume=checkpoint is not None, result_options=result_options,
                             fixed_options=fixed_options, allow_changed=config.allow_changed,
-                            step=None if checkpoint is None else checkpoint_step(checkpoint))
+                            step=None if checkpoint is None else checkpoint_step(checkpoint), defaults=defaults)
     return RunPlan(config, run, checkpoint, changes)
 
 
