@@ -15,6 +15,7 @@ Needs the ``tunix`` extra (``pip install 'logitless[tunix]'``). See docs/tunix.m
 from __future__ import annotations
 
 import dataclasses
+import gc
 import inspect
 import math
 from collections.abc import Callable
@@ -35,6 +36,7 @@ try:
     from tunix.models.qwen2.model import Qwen2
     from tunix.models.qwen3.model import Qwen3
     from tunix.rl import algo_core, common
+    from tunix.sft.peft_trainer import PeftTrainer
 except ImportError as err:  # say how to get it, not just that it is missing
     raise ImportError("logitless.tunix needs Tunix: pip install 'logitless[tunix]'") from err
 
@@ -212,24 +214,36 @@ class FusedHead:
         use_stock_head()
 
 
+def _retrace_compiled_steps() -> None:
+    """Every live Tunix trainer drops its compiled train and eval steps, and JAX its caches of traced functions,
+    which hold the scoring they were traced with: the next step of every learner is traced with the scoring now
+    switched on, so no step mixes the two."""
+    for trainer in [found for found in gc.get_objects() if issubclass(type(found), PeftTrainer)]:
+        trainer.clear_jit_cache()
+    jax.clear_caches()
+
+
 def use_fused_head() -> FusedHead:
     """Make Tunix score tokens on logitless's fused head: replaces ``tunix.rl.common.compute_per_token_logps`` and
     ``tunix.rl.algo_core.compute_entropy_from_logits`` with this module's (once: a second call changes nothing).
-    Call it before the learner's first step (a step that already ran was compiled with Tunix's own). Returns a
-    `FusedHead`, which as a context manager switches back on leaving."""
+    It takes effect at any time: the steps Tunix's trainers compiled before are traced again at their next call.
+    Returns a `FusedHead`, which as a context manager switches back on leaving."""
     if not _STOCK:
         _check_tunix()
         _STOCK.update(logps=common.compute_per_token_logps, entropy=algo_core.compute_entropy_from_logits)
         common.compute_per_token_logps = compute_per_token_logps
         algo_core.compute_entropy_from_logits = compute_entropy_from_logits
+        _retrace_compiled_steps()
     return FusedHead()
 
 
 def use_stock_head() -> None:
-    """Give Tunix its own functions back (nothing to do when the switch is off)."""
+    """Give Tunix its own functions back (nothing to do when the switch is off); the steps compiled with the switch
+    on are traced again at their next call."""
     if _STOCK:
         common.compute_per_token_logps = _STOCK.pop("logps")
         algo_core.compute_entropy_from_logits = _STOCK.pop("entropy")
+        _retrace_compiled_steps()
 
 
 def fused_head_in_use() -> bool:

@@ -3,6 +3,7 @@ entropy, the GRPO loss with its metrics and gradients, one GRPO learner step), t
 GRPO step loses the logits' share of its temporaries."""
 
 import contextlib
+import functools
 import subprocess
 import sys
 
@@ -278,6 +279,50 @@ def test_another_tunix_signature_another_model_and_no_tunix_are_refused_by_name(
     assert done.returncode != 0
     assert done.stderr.strip().splitlines()[-1] == ("ImportError: logitless.tunix needs Tunix: "
                                                      "pip install 'logitless[tunix]'")
+
+
+def test_a_switch_after_a_step_compiled_takes_effect_at_the_next_step(tunix):
+    """A Tunix trainer that compiled its step with Tunix's scoring, switched: its next step is traced again and scores
+    on the fused head (the op runs in it), and switched back, the step after that on Tunix's own; never a step that
+    keeps the scoring it was compiled with."""
+    import optax
+    from tunix.sft import peft_trainer
+
+    nnx, common, switch = tunix["nnx"], tunix["common"], tunix["switch"]
+
+    def loss_fn(model, prompt_ids, completion_ids):
+        graphdef, state = nnx.split(model)
+        return -common.compute_per_token_logps(graphdef, state, prompt_ids, completion_ids, PAD, EOS,
+                                               stop_gradient=False).mean()
+
+    trainer = peft_trainer.PeftTrainer(tiny_qwen2(tunix, 64), optax.sgd(1e-2),
+                                       peft_trainer.TrainingConfig(eval_every_n_steps=100, max_steps=1))
+    trainer = trainer.with_loss_fn(loss_fn)
+    prompt_ids, completion_ids = token_batch(64)
+    batches = [dict(prompt_ids=prompt_ids, completion_ids=completion_ids)] * 3
+    calls, stock_calls = [], []  # the fused op's and Tunix's scoring's, each counted when a step is traced
+    fused_op, stock = switch.fused_linear_logprobs, common.compute_per_token_logps
+
+    @functools.wraps(stock)
+    def counted_stock(*args, **kwargs):
+        stock_calls.append(1)
+        return stock(*args, **kwargs)
+
+    switch.fused_linear_logprobs = lambda *args, **kwargs: calls.append(1) or fused_op(*args, **kwargs)
+    common.compute_per_token_logps = counted_stock
+    try:
+        trainer.train(batches[:1])  # compiled with Tunix's scoring
+        assert (len(calls), len(stock_calls)) == (0, 1)
+        switch.use_fused_head()
+        trainer.config.max_steps = 2
+        trainer.train(batches[:2])  # the second batch
+        assert (len(calls), len(stock_calls)) == (1, 1)  # traced once more, on the fused head
+        switch.use_stock_head()
+        trainer.config.max_steps = 3
+        trainer.train(batches)
+        assert (len(calls), len(stock_calls)) == (1, 2) and trainer.train_steps == 3  # and again, on Tunix's
+    finally:
+        switch.fused_linear_logprobs, common.compute_per_token_logps = fused_op, stock
 
 
 class IdTokenizer:
