@@ -164,6 +164,29 @@ def test_every_tunix_family_is_scored_as_stock_tunix_scores_it(tunix, family):
     assert float(stock_entropy.min()) > 0.1
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied"])
+def test_a_bf16_model_is_scored_as_stock_tunix_scores_it_to_bf16_logits_rounding(tunix, tied):
+    """A Qwen2 with bf16 weights and activations: the fused op multiplies the bf16 hidden states and weight with fp32
+    accumulation and keeps its logits in fp32, where Tunix rounds its head's logits to bf16 first; the log-probs and
+    entropy differ from Tunix's by at most that rounding (a wrong head, a temperature left out, differs by far more)."""
+    nnx, common, algo_core, switch, qwen2 = (tunix[name] for name in ("nnx", "common", "algo_core", "switch", "qwen2"))
+    config = qwen2.ModelConfig(num_layers=1, vocab_size=1000, embed_dim=32, hidden_dim=64, num_heads=4, head_dim=8,
+                               num_kv_heads=2, rope_theta=10000, norm_eps=1e-6, use_tied_embedding=tied,
+                               dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    model = qwen2.Qwen2(config, rngs=nnx.Rngs(0))
+    if tied:
+        model.embedder.input_embedding[...] = 0.05 * model.embedder.input_embedding[...]
+    graphdef, state = nnx.split(model)
+    arguments = (graphdef, state, *token_batch(1000), PAD, EOS)
+    stock_log_probs, stock_logits = common.compute_per_token_logps(*arguments, return_logits=True, temperature=0.7)
+    log_probs, token_entropy = switch.compute_per_token_logps(*arguments, return_logits=True, temperature=0.7)
+    rounding = 2 * float(jnp.finfo(jnp.bfloat16).eps) * float(jnp.abs(stock_logits).max())  # of the largest logit
+    assert float(jnp.abs(log_probs - stock_log_probs).max()) <= rounding
+    entropy = switch.compute_entropy_from_logits(token_entropy)
+    assert float(jnp.abs(entropy - algo_core.compute_entropy_from_logits(stock_logits)).max()) <= rounding
+    assert log_probs.dtype == jnp.float32 and float(jnp.abs(log_probs - stock_log_probs).max()) > 0  # bf16 ran
+
+
 def grpo_example(tunix, vocab, seed=0, old=True):
     """A GRPO `TrainExample` (B=4, P=6, C=5) with the reference's and the old policy's log-probs near the policy's."""
     prompt_ids, completion_ids = token_batch(vocab, seed=seed)
