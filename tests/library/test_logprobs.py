@@ -110,15 +110,20 @@ def test_the_head_check_reads_a_forward_that_accelerate_wraps_in_bf16_autocast_a
     check compares the model's arithmetic in the dtype it was built in, so a right head is not refused for the
     autocast's rounding (0.0015 here), while the halved logits of a wrong one still are."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
-    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
-    model = accelerator.prepare_model(tiny_qwen2(seed=1, vocab_size=211, pad_token_id=0, eos_token_id=0),
-                                      evaluation_mode=True)
-    check_head(model, "")
-    halved = accelerator.prepare_model(halved_logits_qwen2(vocab_size=211, pad_token_id=0, eos_token_id=0),
-                                       evaluation_mode=True)
-    with pytest.raises(UnreadableHead, match="differ"):
-        check_head(halved, "")
+    AcceleratorState._reset_state(reset_partial_state=True)  # the process's one state, maybe another test's
+    try:
+        accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+        model = accelerator.prepare_model(tiny_qwen2(seed=1, vocab_size=211, pad_token_id=0, eos_token_id=0),
+                                          evaluation_mode=True)
+        check_head(model, "")
+        halved = accelerator.prepare_model(halved_logits_qwen2(vocab_size=211, pad_token_id=0, eos_token_id=0),
+                                           evaluation_mode=True)
+        with pytest.raises(UnreadableHead, match="differ"):
+            check_head(halved, "")
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 @pytest.mark.parametrize("family, scaling", [("Granite", 4.0), ("HyperCLOVAX", 4.0)])
