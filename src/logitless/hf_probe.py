@@ -6,8 +6,7 @@ positions both ways, the fused log-probs and entropies (`logitless.hf`'s head an
 own forward (its logits, log-softmax), and refuses a model where they differ, in one line naming its class and the
 way around it. The check runs once per model object (its verdict is kept on the model), in eval mode, without
 gradient, with autocast off (also the autocast Accelerate wraps a forward in for mixed precision) and the random
-number generators untouched, and leaves every module's train/eval flag
-as it found it.
+number generators untouched, and leaves every module's train/eval flag as it found it.
 
 A sharded model (FSDP2, tensor parallelism: a DTensor head; DeepSpeed ZeRO-3: a partitioned one) is not run: its
 own forward would gather the head. Then its class must be one of transformers' whose tiny random model the sweep

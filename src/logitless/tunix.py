@@ -104,9 +104,9 @@ def _takes(model, keyword: str) -> bool:
 
 
 def _detach_head(model) -> tuple[jax.Array, jnp.dtype | None, float | None]:
-    """The output embedding (V, H) of ``model`` (a merged copy, changed in place), in the dtype its head casts it to
-    (None: its own, where the head casts nothing), and the final soft cap (None: none); the model's head and cap are
-    then the identity, so that calling the model returns its final hidden states (B, L, H), cast as its logits would
+    """The output embedding (V, H) of ``model`` (a merged copy, changed in place), the dtype its head casts its input
+    and weight to (None: it casts neither), and the final soft cap (None: none); the model's head and cap are then
+    the identity, so that calling the model returns its final hidden states (B, L, H), cast as its logits would
     be."""
     family = FAMILIES.get(type(model))
     if family is None:
@@ -126,7 +126,7 @@ def _detach_head(model) -> tuple[jax.Array, jnp.dtype | None, float | None]:
         model.embedder.decode = _identity  # encode still embeds the ids
     else:
         model.lm_head = _identity
-    return (weight if dtype is None else weight.astype(dtype)), dtype, family.take_softcap(model)
+    return weight, dtype, family.take_softcap(model)
 
 
 def _identity(hidden):
@@ -149,7 +149,7 @@ def compute_per_token_logps(graphdef, state, prompt_tokens: jax.Array, completio
     ``stop_gradient`` stops both.
     """
     model = nnx.merge(graphdef, state)
-    head_weight, head_dtype, softcap = _detach_head(model)  # (V, H)
+    weight, head_dtype, softcap = _detach_head(model)  # (V, H)
     input_tokens, positions, attention_mask, padding_segments = common.process_ids(
         prompt_tokens, completion_tokens, pad_id, eos_id, segment_ids, segment_positions)
     model_kwargs = {"positions": positions, "cache": None, "attention_mask": attention_mask}
@@ -162,8 +162,9 @@ def compute_per_token_logps(graphdef, state, prompt_tokens: jax.Array, completio
         model_kwargs["images"] = images
     final_hidden, _ = model(input_tokens, **model_kwargs)  # (B, L, H), L = P + C
     if head_dtype is None:  # a head that casts nothing computes in the promoted dtype of its input and weight
-        head_weight = head_weight.astype(jnp.result_type(final_hidden.dtype, head_weight.dtype))
-    final_hidden = final_hidden.astype(head_weight.dtype)  # exact: the states were in this dtype before the fp32 cast
+        head_dtype = jnp.result_type(final_hidden.dtype, weight.dtype)
+    head_weight = weight.astype(head_dtype)  # as the model's head computes
+    final_hidden = final_hidden.astype(head_dtype)  # exact: the states were in this dtype before any fp32 cast
 
     scored = input_tokens.shape[1] - 1 if segment_ids is not None else completion_tokens.shape[1]
     scoring_hidden = final_hidden[:, -scored - 1:-1]  # (B, S, H): the state before each scored token

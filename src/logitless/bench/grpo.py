@@ -4,12 +4,11 @@ Same model (an embedded one: the tiny Qwen2 by default, or random weights at Qwe
 with the real 151,936-token Qwen vocabulary; or a local model directory), same prompts, same config,
 each trainer in a fresh process: wall time of ``trainer.train()``, the part of it spent in the loss
 and its backward (the rest is generation and rewards, the same work for both), and the peak memory
-beyond what the process held once the trainer was built and had run one forward of 8 tokens without gradient
-(the first-use head check GRPOTrainerWithLogits makes, made for both: the weights a checkpoint loads lazily are
-resident before either measurement) (`logitless.memory.PeakMemory`: resident memory on a CPU, allocated CUDA
-memory on a GPU). Setups: ``default`` (GRPOConfig's defaults: loss_type
-dapo, no KL), ``lora`` (LoRA r=8 on the attention projections) and
-``cispo`` (a non-default loss type with a KL term, so a reference pass too).
+(`logitless.memory.PeakMemory`: resident memory on a CPU, allocated CUDA memory on a GPU) beyond what the
+process held once the trainer was built and had run one forward of 8 tokens without gradient: the first-use head
+check of GRPOTrainerWithLogits runs one, so both do, and the weights a checkpoint loads lazily are resident before
+either measurement. Setups: ``default`` (GRPOConfig's defaults: loss_type dapo, no KL), ``lora`` (LoRA r=8 on the
+attention projections) and ``cispo`` (a non-default loss type with a KL term, so a reference pass too).
 """
 
 from __future__ import annotations
