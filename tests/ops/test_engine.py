@@ -13,6 +13,7 @@ from logitless import fused_grpo_loss
 from logitless.ops import BlockSizes, LinearHead, default_block_sizes
 from logitless.ops import engine
 from logitless.ops.base import BlockPlan
+from logitless.ops.plan import LOCAL
 
 BLOCKS = BlockSizes(tokens=5, vocab=64)  # several row chunks and vocabulary blocks on the shapes below
 TRITON_RUNS_HERE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
@@ -108,7 +109,7 @@ def test_a_second_sweep_starts_from_each_chunks_first_statistics(num_rows):
     generator = torch.Generator().manual_seed(0)
     hidden, head = torch.randn(num_rows, 8, generator=generator), LinearHead(torch.randn(301, 8, generator=generator))
     accumulator = SimpleNamespace(heads=(head,), sweep=_MaxSweep, second_sweep=lambda rows, first: _SumSweep(first))
-    stats = engine.two_pass_stats(accumulator, (hidden,), BlockPlan(BLOCKS, single_pass=False))
+    stats = engine.two_pass_stats(accumulator, (hidden,), BlockPlan(BLOCKS, single_pass=False, layout=LOCAL))
     assert isinstance(stats, _RowLogSumExp) and stats.lse.shape == (num_rows,)
     torch.testing.assert_close(stats.lse, torch.logsumexp(head.logits(hidden), dim=-1))
 

@@ -1,7 +1,9 @@
 """What the ops modules share, below the engine that runs it and the planner that sizes it: a call's plan of blocks
-(`BlockPlan`, made by `plan.py`, run by `engine.py`), what an op computes from its blocks of logits (the `Accumulator`
-and `Sweep` protocols, which `softmax.py`, `kl.py` and `jsd.py` implement and the engine drives), and how a sweep's
-running sums combine across the ranks of a vocabulary shard (`merged_across`)."""
+(`BlockPlan`, made by `plan.py`, run by `engine.py`), how its tokens and vocabulary lie over ranks (the `Layout`
+protocol: `plan.LOCAL` for one process's whole head, `vocab_shard.VocabShardLayout` for a vocabulary sharded over
+ranks), what an op computes from its blocks of logits (the `Accumulator` and `Sweep` protocols, which `softmax.py`,
+`kl.py` and `jsd.py` implement and the engine drives), and how a sweep's running sums combine across the ranks of a
+vocabulary shard (`merged_across`)."""
 
 from __future__ import annotations
 
@@ -13,17 +15,43 @@ import torch
 
 from logitless.ops.head import LinearHead
 from logitless.ops.settings import BlockSizes
-from logitless.ops.vocab_shard import VocabShard
+
+
+class Layout(Protocol):
+    """How one call's tokens and vocabulary lie over ranks: what the engine's `LinearStats` asks of it before and after
+    the blocks it runs. `plan.LOCAL` (one process, the whole head) does nothing; a new layout (the tokens split over
+    context-parallel ranks, a 2-D mesh) is one more class."""
+
+    offset: int  # this rank's first vocabulary id: a block at column ``start`` of the local head is ``offset + start``
+    partial: bool  # the gradients the blocks compute are this rank's fp32 partial sums, combined by `input_grads`
+
+    def swept_tokens(self, num_tokens: int) -> int:
+        """How many tokens this rank sweeps, of which ``num_tokens`` are its own (what the blocks are sized for)."""
+
+    def tokens(self, hiddens: tuple[torch.Tensor, ...], accumulator: Accumulator
+               ) -> tuple[tuple[torch.Tensor, ...], Accumulator]:
+        """The hidden states (N_i, H_i) and the accumulator of the tokens this rank sweeps."""
+
+    def across(self, sweep: Sweep) -> None:
+        """Combine ``sweep``'s running statistics with the other ranks' sweeps of the same rows (`Sweep.across`)."""
+
+    def own_rows(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """This rank's rows of outputs (N,) computed for the tokens of `tokens`."""
+
+    def every_rows(self, grad_outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The gradients of the outputs for the tokens of `tokens`, from this rank's rows of them."""
+
+    def input_grads(self, grads: tuple, dtypes: tuple) -> tuple:
+        """(grad_hidden, grad_weight, grad_bias) of this rank's inputs in ``dtypes``, from what its blocks computed."""
 
 
 @dataclass(frozen=True)
 class BlockPlan:
-    """How a call runs on the block engine (`plan.plan_blocks`): its block sizes, its schedule, its vocabulary shard."""
+    """How a call runs on the block engine (`plan.plan_blocks`): its block sizes, its schedule, its layout."""
 
     sizes: BlockSizes  # concrete: tokens per row chunk, vocabulary entries per block
     single_pass: bool  # the one-pass driver: a chunk's logits are kept from its statistics to its gradient
-    shard: VocabShard | None = None  # the head's vocabulary is sharded over ranks: this rank's part
-    counts: tuple[int, ...] | None = None  # data-parallel shards: every rank's number of tokens, in rank order
+    layout: Layout  # how the tokens and the vocabulary lie over ranks (`plan.LOCAL`: one process, the whole head)
 
 
 class Sweep(Protocol):
@@ -72,7 +100,7 @@ class Accumulator(Protocol):
 
     def every_rank(self, gather: Callable[[torch.Tensor], torch.Tensor]) -> Accumulator:
         """The accumulator for every rank's tokens, its per-row inputs (target ids) ``gather``-ed: what
-        data-parallel vocabulary shards sweep (`sharded.py`)."""
+        data-parallel vocabulary shards sweep (`vocab_shard.VocabShardLayout`)."""
 
 
 def merged_across(sums, shard):

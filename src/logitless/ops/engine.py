@@ -103,12 +103,10 @@ def _block_logits(heads: Sequence[LinearHead], chunk_hiddens: list[torch.Tensor]
 def _sweep(heads: Sequence[LinearHead], chunk_hiddens: list[torch.Tensor] | None, plan: BlockPlan, sweep: Sweep,
            scratch: Scratch) -> NamedTuple:
     """Every vocabulary block of one row chunk through ``sweep``, combined with the other ranks' sweeps of their
-    vocabulary shards where the head is sharded; its finished statistics (no block without rows)."""
-    offset = 0 if plan.shard is None else plan.shard.offset
+    vocabulary shards by the plan's layout; its finished statistics (no block without rows)."""
     for start, columns in vocab_blocks(heads[0].vocab_size, plan) if chunk_hiddens is not None else ():
-        sweep.update(offset + start, _block_logits(heads, chunk_hiddens, start, columns, scratch))
-    if plan.shard is not None:
-        sweep.across(plan.shard)
+        sweep.update(plan.layout.offset + start, _block_logits(heads, chunk_hiddens, start, columns, scratch))
+    plan.layout.across(sweep)
     return sweep.finish()
 
 
@@ -133,8 +131,9 @@ def two_pass_grads(accumulator: Accumulator, hiddens: Sequence[torch.Tensor], pl
     """Pass 2 of two: (grad_hidden, grad_weight, grad_bias) of the first head's inputs (None where not
     needed), from pass 1's ``stats`` and the loss's per-row gradients ``row_grads``, (N,) each."""
     heads, num_rows = accumulator.heads, hiddens[0].shape[0]
-    head, offset = heads[0], 0 if plan.shard is None else plan.shard.offset
-    grads, scratch = InputGrads(head, hiddens[0], needs, _num_chunks(num_rows, plan)), Scratch()
+    head, offset = heads[0], plan.layout.offset
+    grads = InputGrads(head, hiddens[0], needs, _num_chunks(num_rows, plan), partial=plan.layout.partial)
+    scratch = Scratch()
     for rows in row_chunks(num_rows, plan):
         chunk_hiddens = [compute_operand(hidden[rows]) for hidden in hiddens]
         sweep, chunk_stats, chunk_grads = accumulator.sweep(rows), _rows_of(stats, rows), _rows_of(row_grads, rows)
@@ -212,19 +211,12 @@ class LinearStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, accumulator: Accumulator, plan: BlockPlan, hidden, weight, bias, *other_hiddens):
-        hiddens = (hidden, *other_hiddens)
-        if plan.counts is not None:  # data-parallel vocabulary shards: every rank's tokens, kept for backward
-            def every_rank(rows):
-                return plan.shard.gather_rows(rows, plan.counts)
-
-            hiddens, accumulator = tuple(every_rank(tensor) for tensor in hiddens), accumulator.every_rank(every_rank)
+        hiddens, accumulator = plan.layout.tokens((hidden, *other_hiddens), accumulator)  # kept for backward
         stats = two_pass_stats(accumulator, hiddens, plan)
         ctx.save_for_backward(*hiddens, *stats)
         ctx.accumulator, ctx.plan, ctx.num_hiddens, ctx.stats_type = accumulator, plan, len(hiddens), type(stats)
-        ctx.set_materialize_grads(plan.shard is not None)  # every rank gathers the same gradients in backward
-        outputs = accumulator.outputs(stats)
-        if plan.counts is not None:
-            outputs = tuple(plan.shard.own_rows(output, plan.counts) for output in outputs)
+        ctx.set_materialize_grads(plan.layout.partial)  # ranks that combine gradients all take part in backward
+        outputs = plan.layout.own_rows(accumulator.outputs(stats))
         ctx.mark_non_differentiable(*(output for output, differentiable in zip(outputs, accumulator.differentiable)
                                       if not differentiable))
         return outputs
@@ -239,14 +231,12 @@ class LinearStats(torch.autograd.Function):
             return nothing
         saved = ctx.saved_tensors
         hiddens, stats = saved[:ctx.num_hiddens], ctx.stats_type(*saved[ctx.num_hiddens:])
-        if plan.counts is not None:  # every rank's tokens' gradients, for this rank's vocabulary shard
-            grad_outputs = tuple(plan.shard.gather_rows(grad, plan.counts) for grad in grad_outputs)
+        grad_outputs = plan.layout.every_rows(grad_outputs)
         grads = two_pass_grads(accumulator, hiddens, plan, stats, accumulator.row_grads(grad_outputs, stats),
                                ctx.needs_input_grad[2:5])
-        if plan.shard is not None:
-            head = accumulator.heads[0]
-            dtypes = (hiddens[0].dtype, head.weight.dtype, None if head.bias is None else head.bias.dtype)
-            grads = plan.shard.input_grads(grads, plan.counts, dtypes)
+        head = accumulator.heads[0]
+        dtypes = (hiddens[0].dtype, head.weight.dtype, None if head.bias is None else head.bias.dtype)
+        grads = plan.layout.input_grads(grads, dtypes)
         return (None, None, grads[0], grads[1], grads[2], *nothing[5:])
 
 
@@ -288,16 +278,17 @@ class InputGrads:
 
     dW: each row chunk's blocks are added in; the first chunk writes them (no zero fill, no re-read),
     the others add into an fp32 sum (the result itself when the weight is fp32). With one row chunk,
-    the usual case of the two-pass schedule, each block is final when computed. A head that holds a shard of the
-    vocabulary (``head.shard``) keeps every gradient in fp32: they are partial sums that the ranks combine before
-    they are rounded to the inputs' dtypes (`sharded.VocabShard.input_grads`).
+    the usual case of the two-pass schedule, each block is final when computed. ``partial`` (a layout whose ranks
+    combine the gradients, `base.Layout.partial`) keeps every gradient in fp32: they are partial sums that the ranks
+    combine before they are rounded to the inputs' dtypes (`base.Layout.input_grads`).
     """
 
-    def __init__(self, head: LinearHead, hidden: torch.Tensor, needs: tuple[bool, bool, bool], num_chunks: int):
+    def __init__(self, head: LinearHead, hidden: torch.Tensor, needs: tuple[bool, bool, bool], num_chunks: int,
+                 partial: bool = False):
         weight, bias = head.weight, head.bias
         self.needs_hidden, needs_weight, needs_bias = needs
         dtype = stat_dtype(weight.dtype)
-        self.partial = head.shard is not None
+        self.partial = partial
         self.hidden = (torch.empty(hidden.shape, dtype=stat_dtype(hidden.dtype) if self.partial else hidden.dtype,
                                    device=hidden.device) if self.needs_hidden else None)
         self.weight = None

@@ -1,5 +1,6 @@
 """How one op call runs: its implementation (`implementation`, the registry behind every op's ``impl``), and for
-the block engine its schedule and block sizes (`plan_blocks`: a `base.BlockPlan`, one pass or two).
+the block engine its schedule, block sizes and layout (`plan_blocks`: a `base.BlockPlan`, one pass or two, `LOCAL`
+or a `vocab_shard.VocabShardLayout`).
 
 Implementations (`IMPLEMENTATIONS`, one for each value of ``impl`` in `logitless._checks.IMPLS` but "auto"):
 
@@ -46,10 +47,11 @@ from types import ModuleType, SimpleNamespace
 import torch
 
 from logitless._checks import check_impl, switch_setting
-from logitless.ops.base import BlockPlan
+from logitless.ops.base import BlockPlan, Layout
 from logitless.ops.fallback import FallingBack, failed_on
 from logitless.ops.head import LinearHead, stat_dtype
 from logitless.ops.settings import BlockSizes
+from logitless.ops.vocab_shard import VocabShard, VocabShardLayout
 
 BLOCK_BYTES = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}  # two passes: one block's logits
 MIN_VOCAB_BLOCK = 256  # blocks narrower than this make thin matmuls: take fewer tokens per chunk instead
@@ -59,6 +61,34 @@ MAX_VOCAB_BLOCK = {"cpu": 32768}
 CHUNK_BYTES = 224 * 2**20  # one pass: a row chunk keeps at most this many bytes of logits
 SINGLE_PASS_VOCAB_BLOCK = 4096
 SINGLE_PASS_DEVICES = ("cpu",)  # measured faster there; GPUs keep the two passes, as TRL's head does
+
+
+class _Local:
+    """One process holds the whole head and its own tokens: every step of `Layout` is the identity."""
+
+    offset = 0
+    partial = False
+
+    def swept_tokens(self, num_tokens):
+        return num_tokens
+
+    def tokens(self, hiddens, accumulator):
+        return hiddens, accumulator
+
+    def across(self, sweep) -> None:
+        return None
+
+    def own_rows(self, outputs):
+        return outputs
+
+    def every_rows(self, grad_outputs):
+        return grad_outputs
+
+    def input_grads(self, grads, dtypes):
+        return grads
+
+
+LOCAL: Layout = _Local()
 
 
 def default_block_sizes(device: torch.device | str, dtype: torch.dtype, *, num_tokens: int, vocab_size: int,
@@ -87,20 +117,24 @@ def plan_blocks(num_tokens: int, head: LinearHead, device: torch.device, request
 
     One pass when the loss is known at forward time, on a CPU, for an fp32 (or fp64) weight, unless
     ``LOGITLESS_ONE_PASS`` says otherwise (see the module docstring). A head that holds a shard of the vocabulary
-    (``head.shard``) takes the two passes, planned alike on every rank: for data-parallel shards over the tokens of
-    every rank, which the engine gathers.
+    (``head.shard``) gets a `VocabShardLayout` and takes the two passes, planned alike on every rank: for
+    data-parallel shards over the tokens of every rank, which the engine gathers.
     """
-    shard = head.shard
-    counts = tuple(shard.counts(num_tokens, device)) if shard is not None and shard.tokens_local else None
-    num_tokens = sum(counts) if counts is not None else num_tokens
+    layout = LOCAL if head.shard is None else _shard_layout(head.shard, num_tokens, device)
+    num_tokens = layout.swept_tokens(num_tokens)
     setting = switch_setting("LOGITLESS_ONE_PASS")
     by_default = device.type in SINGLE_PASS_DEVICES and head.weight.dtype == stat_dtype(head.weight.dtype)
-    single_pass = loss_known and shard is None and (setting == "1" or (setting == "auto" and by_default))
+    single_pass = loss_known and layout is LOCAL and (setting == "1" or (setting == "auto" and by_default))
     defaults = default_block_sizes(device, head.weight.dtype, num_tokens=num_tokens, vocab_size=head.vocab_size,
                                    single_pass=single_pass, tokens=requested.tokens)
     sizes = requested.or_defaults(defaults)
     return BlockPlan(BlockSizes(max(1, min(sizes.tokens, num_tokens)), min(sizes.vocab, head.vocab_size)),
-                     single_pass, shard, counts)
+                     single_pass, layout)
+
+
+def _shard_layout(shard: VocabShard, num_tokens: int, device: torch.device) -> VocabShardLayout:
+    """The layout of a call on a head holding ``shard``: for data-parallel shards, with every rank's token count."""
+    return VocabShardLayout(shard, tuple(shard.counts(num_tokens, device)) if shard.tokens_local else None)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """One rank's part of a vocabulary sharded over ranks (`VocabShard`): which rows it holds, how the tokens are laid
 out over the ranks, and the collectives by which the ranks' partial results combine (gathered in rank order, so
-every rank gets the same bits). A `LinearHead` holding such a shard names it (``head.shard``); the engine reads it
-from the op's `base.BlockPlan`; `sharded.py` makes it from a DTensor weight."""
+every rank gets the same bits). A `LinearHead` holding such a shard names it (``head.shard``); `sharded.py` makes it
+from a DTensor weight. The engine reads it as one call's `VocabShardLayout` (a `base.Layout`, on the call's
+`base.BlockPlan`), which adds the call's token counts."""
 
 from __future__ import annotations
 
@@ -82,6 +83,48 @@ class VocabShard:
             dist.all_reduce(grad, group=self.replicas)
             grad = grad / dist.get_world_size(self.replicas)
         return grad / self.size if over_ranks else grad
+
+
+@dataclass(frozen=True)
+class VocabShardLayout:
+    """A call on a head that holds ``shard``, as the engine runs it (`base.Layout`). Tensor-parallel (``counts`` None):
+    every rank has the same tokens, sweeps its shard of the vocabulary for them, and the hidden states' gradient is
+    summed over the ranks. Data-parallel (``counts``: every rank's number of tokens, in rank order): every rank sweeps
+    its shard for every rank's tokens and keeps its own tokens' results; in backward it gathers every rank's output
+    gradients and keeps its own tokens' rows of the hidden states' gradient."""
+
+    shard: VocabShard
+    counts: tuple[int, ...] | None = None
+    partial = True  # every gradient stays an fp32 partial sum until the ranks combine them
+
+    @property
+    def offset(self) -> int:
+        return self.shard.offset
+
+    def _every_rank(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows if self.counts is None else self.shard.gather_rows(rows, list(self.counts))
+
+    def swept_tokens(self, num_tokens):
+        return num_tokens if self.counts is None else sum(self.counts)
+
+    def tokens(self, hiddens, accumulator):
+        if self.counts is None:
+            return hiddens, accumulator
+        return tuple(self._every_rank(hidden) for hidden in hiddens), accumulator.every_rank(self._every_rank)
+
+    def across(self, sweep) -> None:
+        sweep.across(self.shard)
+
+    def own_rows(self, outputs):
+        if self.counts is None:
+            return outputs
+        return tuple(self.shard.own_rows(output, list(self.counts)) for output in outputs)
+
+    def every_rows(self, grad_outputs):
+        return tuple(self._every_rank(grad) for grad in grad_outputs)
+
+    def input_grads(self, grads, dtypes):
+        return self.shard.input_grads(grads, self.counts, dtypes)
 
 
 def _all_gather(output: torch.Tensor, values: torch.Tensor, group) -> None:
