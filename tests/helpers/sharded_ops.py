@@ -31,7 +31,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from fused_cases import HEADS, OPS, TRAINED, case_inputs
 from sharded_random import case_inputs_of, case_op, drawn_cases, part_rows
 from logitless import fused_grpo_loss, fused_linear_logprobs
-from logitless.ops.settings import GRPO_LOSS_TYPES
+from logitless.op_settings import GRPO_LOSS_TYPES
 
 SEQ, HIDDEN, VOCAB = 7, 12, 1004  # V divisible by 2 and 4; the teacher (hidden_q) is 10 wide
 COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",

@@ -18,7 +18,7 @@ from fused_cases import case_inputs
 from logitless import (GRPOSettings, fused_grpo_loss, fused_linear_cross_entropy, fused_linear_jsd, fused_linear_kl,
                        fused_linear_logprobs)
 from logitless.ops import BlockSizes
-from logitless.ops.settings import GRPO_LOSS_TYPES
+from logitless.op_settings import GRPO_LOSS_TYPES
 
 # every op, each GRPO loss type and the JSD's forward KL, reverse KL and mixture kinds of their own, in turn
 KINDS = [dict(op="logprobs"), dict(op="cross_entropy"), dict(op="kl"), dict(op="jsd", beta=0.0),

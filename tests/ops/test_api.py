@@ -195,7 +195,7 @@ def test_one_loss_type_vocabulary_for_the_grpo_op_the_settings_and_the_recipe():
     """`logitless grpo` offers GRPOSettings' loss types by their names (all but luspo, which needs a sequence-level
     ratio); `logitless.losses` keeps its own policy-gradient family, documented as such."""
     from logitless.losses import LOSS_TYPES as POLICY_GRADIENT_LOSS_TYPES
-    from logitless.ops.settings import GRPO_LOSS_TYPES
+    from logitless.op_settings import GRPO_LOSS_TYPES
     from logitless.recipes.grpo_options import LOSS_TYPES
 
     assert LOSS_TYPES + ("luspo",) == GRPO_LOSS_TYPES

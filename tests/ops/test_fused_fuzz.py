@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from logitless import GRPOSettings, fused_grpo_loss, fused_linear_cross_entropy, fused_linear_kl, fused_linear_logprobs
 from logitless.ops import BlockSizes, fused_linear_jsd, reference
-from logitless.ops.settings import GRPO_LOSS_TYPES
+from logitless.op_settings import GRPO_LOSS_TYPES
 
 FUZZ = settings()  # the session's hypothesis profile (tests/conftest.py): 500 examples each, or 50 in make test-fast
 

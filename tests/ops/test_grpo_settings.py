@@ -57,7 +57,7 @@ def test_from_trl_reads_the_config_fields():
 
 def test_exported_everywhere():
     """The ops' settings are importable from the top level, as the ops that take them are."""
-    from logitless.ops.settings import BlockSizes
+    from logitless.op_settings import BlockSizes
 
     assert logitless.GRPOSettings is logitless.ops.GRPOSettings is GRPOSettings
     assert logitless.BlockSizes is logitless.ops.BlockSizes is BlockSizes

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from logitless.ops.settings import GRPO_LOSS_TYPES
+from logitless.op_settings import GRPO_LOSS_TYPES
 from sharded_random import KINDS
 from ports import free_port
 

@@ -91,6 +91,13 @@ def test_the_fused_ops_need_neither_transformers_nor_trl():
             for name in sorted(_third_party(path) & {"transformers", "trl", "peft"})] == []
 
 
+def test_the_jax_ops_and_the_pytorch_ops_import_nothing_of_each_other():
+    """`jax/` and `ops/` lie side by side: what both use (the settings, the argument checks) is below them both."""
+    jax_ops, torch_ops = list((PACKAGE / "jax").rglob("*.py")), list((PACKAGE / "ops").rglob("*.py"))
+    assert len(jax_ops) > 10 and len(torch_ops) > 10
+    assert _offenders(jax_ops, {"ops"}) + _offenders(torch_ops, {"jax"}) == []
+
+
 def test_the_oracles_import_nothing_of_the_ops_they_check():
     """An oracle that shared code with its op (the head's logits, the soft cap, the GRPO options) would share its
     bugs: the PyTorch oracles import of logitless only the argument checks, the plain-JAX ones nothing."""

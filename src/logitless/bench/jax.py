@@ -44,7 +44,7 @@ from logitless.bench.options import (add_report_options, add_shape_options, benc
                                      require_positive, require_writable, rows_so_far, write_report)
 from logitless.bench.text_table import MB_PER_BYTE, column, header_line, row_line
 from logitless.bench.xla_memory import memory_of
-from logitless.ops.settings import GRPOSettings
+from logitless.op_settings import GRPOSettings
 
 LOSSES = ("ce", "kl", "grpo")
 IMPLEMENTATIONS = ("plain", "seq_chunked", "logitless")

@@ -12,8 +12,8 @@ import torch
 
 from logitless.bench.lmhead_shape import IMPLEMENTATIONS, Shape
 from logitless.bench.timing import step_seconds
-from logitless.ops.settings import BlockSizes
-from logitless.ops.settings import GRPOSettings
+from logitless.op_settings import BlockSizes
+from logitless.op_settings import GRPOSettings
 
 TEMPERATURE = 1.0
 SETTINGS = GRPOSettings(loss_type="grpo", beta=0.04, use_bias_correction_kl=False)  # every implementation's loss:

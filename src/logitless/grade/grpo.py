@@ -23,7 +23,7 @@ from logitless.grade.trainer import TrainerBase
 from logitless.hf import final_hidden_states
 from logitless.losses import group_normalized_advantages
 from logitless.ops.fused import fused_grpo_loss, fused_linear_logprobs
-from logitless.ops.settings import GRPOSettings
+from logitless.op_settings import GRPOSettings
 
 BASELINE_SETTINGS = GRPOSettings(loss_type="grpo", beta=0.0, epsilon_low=0.2, epsilon_high=0.2)
 

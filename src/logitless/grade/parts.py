@@ -10,7 +10,7 @@ import torch
 from logitless.grade.soft_tokens import TokenEmbedding
 from logitless.hf import head_structure, lm_head_of, model_body
 from logitless.hf_probe import OWN_FORWARD, check_head
-from logitless.ops.settings import BlockSizes
+from logitless.op_settings import BlockSizes
 from logitless.ops.head import LinearHead
 from logitless.ops.two_heads import fused_linear_kl
 

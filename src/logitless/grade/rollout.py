@@ -29,7 +29,7 @@ import torch
 from logitless.grade.parts import CausalLMParts
 from logitless.grade.soft_tokens import PromptBatch, SoftTokens
 from logitless.grade.steppers import CachedStepper
-from logitless.ops.settings import BlockSizes
+from logitless.op_settings import BlockSizes
 from logitless.ops.gumbel import gumbel_noise, perturbed_topk_and_tail_mass, relaxed_weights
 
 

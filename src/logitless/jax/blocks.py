@@ -15,7 +15,7 @@ ONE_PASS_TOKENS, the tokens split into blocks of equal size (no thin last block)
 
 from __future__ import annotations
 
-from logitless.ops.settings import BlockSizes
+from logitless.op_settings import BlockSizes
 
 BLOCK_BYTES = 64 * 2**20  # one block's fp32 logits, unless BlockSizes.tokens says otherwise
 DEFAULT_VOCAB_BLOCK = 2048

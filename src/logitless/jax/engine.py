@@ -51,7 +51,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from logitless.jax.head import Head, stat_dtype
-from logitless.ops.settings import BlockSizes
+from logitless.op_settings import BlockSizes
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from logitless.ops.settings import GRPOSettings
+from logitless.op_settings import GRPOSettings
 
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the clipped objective, and its clip metrics
 LOG_WEIGHT_FLOOR = math.log(1e-8)  # vespo's clamp of a log-ratio from below

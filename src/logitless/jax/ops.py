@@ -32,7 +32,7 @@ from logitless.jax.grpo import GRPOData, GRPOTerms, grpo_objective, token_weight
 from logitless.jax.head import Head
 from logitless.jax.sharding import fused_loss, fused_stats
 from logitless.jax.softmax import SoftmaxAccumulator, SoftmaxStats
-from logitless.ops.settings import GRPO_OPTIONS, BlockSizes, GRPOSettings
+from logitless.op_settings import GRPO_OPTIONS, BlockSizes, GRPOSettings
 
 
 class LinearInputs(NamedTuple):

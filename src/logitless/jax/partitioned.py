@@ -31,7 +31,7 @@ from logitless.jax import engine
 from logitless.jax.blocks import jax_block_sizes
 from logitless.jax.engine import Accumulator, HeadGrads, Plan
 from logitless.jax.head import Head
-from logitless.ops.settings import BlockSizes
+from logitless.op_settings import BlockSizes
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from logitless.jax.fused import TokenLoss, linear_loss, linear_stats
 from logitless.jax.head import Head, stat_dtype
 from logitless.jax.partitioned import AutoPlan, spec_axes
 from logitless.jax.softmax import SoftmaxAccumulator, SoftmaxStats
-from logitless.ops.settings import BlockSizes
+from logitless.op_settings import BlockSizes
 
 
 def _sharded_axes(array, dim: int) -> tuple[str, ...]:

@@ -20,7 +20,7 @@ from logitless.jax.head import Head
 from logitless.jax.jsd import JSDAccumulator
 from logitless.jax.kl import KLAccumulator
 from logitless.jax.sharding import fused_stats
-from logitless.ops.settings import BlockSizes
+from logitless.op_settings import BlockSizes
 
 
 def _sides(sides: tuple[str, str], hiddens, parts, head_options, mask, impl):

@@ -14,7 +14,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from logitless.ops.head import LinearHead
-from logitless.ops.settings import BlockSizes
+from logitless.op_settings import BlockSizes
 
 
 class Layout(Protocol):

@@ -30,7 +30,7 @@ from logitless.ops.engine import ChunkLoss, LinearStats, one_pass, refuse_second
 from logitless.ops.grpo import check_grpo_inputs, grpo_objective, grpo_token_loss
 from logitless.ops.head import LinearHead, op_head, stat_dtype
 from logitless.ops.plan import implementation, plan_blocks
-from logitless.ops.settings import GRPO_OPTIONS, BlockSizes, GRPOSettings
+from logitless.op_settings import GRPO_OPTIONS, BlockSizes, GRPOSettings
 from logitless.ops.sharded import on_this_rank
 from logitless.ops.softmax import PYTORCH_BLOCKS, TOKEN_EXTRAS, SoftmaxAccumulator, TokenStats, stat_grads
 from logitless.ops.workers import block_workers

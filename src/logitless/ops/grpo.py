@@ -27,7 +27,7 @@ import torch
 
 from logitless._checks import (check_advantages_shape, check_completion_mask_given, check_finite, check_grpo_options,
                                check_mask, check_same_shape, check_tensor)
-from logitless.ops.settings import GRPOSettings
+from logitless.op_settings import GRPOSettings
 
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the clipped objective, and its clip metrics
 LOG_WEIGHT_FLOOR = math.log(1e-8)  # vespo's clamp of a log-ratio from below

@@ -50,7 +50,7 @@ from logitless._checks import check_impl, switch_setting
 from logitless.ops.base import BlockPlan, Layout
 from logitless.ops.fallback import FallingBack, failed_on
 from logitless.ops.head import LinearHead, stat_dtype
-from logitless.ops.settings import BlockSizes
+from logitless.op_settings import BlockSizes
 from logitless.ops.vocab_shard import VocabShard, VocabShardLayout
 
 BLOCK_BYTES = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}  # two passes: one block's logits

@@ -23,7 +23,7 @@ from logitless.ops.engine import Scratch
 from logitless.ops.head import LinearHead
 from logitless.ops.jsd import JSDStats, MixtureSums
 from logitless.ops.kl import KLStats, KLSums
-from logitless.ops.settings import BlockSizes
+from logitless.op_settings import BlockSizes
 from logitless.ops.softmax import OnlineSoftmax, StatGrads
 
 try:

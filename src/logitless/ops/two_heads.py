@@ -19,7 +19,7 @@ from logitless.ops.head import LinearHead, op_head, stat_dtype
 from logitless.ops.jsd import PYTORCH_BLOCKS as JSD_BLOCKS, JSDAccumulator
 from logitless.ops.kl import PYTORCH_BLOCKS as KL_BLOCKS, KLAccumulator
 from logitless.ops.plan import implementation, plan_blocks
-from logitless.ops.settings import BlockSizes
+from logitless.op_settings import BlockSizes
 
 
 class TwoHeadInputs(NamedTuple):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from logitless._checks import check_choice, check_finite_numbers, check_generations, check_positive_ints
 from logitless._lazy import later
-from logitless.ops.settings import GRPO_LOSS_TYPES
+from logitless.op_settings import GRPO_LOSS_TYPES
 from logitless.recipes.config import MODEL_HELP, RUN_CONTROL_HELP, RecipeConfig, check_model_name
 from logitless.recipes.options import add_config_parser
 
