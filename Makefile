@@ -61,10 +61,11 @@ demo: install
 # every test, in two worker processes (pytest-xdist; a test file's tests stay in one worker): first, side by side, the
 # two environments' installs, the lint and the JAX tests (but those that need the torch extra) in the environment with
 # only the JAX install; then every other test but the sweep of every causal LM type transformers ships (marked sweep:
-# `$(BIN)/python -m pytest -q -m sweep tests/library/test_model_sweep.py`, docs/models.md)
+# `$(BIN)/python -m pytest -q -m sweep tests/library/test_model_sweep.py`, docs/models.md); the 25 slowest tests are
+# listed at the end, where the suite's time goes
 test:
 	$(MAKE) --no-print-directory -j2 lint $(BIN)/.installed-deepspeed test-jax-alone
-	$(BIN)/python -m pytest -q -n 2 -m "(not jax_alone or torch) and not sweep"
+	$(BIN)/python -m pytest -q -n 2 --durations=25 -m "(not jax_alone or torch) and not sweep"
 
 # the files whose tests are marked jax_alone (tests/jax/test_jax_without_torch.py checks the two agree)
 JAX_TESTS := tests/jax/test_jax_without_torch.py tests/jax/test_jax_one_head.py tests/jax/test_jax_two_heads.py \
