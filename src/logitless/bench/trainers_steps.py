@@ -11,7 +11,7 @@ import time
 import torch
 import trl
 from datasets import Dataset
-from transformers import TrainerCallback
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 import logitless.trl
 from logitless.memory import PeakMemory, synchronize
@@ -32,6 +32,63 @@ def _length_reward(completions, **kwargs):
     return [float(len(completion)) for completion in completions]
 
 
+def _materialized_reference_probability(model, tokenizer):
+    """RLPR's reward written the obvious way, as a user of stock TRL would: the same rows as
+    `logitless.trl.reference_probability_reward` scores (each completion with its answer replaced, and each prompt's
+    answer alone), left-padded into one no-grad forward of the model with its logits ``(R, L, V)``, their
+    log_softmax and the reference answer's tokens gathered; the mean of their probabilities, debiased, clipped."""
+    from logitless.trl.reference_probability import answer_alone, answer_replaced, covering_tokens, prompt_token_ids
+
+    def reference_probability(prompts, completions, solution, **kwargs):
+        rows, pairs, alone = [], [], {}  # (ids, first, stop); (completion's row, answer-alone row); prompt -> row
+
+        def add_row(prompt_ids, text_span) -> int:
+            ids, first, stop = covering_tokens(tokenizer, *text_span)
+            rows.append((prompt_ids + ids, len(prompt_ids) + first, len(prompt_ids) + stop))
+            return len(rows) - 1
+
+        for prompt, completion, reference in zip(prompts, completions, solution):
+            replaced = answer_replaced(completion, reference)
+            if replaced is None:
+                pairs.append(None)
+                continue
+            prompt_ids = prompt_token_ids(tokenizer, prompt)
+            row = add_row(prompt_ids, replaced)
+            key = (tuple(prompt_ids), reference)
+            if key not in alone:  # once per prompt, as the fused reward scores it
+                alone[key] = add_row(prompt_ids, answer_alone(reference))
+            pairs.append((row, alone[key]))
+        if not rows:
+            return [0.0] * len(completions)
+        length = max(len(ids) for ids, _, _ in rows)
+        input_ids = torch.zeros(len(rows), length, dtype=torch.long, device=model.device)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, (ids, _, _) in enumerate(rows):
+            input_ids[row, length - len(ids):] = torch.tensor(ids)
+            attention_mask[row, length - len(ids):] = 1
+        with torch.no_grad():
+            log_probs = torch.log_softmax(model(input_ids=input_ids, attention_mask=attention_mask).logits.float(),
+                                          dim=-1)  # (R, L, V)
+        probabilities = [log_probs[row, length - len(ids) + first - 1:length - len(ids) + stop - 1]
+                         .gather(-1, input_ids[row, length - len(ids) + first:length - len(ids) + stop, None])
+                         .exp().mean().item() for row, (ids, first, stop) in enumerate(rows)]
+        return [0.0 if pair is None else min(max(probabilities[pair[0]] - probabilities[pair[1]], 0.0), 1.0)
+                for pair in pairs]
+
+    return reference_probability
+
+
+def _with_an_answer(reward):
+    """``reward`` on completions that each end in an answer tag and a word: a random model's completions carry no
+    tag, and RLPR scores only completions with an answer to replace, so both rewards get every completion so."""
+
+    def answered(prompts, completions, **kwargs):
+        return reward(prompts, [completion + " <answer> maybe" for completion in completions], **kwargs)
+
+    answered.__name__ = "reference_probability"
+    return answered
+
+
 def _trainer(name: str, implementation: str, model_dir: str, teacher_dir: str, output_dir: str,
              config: TRLBenchConfig):
     """Trainer ``name``: stock TRL's class, or logitless's of the same name, on the benchmark's data."""
@@ -39,7 +96,8 @@ def _trainer(name: str, implementation: str, model_dir: str, teacher_dir: str, o
     settings = dict(output_dir=output_dir, use_cpu=config.device == "cpu", bf16=False, max_steps=config.steps,
                     logging_steps=1, report_to="none", save_strategy="no", seed=0, learning_rate=1e-5,
                     disable_tqdm=True)
-    kwargs = dict(model=model_dir, processing_class=load_tokenizer(model_dir))
+    tokenizer = load_tokenizer(model_dir)
+    kwargs = dict(model=model_dir, processing_class=tokenizer)
     if name in ("sft", "dpo", "kto"):
         half, count = config.seq // 2, config.batch * config.steps
         prompts = [_text(i, half) for i in range(count)]
@@ -60,9 +118,16 @@ def _trainer(name: str, implementation: str, model_dir: str, teacher_dir: str, o
         else:
             settings["num_generations"] = 4
             kwargs["reward_funcs"] = _length_reward
+        if name == "rlpr":  # the policy scores its own probability of each prompt's reference answer
+            kwargs["train_dataset"] = kwargs["train_dataset"].add_column("solution", [
+                WORDS[i % len(WORDS)] for i in range(config.completions * config.steps)])
+            kwargs["model"] = policy = AutoModelForCausalLM.from_pretrained(model_dir)
+            reward = (_materialized_reference_probability(policy, tokenizer) if implementation == "trl"
+                      else logitless.trl.reference_probability_reward(policy, tokenizer))
+            kwargs["reward_funcs"] = _with_an_answer(reward)
     config_class, trainer_class = {"sft": ("SFTConfig", "SFTTrainer"), "dpo": ("DPOConfig", "DPOTrainer"),
                                    "kto": ("KTOConfig", "KTOTrainer"), "rloo": ("RLOOConfig", "RLOOTrainer"),
-                                   "grpo": ("GRPOConfig", "GRPOTrainer"),
+                                   "grpo": ("GRPOConfig", "GRPOTrainer"), "rlpr": ("GRPOConfig", "GRPOTrainer"),
                                    "distill": ("DistillationConfig", "DistillationTrainer"),
                                    "distill_short": ("DistillationConfig", "DistillationTrainer")}[name]
     return getattr(classes, trainer_class)(args=getattr(trl, config_class)(**settings), **kwargs)
@@ -104,10 +169,11 @@ def run_worker(worker: str, model_dirs: str, config: TRLBenchConfig) -> dict:
             trainer.train()
             synchronize(device)
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]  # generating ones
     timed_steps = slice(1, None) if len(clock.seconds) > 1 else slice(None)  # the first step allocates
     return {"step_s": statistics.median(clock.seconds[timed_steps]), "steps_s": clock.seconds,
             "loss_backward_s": statistics.median(clock.loss_backward_seconds[timed_steps]),
-            "peak_mb": peak.megabytes, "losses": losses}
+            "peak_mb": peak.megabytes, "losses": losses, "rewards": rewards}
 
 
 if __name__ == "__main__":
