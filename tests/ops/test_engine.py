@@ -155,8 +155,9 @@ def test_block_sizes_reach_the_engine_and_the_token_and_vocabulary_keywords_are_
 
     plans = []
     real_plan = blocks.plan_blocks
-    monkeypatch.setattr("logitless.ops.fused.plan_blocks", lambda *a, **k: plans.append(real_plan(*a, **k))
-                        or plans[-1])
+    for implementation in ("one_pass", "blocks"):  # the modules of the implementations that plan blocks
+        monkeypatch.setattr(f"logitless.ops.{implementation}.plan_blocks",
+                            lambda *a, **k: plans.append(real_plan(*a, **k)) or plans[-1])
     _value_and_grads(cross_entropy, block_sizes=BLOCKS)
     assert [plan.sizes for plan in plans] == [BLOCKS]
     for keyword, spelling in (("chunk_size", "tokens"), ("vocab_block_size", "vocab")):

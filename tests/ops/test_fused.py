@@ -302,8 +302,9 @@ def test_one_pass_and_two_pass_schedules_agree(blocks, monkeypatch):
 
     plans = []
     real_plan = schedule.plan_blocks
-    monkeypatch.setattr("logitless.ops.fused.plan_blocks", lambda *a, **k: plans.append(real_plan(*a, **k))
-                        or plans[-1])
+    for implementation in ("one_pass", "blocks"):  # the modules of the implementations that plan blocks
+        monkeypatch.setattr(f"logitless.ops.{implementation}.plan_blocks",
+                            lambda *a, **k: plans.append(real_plan(*a, **k)) or plans[-1])
     one_pass, one_pass_metrics = run()
     assert plans and all(plan.single_pass for plan in plans)
     monkeypatch.setattr(schedule, "SINGLE_PASS_DEVICES", ())

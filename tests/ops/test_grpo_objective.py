@@ -121,13 +121,14 @@ def test_every_loss_type_and_option_is_covered():
 
 
 def test_one_pass_runs_exactly_the_per_token_settings(monkeypatch):
-    """The one-pass schedule (its gradient at forward time) is taken for per-token settings only: a sequence-level
-    ratio, vespo, an entropy mask or bonus, the off-policy mask or an importance ratio need every token first."""
-    from logitless.ops import fused
+    """The one-pass schedule (its gradient at forward time, `LinearLoss`) is taken for per-token settings only: a
+    sequence-level ratio, vespo, an entropy mask or bonus, the off-policy mask or an importance ratio need every token
+    first."""
+    from logitless.ops.one_pass import LinearLoss
 
     calls = []
-    real = fused.linear_loss
-    monkeypatch.setattr(fused, "linear_loss", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
+    real = LinearLoss.apply
+    monkeypatch.setattr(LinearLoss, "apply", staticmethod(lambda *args: calls.append(1) or real(*args)))
     hidden, weight, ids, mask, advantages, tensors = grpo_inputs(Case({}), seed=0)
     for options, one_pass in ((dict(loss_type="sapo"), True), (dict(loss_type="luspo", beta=0.1), True),
                               (dict(loss_type="vespo"), False), (dict(importance_sampling_level="sequence"), False),
@@ -136,9 +137,10 @@ def test_one_pass_runs_exactly_the_per_token_settings(monkeypatch):
         calls.clear()
         settings = GRPOSettings(**options)
         assert settings.per_token == one_pass
-        fused_grpo_loss(hidden.float(), weight.float(), ids, mask, advantages.float(), settings=settings,
-                        old_log_probs=tensors["old_log_probs"].float(),
-                        ref_log_probs=tensors["ref_log_probs"].float() if settings.beta else None)
+        fused_grpo_loss(hidden.detach().float().requires_grad_(), weight.detach().float(), ids, mask,
+                        advantages.detach().float(), settings=settings,
+                        old_log_probs=tensors["old_log_probs"].detach().float(),
+                        ref_log_probs=tensors["ref_log_probs"].detach().float() if settings.beta else None)
         assert bool(calls) == one_pass, options
 
 

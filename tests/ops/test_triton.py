@@ -334,13 +334,14 @@ if INTERPRETED or torch.cuda.is_available():
         from logitless import fused_grpo_loss, fused_linear_cross_entropy, fused_linear_logprobs
         from logitless.ops import BlockSizes, reference
         from logitless.ops import plan as schedule
+        from logitless.ops.api import implementations
 
         monkeypatch.setenv("LOGITLESS_TRITON", "1")
         monkeypatch.setattr(schedule, "SINGLE_PASS_DEVICES", ())
         grad_kernel_calls, kernel = [], triton_ops.block_logits_grad
         monkeypatch.setattr(triton_ops, "block_logits_grad",
                             lambda *args, **kwargs: grad_kernel_calls.append(1) or kernel(*args, **kwargs))
-        chosen = schedule.implementation("auto", torch.device(DEVICE), torch.float32)
+        chosen = implementations("auto", torch.device(DEVICE), torch.float32)[0]
         assert chosen.triton and chosen.kernels(None)._triton is triton_ops
         hidden = (torch.randn(2, 9, 8) * 0.5).to(DEVICE).requires_grad_()
         weight = (torch.randn(1009, 8) * 0.5).to(DEVICE).requires_grad_()
@@ -390,6 +391,7 @@ if INTERPRETED or torch.cuda.is_available():
         from logitless import fused_linear_logprobs
         from logitless.ops import fallback
         from logitless.ops import plan as schedule
+        from logitless.ops.api import implementations
 
         class Refused:
             def __getitem__(self, grid):
@@ -414,7 +416,7 @@ if INTERPRETED or torch.cuda.is_available():
         assert "the Triton kernel of update_stats failed on cpu: OutOfResources: out of resource: shared memory, " \
             "Required: 232448, Hardware limit: 101376" in warning and "impl='triton' would raise" in warning
         assert len(launches) == 1  # the second call went straight to the PyTorch blocks
-        assert not schedule.implementation("auto", torch.device(DEVICE), torch.float32).triton
+        assert not implementations("auto", torch.device(DEVICE), torch.float32)[0].triton
         with pytest.raises(OutOfResources):
             fused_linear_logprobs(hidden, weight, ids, impl="triton")
 

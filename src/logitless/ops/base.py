@@ -3,7 +3,8 @@
 protocol: `plan.LOCAL` for one process's whole head, `vocab_shard.VocabShardLayout` for a vocabulary sharded over
 ranks), what an op computes from its blocks of logits (the `Accumulator` and `Sweep` protocols, which `softmax.py`,
 `kl.py` and `jsd.py` implement and the engine drives), and how a sweep's running sums combine across the ranks of a
-vocabulary shard (`merged_across`)."""
+vocabulary shard (`merged_across`); and what the implementations behind ``impl`` share (`api.py`'s registry): the
+signal that one cannot run a call (`CannotRunHere`) and a loss taken over the statistics (`StatsThenLoss`)."""
 
 from __future__ import annotations
 
@@ -115,3 +116,23 @@ def merged_across(sums, shard):
         else:
             merged.merge(peer)
     return merged
+
+
+class CannotRunHere(Exception):
+    """Raised by an implementation (`api.py`) for a call it does not run (the one pass, for a loss it cannot fold in
+    one pass here): the next implementation of the chain runs the call."""
+
+
+class StatsThenLoss:
+    """The ``loss`` of an implementation whose every statistic comes from its ``token_stats``: the statistics of all
+    tokens, then ``token_loss`` over them (autograd differentiates the loss through the statistics)."""
+
+    def loss(self, head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, token_loss, *,
+             need_entropy: bool = False, need_mean_log_prob: bool = False, sizes: BlockSizes = BlockSizes(),
+             loss_inputs: tuple = ()):
+        """(loss, log_probs (N,), entropy (N,) or None), the statistics without a graph (see `api.py`)."""
+        log_probs, entropy, mean_log_prob, _ = self.token_stats(head, hidden, targets, need_entropy=need_entropy,
+                                                                need_mean_log_prob=need_mean_log_prob, sizes=sizes)
+        loss = token_loss(slice(None), log_probs, entropy.detach() if need_entropy else None,
+                          mean_log_prob if need_mean_log_prob else None)
+        return loss, log_probs.detach(), entropy.detach() if need_entropy else None

@@ -1,110 +1,29 @@
 """Fused LM-head ops: log-probs, entropy and losses from hidden states and the output embedding,
 without (N, V) logits.
 
-Each public op picks its implementation (`plan.implementation`: ``impl``) and either runs the materialized
-oracle (`reference.py`) or the block engine with the softmax accumulator (`softmax.py`):
-
-* `linear_token_stats`: per-token log p(target), entropy and mean log p, and on request the statistics
-  without gradient of `softmax.TOKEN_EXTRAS` (TRL's log_sum_sq_probs, mean_logits, is_top1), by the two
-  passes of `engine.LinearStats`. For statistics whose loss is not known yet (`fused_linear_logprobs`).
-* `linear_loss`: a loss that is a sum of per-token terms of those statistics (cross-entropy, TRL's
-  GRPO objective), with its gradients computed during forward in one pass where that pays (CPU,
-  fp32 weights; `LinearLoss`); backward only scales them.
-
-Either way the loss is ordinary PyTorch on (N,) statistics. Every public op takes ``impl`` and ``block_sizes``
-(a `settings.BlockSizes`; the defaults are `plan.default_block_sizes`).
+Each public op checks and flattens its inputs, then runs its steps by the chain of implementations its ``impl`` names
+(`api.implementations`): the per-token statistics (`linear_token_stats`: log p(target), entropy and mean log p, and
+on request the statistics without gradient of `softmax.TOKEN_EXTRAS`, TRL's log_sum_sq_probs, mean_logits,
+is_top1), or a loss that is a sum of per-token terms of them (cross-entropy, TRL's GRPO objective), which the one
+pass computes with its gradients during forward where that pays (`one_pass.py`) and the others as the statistics
+then the loss. Either way the loss is ordinary PyTorch on (N,) statistics. Every public op takes ``impl`` and
+``block_sizes`` (a `BlockSizes`; the defaults are `plan.default_block_sizes`).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from logitless._checks import (check_choice, check_head_shapes, check_impl, check_mask, check_strings,
                                check_tensor, check_token_ids, checked_keywords, head_wholes)
-from logitless.ops import reference
-from logitless.ops.base import BlockPlan
-from logitless.ops.engine import ChunkLoss, LinearStats, one_pass, refuse_second_derivative
+from logitless.op_settings import GRPO_OPTIONS, BlockSizes, GRPOSettings
+from logitless.ops.api import first_that_runs, implementations
 from logitless.ops.grpo import check_grpo_inputs, grpo_objective, grpo_token_loss
 from logitless.ops.head import LinearHead, op_head, stat_dtype
-from logitless.ops.plan import implementation, plan_blocks
-from logitless.op_settings import GRPO_OPTIONS, BlockSizes, GRPOSettings
+from logitless.ops.one_pass import TokenLoss
 from logitless.ops.sharded import on_this_rank
-from logitless.ops.softmax import PYTORCH_BLOCKS, TOKEN_EXTRAS, SoftmaxAccumulator, TokenStats, stat_grads
-from logitless.ops.workers import block_workers
-
-# token_loss(rows, log_probs, entropy, mean_log_prob) -> the loss summed over the chunk's tokens
-# (``rows``: the chunk's slice of all tokens; statistics not asked for are None)
-TokenLoss = Callable[[slice, torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
-
-
-class LinearLoss(torch.autograd.Function):
-    """A loss summed over per-token terms (``token_loss``), and the statistics it was computed from.
-
-    Returns (loss (), log_probs (N,), entropy (N,) or zeros); the statistics carry no gradient. The
-    gradients of hidden/weight/bias are computed in forward (`engine.one_pass`) and kept on ctx, not
-    in save_for_backward: backward hands them over and drops its reference, so the weight's gradient
-    (the step's largest tensor at a 151k vocabulary) never exists twice. A second backward
-    (retain_graph, gradcheck) recomputes them from the inputs.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, head: LinearHead, plan: BlockPlan, token_loss: TokenLoss,
-                need_entropy: bool, need_mean_log_prob: bool, needs: tuple[bool, bool, bool]):
-        ctx.recompute = (head, plan, token_loss, needs, need_entropy, need_mean_log_prob)
-        loss, stats, input_grads = _one_pass_loss(hidden, targets, *ctx.recompute)
-        ctx.input_grads = input_grads
-        ctx.save_for_backward(hidden, weight, bias, targets)
-        entropy = torch.zeros_like(stats.lse) if stats.entropy is None else stats.entropy
-        ctx.mark_non_differentiable(stats.log_probs, entropy)
-        return loss, stats.log_probs, entropy
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_log_probs, _grad_entropy):
-        refuse_second_derivative("the fused loss")
-        input_grads, ctx.input_grads = ctx.input_grads, None
-        if input_grads is None:
-            hidden, _, _, targets = ctx.saved_tensors
-            input_grads = _one_pass_loss(hidden, targets, *ctx.recompute)[2]
-        if not bool(grad_loss == 1):
-            input_grads = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in input_grads]
-        return (*input_grads, None, None, None, None, None, None, None)
-
-
-def _one_pass_loss(hidden, targets, head: LinearHead, plan: BlockPlan, token_loss: TokenLoss,
-                   needs: tuple[bool, bool, bool], need_entropy: bool, need_mean_log_prob: bool):
-    """(loss, TokenStats (N,), input grads) by the one-pass driver with the PyTorch block math."""
-    dtype = stat_dtype(hidden.dtype)
-    accumulator = SoftmaxAccumulator(head, targets, PYTORCH_BLOCKS, dtype, need_entropy=need_entropy,
-                                     need_mean_log_prob=need_mean_log_prob,
-                                     keep="logits" if head.softcap is not None else "weights")
-    workers = block_workers(hidden.device, -(-head.vocab_size // plan.sizes.vocab))
-    return one_pass(head, hidden, plan, accumulator.sweep, _chunk_loss(head, token_loss, needs, dtype), needs, workers)
-
-
-def _chunk_loss(head: LinearHead, token_loss: TokenLoss, needs: tuple[bool, bool, bool], dtype) -> ChunkLoss:
-    """A chunk's share of the loss and its `StatGrads`, the gradient with respect to log p and mean log p taken
-    by autograd on (n,) vectors (the entropy is handed over without a graph: a loss that differentiates it
-    takes the two passes)."""
-
-    def chunk_loss(rows: slice, stats: TokenStats):
-        with torch.enable_grad():
-            leaves = [None if s is None else s.detach().requires_grad_()
-                      for s in (stats.log_probs, stats.mean_log_prob)]
-            loss = token_loss(rows, leaves[0], stats.entropy, leaves[1])
-            used = [leaf for leaf in leaves if leaf is not None]
-            leaf_grads = (torch.autograd.grad(loss, used, allow_unused=True)
-                          if any(needs) and loss.requires_grad else [None] * len(used))
-        if not any(needs):
-            return loss.detach(), None
-        leaf_grad = iter(leaf_grads)
-        grad_log_probs, grad_mean = (None if leaf is None else next(leaf_grad) for leaf in leaves)
-        return loss.detach(), stat_grads(head, grad_log_probs, None, grad_mean, dtype)
-
-    return chunk_loss
-
+from logitless.ops.softmax import TOKEN_EXTRAS
 
 @checked_keywords(wholes=head_wholes(""))
 def linear_token_stats(hidden: torch.Tensor, weight: torch.Tensor | None = None, targets: torch.Tensor | None = None,
@@ -126,57 +45,37 @@ def linear_token_stats(hidden: torch.Tensor, weight: torch.Tensor | None = None,
     check_impl(impl, ("auto", "chunked", "triton"))
     if isinstance(head.weight, DTensor):  # sharded on the vocabulary: this rank's shard (`sharded.py`)
         head, hidden = on_this_rank(head, hidden)
-    dtype = stat_dtype(hidden.dtype)
-    accumulator = SoftmaxAccumulator(head, targets, implementation(impl, hidden.device, dtype).kernels(PYTORCH_BLOCKS),
-                                     dtype, need_entropy=need_entropy, need_mean_log_prob=need_mean_log_prob,
-                                     extras=extras)
-    plan = plan_blocks(hidden.shape[0], head, hidden.device, BlockSizes.of(block_sizes))
-    log_probs, entropy, mean_log_prob, *extra_values = LinearStats.apply(accumulator, plan, hidden, head.weight,
-                                                                         head.bias)
+    chain = implementations(impl, hidden.device, stat_dtype(hidden.dtype))
+    log_probs, entropy, mean_log_prob, extra_values = first_that_runs(
+        chain, "token_stats", head, hidden, targets, need_entropy=need_entropy, need_mean_log_prob=need_mean_log_prob,
+        extras=extras, sizes=BlockSizes.of(block_sizes))
     if not extras:
         return log_probs, entropy, mean_log_prob
-    return log_probs, entropy, mean_log_prob, dict(zip(extras, extra_values))
+    return log_probs, entropy, mean_log_prob, extra_values
 
 
-def linear_loss(head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, token_loss: TokenLoss, *,
-                need_entropy: bool = False, need_mean_log_prob: bool = False, block_sizes: BlockSizes = BlockSizes(),
-                impl: str = "auto", loss_inputs: tuple = ()):
-    """(loss, log_probs (N,), entropy (N,) or None) of a loss summed over per-token terms of the statistics.
+def linear_loss(chain: tuple, head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, token_loss: TokenLoss, *,
+                need_entropy: bool = False, need_mean_log_prob: bool = False, sizes: BlockSizes = BlockSizes(),
+                loss_inputs: tuple = ()):
+    """(loss, log_probs (N,), entropy (N,) or None) of a loss summed over per-token terms of the statistics, by the
+    first implementation of ``chain`` that runs it (`api.py`: the one pass where it pays, else the statistics then the
+    loss).
 
-    ``token_loss(rows, log_probs, entropy, mean_log_prob)`` is the loss summed over the tokens ``rows``; it
-    may read the entropy (a metric) but not differentiate it.
-    One pass with the gradients computed in forward where `plan_blocks` says it pays (never with Triton's block
-    math, whose kernels serve the two passes); otherwise the statistics of `linear_token_stats` and
-    ``token_loss`` over all tokens. log_probs and entropy are returned without a graph (for metrics).
-    ``loss_inputs``: the other tensors ``token_loss`` reads (advantages, old log-probs...); when one of them
+    ``token_loss(rows, log_probs, entropy, mean_log_prob)`` is the loss summed over the tokens ``rows``; it may read
+    the entropy (a metric) but not differentiate it. log_probs and entropy are returned without a graph (for
+    metrics). ``loss_inputs``: the other tensors ``token_loss`` reads (advantages, old log-probs...); when one of them
     needs a gradient, the two passes run, whose loss autograd differentiates with respect to everything.
     """
-    chosen = implementation(impl, hidden.device, stat_dtype(hidden.dtype))
-    needs = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad
-                  for t in (hidden, head.weight, head.bias))
-    inputs_need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in loss_inputs)
-    plan = plan_blocks(hidden.shape[0], head, hidden.device, block_sizes,
-                       loss_known=any(needs) and not chosen.triton and not inputs_need_grad)
-    if plan.single_pass:
-        loss, log_probs, entropy = LinearLoss.apply(hidden, head.weight, head.bias, targets, head, plan, token_loss,
-                                                    need_entropy, need_mean_log_prob, needs)
-        return loss, log_probs, entropy if need_entropy else None
-    log_probs, entropy, mean_log_prob = linear_token_stats(hidden, targets=targets, head=head,
-                                                           need_entropy=need_entropy,
-                                                           need_mean_log_prob=need_mean_log_prob,
-                                                           block_sizes=block_sizes, impl=chosen.name)
-    loss = token_loss(slice(None), log_probs, entropy.detach() if need_entropy else None,
-                      mean_log_prob if need_mean_log_prob else None)
-    return loss, log_probs.detach(), entropy.detach() if need_entropy else None
+    return first_that_runs(chain, "loss", head, hidden, targets, token_loss, need_entropy=need_entropy,
+                           need_mean_log_prob=need_mean_log_prob, sizes=sizes, loss_inputs=loss_inputs)
 
 
-def _on_this_rank(head: LinearHead, hidden, impl: str):
+def _on_this_rank(head: LinearHead, hidden, chain: tuple):
     """(head, hidden) of an op on this rank (`sharded.on_this_rank`): a head sharded on the vocabulary runs its local
-    shard, or whole for the materialized oracle; a plain head and plain hidden states as they are."""
+    shard, or whole for an implementation of the whole vocabulary; a plain head and plain hidden states as they are."""
     if not isinstance(head.weight, DTensor):
         return head, hidden
-    return on_this_rank(head, hidden, materialize=implementation(impl, hidden.device, stat_dtype(hidden.dtype))
-                        .materializes)
+    return on_this_rank(head, hidden, materialize=chain[0].whole_vocabulary)
 
 
 def _linear_inputs(head: LinearHead, hidden, targets, mask, targets_name="targets"):
@@ -224,16 +123,12 @@ def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor | None = No
     kernels on the blocks).
     """
     head = op_head(head, weight, bias, temperature, softcap, logit_scale)
-    check_impl(impl)
-    sizes = BlockSizes.of(block_sizes)
-    head, hidden = _on_this_rank(head, hidden, impl)
+    check_tensor("hidden", hidden, ndim=(2, 3), floating=True)
+    chain = implementations(impl, hidden.device, stat_dtype(hidden.dtype))
+    head, hidden = _on_this_rank(head, hidden, chain)
     flat_hidden, flat_targets, kept = _linear_inputs(head, hidden, targets, mask)
-    if implementation(impl, hidden.device, stat_dtype(hidden.dtype)).materializes:  # the (K, V) logits of the kept
-        log_probs, entropy = reference.logprobs_from_logits(reference.head_logits(flat_hidden, head), flat_targets,
-                                                            return_token_entropy=return_token_entropy)
-    else:
-        log_probs, entropy, _ = linear_token_stats(flat_hidden, targets=flat_targets, head=head,
-                                                   need_entropy=return_token_entropy, block_sizes=sizes, impl=impl)
+    log_probs, entropy, _, _ = first_that_runs(chain, "token_stats", head, flat_hidden, flat_targets,
+                                               need_entropy=return_token_entropy, sizes=BlockSizes.of(block_sizes))
     log_probs = scatter_kept(log_probs, kept, targets.shape)
     return (log_probs, scatter_kept(entropy, kept, targets.shape)) if return_token_entropy else log_probs
 
@@ -261,18 +156,15 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor | None
         raise TypeError(f"ignore_index: expected an int, got {ignore_index!r}")
     sizes = BlockSizes.of(block_sizes)
     check_tensor("targets", targets, integer=True)
-    head, hidden = _on_this_rank(head, hidden, impl)
+    check_tensor("hidden", hidden, ndim=(2, 3), floating=True)
+    chain = implementations(impl, hidden.device, stat_dtype(hidden.dtype))
+    head, hidden = _on_this_rank(head, hidden, chain)
     keep = targets != ignore_index
     flat_hidden, flat_targets, kept = _linear_inputs(head, hidden, targets, keep)
-    if implementation(impl, hidden.device, stat_dtype(hidden.dtype)).materializes:
-        logits = reference.head_logits(hidden.reshape(-1, hidden.shape[-1]), head)  # (N, V)
-        loss = reference.cross_entropy(logits, targets, ignore_index=ignore_index, reduction=reduction,
-                                       label_smoothing=label_smoothing)
-        return loss.reshape(targets.shape) if reduction == "none" else loss
     if reduction == "none":
-        log_probs, _, mean_log_prob = linear_token_stats(flat_hidden, targets=flat_targets, head=head,
+        log_probs, _, mean_log_prob, _ = first_that_runs(chain, "token_stats", head, flat_hidden, flat_targets,
                                                          need_entropy=False, need_mean_log_prob=label_smoothing > 0,
-                                                         block_sizes=sizes, impl=impl)
+                                                         sizes=sizes)
         return scatter_kept(_cross_entropy_terms(log_probs, mean_log_prob, label_smoothing), kept, targets.shape)
     num_tokens = flat_targets.shape[0]
     scale = 1.0 / num_tokens if reduction == "mean" and num_tokens else 1.0
@@ -280,8 +172,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor | None
     def token_loss(_rows, log_probs, _entropy, mean_log_prob):
         return _cross_entropy_terms(log_probs, mean_log_prob, label_smoothing).sum() * scale
 
-    loss, _, _ = linear_loss(head, flat_hidden, flat_targets, token_loss, need_mean_log_prob=label_smoothing > 0,
-                             block_sizes=sizes, impl=impl)
+    loss, _, _ = linear_loss(chain, head, flat_hidden, flat_targets, token_loss,
+                             need_mean_log_prob=label_smoothing > 0, sizes=sizes)
     if reduction == "mean" and not num_tokens:
         return loss + float("nan")  # the mean of no tokens is NaN, with zero gradients, as in PyTorch
     return loss
@@ -330,10 +222,8 @@ def fused_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor | None = None,
                               stat_dtype(hidden.dtype))
     tensors = dict(old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, sampling_log_probs=sampling_log_probs,
                    importance_sampling_ratio=importance_sampling_ratio, num_items_in_batch=num_items_in_batch)
-    head, hidden = _on_this_rank(head, hidden, impl)
-    if implementation(impl, hidden.device, stat_dtype(hidden.dtype)).materializes:
-        return reference.grpo_loss(hidden, completion_ids=completion_ids, completion_mask=completion_mask,
-                                   advantages=advantages, head=head, settings=settings, **tensors)
+    chain = implementations(impl, hidden.device, stat_dtype(hidden.dtype))
+    head, hidden = _on_this_rank(head, hidden, chain)
     flat_hidden, flat_ids, kept = _linear_inputs(head, hidden, completion_ids, batch.keep,
                                                  targets_name="completion_ids")
 
@@ -345,13 +235,12 @@ def fused_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor | None = None,
         def token_loss(rows, log_probs, _entropy, _mean_log_prob):
             return grpo_token_loss(log_probs, batch, rows)
 
-        loss, log_probs, entropy = linear_loss(head, flat_hidden, flat_ids, token_loss, need_entropy=True,
-                                               block_sizes=sizes, impl=impl,
-                                               loss_inputs=(advantages, old_log_probs, ref_log_probs))  # (K,)
+        loss, log_probs, entropy = linear_loss(chain, head, flat_hidden, flat_ids, token_loss, need_entropy=True,
+                                               sizes=sizes, loss_inputs=(advantages, old_log_probs, ref_log_probs))
         with torch.no_grad():
             _, metrics = grpo_objective(per_token(log_probs), per_token(entropy), batch.keep, advantages, settings,
                                         **tensors)
         return loss, metrics
-    log_probs, entropy, _ = linear_token_stats(flat_hidden, targets=flat_ids, head=head, need_entropy=True,
-                                               block_sizes=sizes, impl=impl)  # (K,) each, differentiable
+    log_probs, entropy, _, _ = first_that_runs(chain, "token_stats", head, flat_hidden, flat_ids, need_entropy=True,
+                                               sizes=sizes)  # (K,) each, differentiable
     return grpo_objective(per_token(log_probs), per_token(entropy), batch.keep, advantages, settings, **tensors)

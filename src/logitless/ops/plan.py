@@ -1,19 +1,5 @@
-"""How one op call runs: its implementation (`implementation`, the registry behind every op's ``impl``), and for
-the block engine its schedule, block sizes and layout (`plan_blocks`: a `base.BlockPlan`, one pass or two, `LOCAL`
-or a `vocab_shard.VocabShardLayout`).
-
-Implementations (`IMPLEMENTATIONS`, one for each value of ``impl`` in `logitless._checks.IMPLS` but "auto"):
-
-* ``"reference"``: the materialized oracle (`ops/reference.py`), the whole (N, V) logits;
-* ``"chunked"``: the block engine with the PyTorch block math of the op's accumulator module (`softmax.py`,
-  `kl.py`, `jsd.py`);
-* ``"triton"``: the block engine with the Triton kernels of `triton.py`, on CUDA (or anywhere under
-  ``TRITON_INTERPRET=1``) for fp32 block logits.
-
-``"auto"`` takes the first usable of `AUTO_ORDER`: Triton on CUDA for fp32 block logits where triton works,
-the PyTorch blocks everywhere else. ``LOGITLESS_TRITON`` sets what "auto" picks: ``0`` turns Triton off; ``1``
-asks for it wherever it can run (with TRITON_INTERPRET=1 that includes the CPU, which is how the tests check
-the kernels end to end).
+"""How one call runs on the block engine: its schedule, block sizes and layout (`plan_blocks`: a `base.BlockPlan`,
+one pass or two, `LOCAL` or a `vocab_shard.VocabShardLayout`). Which implementation runs it is `api.py`'s.
 
 Per-device default block sizes (`default_block_sizes`), sized by the bytes of one block's fp32 logits:
 
@@ -39,18 +25,12 @@ machine (``LOGITLESS_ONE_PASS=1 logitless bench lmhead ...``).
 
 from __future__ import annotations
 
-import dataclasses
-import os
-from dataclasses import dataclass
-from types import ModuleType, SimpleNamespace
-
 import torch
 
-from logitless._checks import check_impl, switch_setting
-from logitless.ops.base import BlockPlan, Layout
-from logitless.ops.fallback import FallingBack, failed_on
-from logitless.ops.head import LinearHead, stat_dtype
+from logitless._checks import switch_setting
 from logitless.op_settings import BlockSizes
+from logitless.ops.base import BlockPlan, Layout
+from logitless.ops.head import LinearHead, stat_dtype
 from logitless.ops.vocab_shard import VocabShard, VocabShardLayout
 
 BLOCK_BYTES = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}  # two passes: one block's logits
@@ -135,67 +115,3 @@ def plan_blocks(num_tokens: int, head: LinearHead, device: torch.device, request
 def _shard_layout(shard: VocabShard, num_tokens: int, device: torch.device) -> VocabShardLayout:
     """The layout of a call on a head holding ``shard``: for data-parallel shards, with every rank's token count."""
     return VocabShardLayout(shard, tuple(shard.counts(num_tokens, device)) if shard.tokens_local else None)
-
-
-@dataclass(frozen=True)
-class Implementation:
-    """One way to run the ops (one of `IMPLEMENTATIONS`): materialize the logits, or run the block engine with a
-    block math."""
-
-    name: str
-    materializes: bool = False  # the whole (N, V) logits, through the oracles of `reference.py`
-    triton: bool = False  # the block math of `triton.py`, instead of the accumulator module's own
-    falls_back: bool = False  # chosen by "auto": a kernel that cannot run here gives way to the PyTorch blocks
-
-    def unusable(self, device: torch.device, dtype: torch.dtype) -> str | None:
-        """Why this implementation cannot run blocks of ``dtype`` statistics on ``device`` (None: it can)."""
-        if not self.triton:
-            return None
-        from logitless.ops import triton as triton_kernels
-
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-        if not triton_kernels.available() or not (device.type == "cuda" or interpreted):
-            return (f"'triton' needs a CUDA device with triton installed (or TRITON_INTERPRET=1), got {device.type}"
-                    f"{'' if triton_kernels.triton is not None else ' without triton'}")
-        if dtype != torch.float32:
-            return f"'triton' runs fp32 block logits (float32, bfloat16 or float16 inputs), got {dtype} statistics"
-        return None
-
-    def kernels(self, pytorch: SimpleNamespace) -> SimpleNamespace | ModuleType:
-        """The block math an accumulator runs: ``pytorch`` (the ``PYTORCH_BLOCKS`` of its module: `softmax`, `kl`,
-        `jsd`) or the module `triton`, which has every function of theirs (behind `fallback.FallingBack` when "auto"
-        chose it)."""
-        if not self.triton:
-            return pytorch
-        from logitless.ops import triton as triton_kernels
-
-        return FallingBack(triton_kernels, pytorch) if self.falls_back else triton_kernels
-
-
-IMPLEMENTATIONS = {implementation.name: implementation for implementation in (
-    Implementation("reference", materializes=True), Implementation("chunked"), Implementation("triton", triton=True))}
-AUTO_ORDER = ("triton", "chunked")  # what "auto" tries, first usable wins
-
-
-def implementation(impl: str, device: torch.device, dtype: torch.dtype) -> Implementation:
-    """The implementation that runs an op for ``impl`` on ``device`` with ``dtype`` statistics: the one named, or for
-    "auto" the first usable of `AUTO_ORDER` (Triton only on CUDA, or wherever ``LOGITLESS_TRITON=1`` asks for it,
-    and not on a device where a kernel failed: `fallback`). A named one that cannot run here is a ValueError naming
-    ``impl``."""
-    check_impl(impl)
-    if impl != "auto":
-        reason = IMPLEMENTATIONS[impl].unusable(device, dtype)
-        if reason is not None:
-            raise ValueError(f"impl: {reason}")
-        return IMPLEMENTATIONS[impl]
-    setting = switch_setting("LOGITLESS_TRITON")
-    for name in AUTO_ORDER:
-        chosen = IMPLEMENTATIONS[name]
-        wanted = not chosen.triton or setting == "1" or (setting == "auto" and device.type == "cuda")
-        if not wanted or chosen.unusable(device, dtype) is not None:
-            continue
-        if not chosen.triton:
-            return chosen
-        if failed_on(device) is None:
-            return dataclasses.replace(chosen, falls_back=True)
-    raise AssertionError("the PyTorch blocks run everywhere")

@@ -2,7 +2,7 @@
 `LinearHead` (whole or in parts) and checks, the fixed side's head without gradient, and the tokens both sides keep.
 A side is named by the suffix of its arguments (``p`` and ``q``, ``s`` and ``t``), and so is every error
 (``weight_q: ...``). What they compute is the accumulators' of `kl.py` and `jsd.py`, run by the block engine (or
-the materialized oracles of `reference.py`, for ``impl="reference"``)."""
+the whole logits, for ``impl="reference"``): the steps ``kl`` and ``jsd`` of `api.py`'s implementations."""
 
 from __future__ import annotations
 
@@ -12,19 +12,16 @@ from typing import NamedTuple
 import torch
 
 from logitless._checks import check_beta, check_impl, check_mask, check_tensor, checked_keywords, head_wholes
-from logitless.ops import reference
-from logitless.ops.engine import LinearStats
+from logitless.op_settings import BlockSizes
+from logitless.ops.api import first_that_runs, implementations
 from logitless.ops.fused import scatter_kept
 from logitless.ops.head import LinearHead, op_head, stat_dtype
-from logitless.ops.jsd import PYTORCH_BLOCKS as JSD_BLOCKS, JSDAccumulator
-from logitless.ops.kl import PYTORCH_BLOCKS as KL_BLOCKS, KLAccumulator
-from logitless.ops.plan import implementation, plan_blocks
-from logitless.op_settings import BlockSizes
 
 
 class TwoHeadInputs(NamedTuple):
     """A two-head op's checked inputs on this rank: the trained side's head and its kept rows (K, H), the fixed
-    side's, the kept positions among the N tokens (None without a mask), the leading dims of the output, the blocks."""
+    side's (without gradient), the kept positions among the N tokens (None without a mask), the leading dims of the
+    output, the blocks."""
 
     head: LinearHead
     flat: torch.Tensor
@@ -33,6 +30,7 @@ class TwoHeadInputs(NamedTuple):
     kept: torch.Tensor | None
     leading: torch.Size
     sizes: BlockSizes
+    chain: tuple  # the implementations that run it (`api.implementations`)
 
 
 def two_head_inputs(sides: tuple[str, str], hiddens: tuple, heads: tuple, weights: tuple, biases: tuple,
@@ -47,10 +45,11 @@ def two_head_inputs(sides: tuple[str, str], hiddens: tuple, heads: tuple, weight
     check_side(sides[0], hidden, head)
     check_side(sides[1], fixed_hidden, fixed)
     check_same_vocabulary(head, fixed, sides)
-    materialize = implementation(impl, hidden.device, stat_dtype(hidden.dtype)).materializes
-    head, hidden, fixed, fixed_hidden = sides_on_this_rank(head, hidden, fixed, fixed_hidden, materialize, sides)
+    chain = implementations(impl, hidden.device, stat_dtype(hidden.dtype))
+    head, hidden, fixed, fixed_hidden = sides_on_this_rank(head, hidden, fixed, fixed_hidden,
+                                                           chain[0].whole_vocabulary, sides)
     flat, fixed_flat, kept = kept_rows(hidden, fixed_hidden, mask, sides)
-    return TwoHeadInputs(head, flat, fixed, fixed_flat, kept, hidden.shape[:-1], sizes)
+    return TwoHeadInputs(head, flat, fixed_head(fixed), fixed_flat.detach(), kept, hidden.shape[:-1], sizes, chain)
 
 
 def op_heads(sides: tuple[str, str], heads: tuple, weights: tuple, biases: tuple, temperature: float,
@@ -119,20 +118,6 @@ def kept_rows(hidden: torch.Tensor, other_hidden: torch.Tensor, mask, sides: tup
 
 
 
-def _heads_kl(hidden_p: torch.Tensor, head_p: LinearHead, hidden_q: torch.Tensor, head_q: LinearHead,
-              block_sizes: BlockSizes, impl: str) -> torch.Tensor:
-    """KL(p || q) per token of flat hidden_p (N, H_p) and hidden_q (N, H_q) under two `LinearHead`s."""
-    fixed_q, dtype = fixed_head(head_q), stat_dtype(hidden_p.dtype)
-    chosen = implementation(impl, hidden_p.device, dtype)
-    if chosen.materializes:
-        return reference.kl_from_log_probs(torch.log_softmax(reference.head_logits(hidden_p, head_p), dim=-1),
-                                           torch.log_softmax(reference.head_logits(hidden_q.detach(), fixed_q), dim=-1))
-    accumulator = KLAccumulator(head_p, fixed_q, chosen.kernels(KL_BLOCKS), dtype, hidden_p.device)
-    plan = plan_blocks(hidden_p.shape[0], head_p, hidden_p.device, block_sizes)
-    (kl,) = LinearStats.apply(accumulator, plan, hidden_p, head_p.weight, head_p.bias, hidden_q.detach())
-    return kl
-
-
 @checked_keywords(wholes=head_wholes("_p", "_q"))
 def fused_linear_kl(hidden_p: torch.Tensor, weight_p: torch.Tensor | None = None, hidden_q: torch.Tensor | None = None,
                     weight_q: torch.Tensor | None = None, *, head_p: LinearHead | None = None,
@@ -154,23 +139,8 @@ def fused_linear_kl(hidden_p: torch.Tensor, weight_p: torch.Tensor | None = None
     """
     sides = two_head_inputs(("p", "q"), (hidden_p, hidden_q), (head_p, head_q), (weight_p, weight_q),
                             (bias_p, bias_q), temperature, softcap, logit_scale, mask, block_sizes, impl)
-    return scatter_kept(_heads_kl(sides.flat, sides.head, sides.fixed_flat, sides.fixed, sides.sizes, impl), sides.kept,
-                        sides.leading)
-
-
-def _heads_jsd(hidden_s: torch.Tensor, head_s: LinearHead, hidden_t: torch.Tensor, head_t: LinearHead, beta: float,
-               block_sizes: BlockSizes, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(divergence (N,), the student's entropy (N,)) of flat hidden_s (N, H_s) and hidden_t (N, H_t) under two
-    `LinearHead`s; the divergence is differentiable on the student's side, the entropy is not."""
-    fixed_t, dtype = fixed_head(head_t), stat_dtype(hidden_s.dtype)
-    chosen = implementation(impl, hidden_s.device, dtype)
-    if chosen.materializes:
-        log_p_s = torch.log_softmax(reference.head_logits(hidden_s, head_s), dim=-1)
-        log_p_t = torch.log_softmax(reference.head_logits(hidden_t.detach(), fixed_t), dim=-1)
-        return reference.generalized_jsd(log_p_s, log_p_t, beta), reference.entropy_from_log_probs(log_p_s).detach()
-    accumulator = JSDAccumulator(head_s, fixed_t, beta, chosen.kernels(JSD_BLOCKS), dtype, hidden_s.device)
-    plan = plan_blocks(hidden_s.shape[0], head_s, hidden_s.device, block_sizes)
-    return LinearStats.apply(accumulator, plan, hidden_s, head_s.weight, head_s.bias, hidden_t.detach())
+    kl = first_that_runs(sides.chain, "kl", sides.head, sides.flat, sides.fixed, sides.fixed_flat, sides.sizes)
+    return scatter_kept(kl, sides.kept, sides.leading)
 
 
 @checked_keywords(wholes=head_wholes("_s", "_t"))
@@ -199,6 +169,7 @@ def fused_linear_jsd(hidden_s: torch.Tensor, weight_s: torch.Tensor | None = Non
     beta = check_beta(beta)
     sides = two_head_inputs(("s", "t"), (hidden_s, hidden_t), (head_s, head_t), (weight_s, weight_t),
                             (bias_s, bias_t), temperature, softcap, logit_scale, mask, block_sizes, impl)
-    divergence, entropy = _heads_jsd(sides.flat, sides.head, sides.fixed_flat, sides.fixed, beta, sides.sizes, impl)
+    divergence, entropy = first_that_runs(sides.chain, "jsd", sides.head, sides.flat, sides.fixed, sides.fixed_flat,
+                                          beta, sides.sizes)
     divergence = scatter_kept(divergence, sides.kept, sides.leading)
     return (divergence, scatter_kept(entropy, sides.kept, sides.leading)) if return_token_entropy else divergence

@@ -15,7 +15,7 @@ from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
 from logitless.ops.head import stat_dtype
-from logitless.ops.plan import implementation
+from logitless.ops.api import implementations
 
 DISTRIBUTED_DOCS = "docs/distributed.md"
 SHARD_ON_CPU = ("load the model sharded instead: AutoModelForCausalLM.from_pretrained(..., "
@@ -63,8 +63,8 @@ def scoring_line(model, accelerator, cast_lm_head_to_fp32: bool = False,
                  what: str = "tokens scored by logitless's fused LM head") -> str:
     """One line saying ``what`` logitless computes, the kernels it runs and the policy's layout."""
     head_dtype = model.get_output_embeddings().weight.dtype
-    chosen = implementation("auto", accelerator.device, stat_dtype(head_dtype))
-    blocks = "Triton kernels" if chosen.triton else "PyTorch blocks"
+    chain = implementations("auto", accelerator.device, stat_dtype(head_dtype))
+    blocks = "Triton kernels" if chain[0].triton else "PyTorch blocks"
     precision = ", fp32" if cast_lm_head_to_fp32 else ""
     vocabulary = model.config.get_text_config().vocab_size
     return (f"logitless: {what} ({blocks} on {accelerator.device.type}{precision}, "
