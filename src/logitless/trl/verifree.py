@@ -40,7 +40,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOTrainer
+from trl.trainer.grpo_config import GRPOConfig  # the class itself, even where trl.GRPOConfig is replaced
 from trl.trainer.utils import pad
 
 from logitless._checks import check_answer_template
