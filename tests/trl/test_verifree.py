@@ -17,8 +17,9 @@ REFERENCES = {FRANCE: "Paris", SUM: "4"}
 COMPLETIONS = {FRANCE: [("It is Lyon. ANSWER: Lyon", True), ("Paris, ANSWER: Paris", True),
                         ("I do not know.", True)],  # no answer
                SUM: [("Add. ANSWER: 5", True), ("ANSWER: 4", True),
-                     ("Add them up ANSWER: 4 and", False)]}  # cut at max_completion_length: R = 0
+                     ("Add them up, then say what it is. ANSWER:", False)]}  # at the length limit: see CUT
 ANSWER_START, ANSWER_TEMPLATE = "ANSWER:", " {answer}"
+CUT = COMPLETIONS[SUM][2][0]  # max_completion_length is its length: replaced, it is longer, so R = 0
 
 
 def _sampled_ids(tokenizer, text: str, ended: bool) -> list[int]:
@@ -43,8 +44,7 @@ def _trainer(tokenizer, tmp_path, monkeypatch, dtype=torch.float32, **options):
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func
     texts = [FRANCE, SUM, *(text for group in COMPLETIONS.values() for text, _ in group), " Paris", " 4"]
     args = VeriFreeConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, num_generations=3,
-                          max_completion_length=max(len(_sampled_ids(tokenizer, t, e)) for g in COMPLETIONS.values()
-                                                    for t, e in g),
+                          max_completion_length=len(_sampled_ids(tokenizer, CUT, ended=False)),
                           report_to="none", save_strategy="no", logging_steps=1, answer_start=ANSWER_START,
                           answer_template=ANSWER_TEMPLATE, **options)
     dataset = Dataset.from_dict({"prompt": [FRANCE, SUM], "solution": [REFERENCES[FRANCE], REFERENCES[SUM]]})
@@ -57,7 +57,7 @@ def _papers_loss(model, tokenizer, max_completion_length: int) -> torch.Tensor:
     alone, the answer is the template with y* tokenized alone (a completion without the tag: its sampled tokens
     are the reasoning and it has no answer); each sequence's log-probs from its own forward's (T, V) logits
     (log_softmax, gather); R = exp(the answer's summed log-probs), 0 without an answer, for a completion cut before
-    EOS or a replaced one over the length limit; the RLOO advantage (R - group mean) * n / (n - 1); the loss the
+    a replaced one over the length limit; the RLOO advantage (R - group mean) * n / (n - 1); the loss the
     batch mean of -A * (the reasoning's summed log-probs) - R * (the answer's)."""
     reasoning_terms, answer_terms, rewards = [], [], []
     for prompt, group in COMPLETIONS.items():
@@ -76,7 +76,7 @@ def _papers_loss(model, tokenizer, max_completion_length: int) -> torch.Tensor:
             start = len(prompt_ids) - 1
             reasoning_terms.append(log_probs[start:start + len(think)].sum())
             answer_terms.append(log_probs[start + len(think):start + len(think) + len(answer)].sum())
-            scored = answer and ended and len(think) + len(answer) <= max_completion_length
+            scored = answer and len(think) + len(answer) <= max_completion_length
             rewards.append(answer_terms[-1].detach().exp() if scored else torch.tensor(0.0, dtype=torch.float64))
     rewards = torch.stack(rewards).view(-1, 3)
     advantages = ((rewards - rewards.mean(1, keepdim=True)) * 3 / 2).reshape(-1)
@@ -86,10 +86,10 @@ def _papers_loss(model, tokenizer, max_completion_length: int) -> torch.Tensor:
 
 
 def test_loss_and_gradients_equal_the_papers_objective_from_one_body_pass(tokenizer, tmp_path, monkeypatch):
-    """One batch of two groups: answers replaced (one merged with nothing, one a two-token answer), a completion with
-    no answer and one cut before EOS (R = 0, reasoning still trained) counted in the logs. The loss and every
-    parameter's gradient equal the transcription's, from one pass of the body and no allocation as large as the
-    batch's (B, C, V) logits but the parameters' own gradients."""
+    """One batch of two groups: answers replaced (one-token and two-token answers), a completion with no answer and
+    one whose replaced completion passes the length limit (R = 0, reasoning still trained), counted in the logs. The
+    loss and every parameter's gradient equal the transcription's, from one pass of the body and no allocation as
+    large as the batch's (B, C, V) logits but the parameters' own gradients."""
     from torch.profiler import ProfilerActivity, profile
 
     trainer = _trainer(tokenizer, tmp_path, monkeypatch, torch.float64, per_device_train_batch_size=6)  # exact sums

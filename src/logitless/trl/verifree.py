@@ -24,10 +24,11 @@ beyond the training forward (the paper's code scores R in a pass of its own firs
   paper's: the tag ``<answer`` without its ``>``, which starts the template ``> \\boxed{y*} </answer>``, so that the
   tag's tokens are the same whatever follows it.
 * No answer (the paper's rule): a completion without ``answer_start`` has R = 0; all of its sampled tokens are
-  reasoning, pushed down by ``-b_i``, and it has no likelihood term. A completion cut at ``max_completion_length``
-  (not ended by EOS; the paper's sampler ends at ``</answer>``), or whose replaced completion is longer than
-  ``max_completion_length``, also has R = 0, its reasoning and answer in the sequence. Logged per batch:
+  reasoning, pushed down by ``-b_i``, and it has no likelihood term. A completion whose replaced completion is
+  longer than ``max_completion_length`` also has R = 0, its reasoning and answer in the sequence. Logged per batch:
   "verifree/no_answer" and "verifree/cut", the fractions of completions of each kind; "reward" is the mean R.
+  (The paper's sampler stops at ``</answer>`` and also gives R = 0 to a completion it cut at the length limit
+  after the tag; here generation stops at EOS, and what follows the tag, cut or not, is replaced.)
 
 Every micro-batch holds whole groups (the baseline reads the group's R from the same forward), the batch is
 trained on-policy (one optimizer step per generation, as in the paper), and TRL's loss options (``loss_type``,
@@ -163,8 +164,7 @@ class VeriFreeTrainer(AtomicCheckpoints, ExactResume, LogitlessHead, GRPOTrainer
         if replaced is None:
             return completion_ids, len(completion_ids), len(completion_ids), False, False
         ids, first, stop = covering_tokens(self._tokenizer, *replaced)
-        ended = completion_ids[-1] in [*self.eos_token_ids, self._tokenizer.pad_token_id]
-        return ids, first, stop, True, ended and len(ids) <= self.max_completion_length
+        return ids, first, stop, True, len(ids) <= self.max_completion_length
 
     def _generate_and_score_completions(self, inputs):
         device = self.accelerator.device
