@@ -68,6 +68,23 @@ def check_strings(name: str, values) -> list[str]:
     return list(values)
 
 
+def check_answer_template(name: str, template) -> str:
+    """A ``str.format`` template with one ``{answer}`` field and no other (literal braces doubled)."""
+    import string
+
+    if not isinstance(template, str) or not template.strip():
+        raise ValueError(f"{name}: expected a non-empty template such as '> \\boxed{{{{{{answer}}}}}} </answer>', "
+                         f"got {template!r}")
+    try:
+        fields = [field for _, field, _, _ in string.Formatter().parse(template) if field is not None]
+    except ValueError as err:
+        raise ValueError(f"{name}: {err} in {template!r} (write a literal brace twice: {{{{ }}}})") from None
+    if fields != ["answer"]:
+        raise ValueError(f"{name}: expected exactly one field, {{answer}}, where the reference answer goes, got "
+                         f"{fields} in {template!r} (write a literal brace twice: {{{{ }}}})")
+    return template
+
+
 def switch_setting(variable: str) -> str:
     """An on/off environment switch (``LOGITLESS_TRITON``, ``LOGITLESS_ONE_PASS``): "auto" (unset), "0" or "1"."""
     setting = os.environ.get(variable, "auto")

@@ -1,5 +1,5 @@
-"""The ``logitless`` command: demo | sft | grpo | grade | distill | bench (lmhead | grpo | reward | jax | grade |
-grade-variance | trl | cli | distributed).
+"""The ``logitless`` command: demo | sft | grpo | verifree | grade | distill | bench (lmhead | grpo | reward | jax |
+grade | grade-variance | trl | cli | distributed).
 
 Each subcommand's options live in a module of their own, which exposes ``add_parser(subcommands)`` (adding
 its parser and a ``handler``); registering one is one line in `build_parser`. Those modules load no
@@ -18,7 +18,7 @@ import warnings
 from logitless import __version__, demo_options, interrupts
 from logitless._lazy import install_hint
 from logitless.bench import cli as bench_cli
-from logitless.recipes import distill_options, grade_options, grpo_options, sft_options
+from logitless.recipes import distill_options, grade_options, grpo_options, sft_options, verifree_options
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo_options.add_parser(commands)
     sft_options.add_parser(commands)
     grpo_options.add_parser(commands)
+    verifree_options.add_parser(commands)
     grade_options.add_parser(commands)
     distill_options.add_parser(commands)
     bench_cli.add_parser(commands)

@@ -20,7 +20,8 @@ def _subcommands(parser: argparse.ArgumentParser, prefix=("logitless",)):
 
 def test_every_command_has_a_description_and_every_option_its_default_in_one_format():
     commands = {" ".join(path): parser for path, parser in _subcommands(build_parser())}
-    assert {"logitless demo", "logitless sft", "logitless grpo", "logitless grade", "logitless bench",
+    assert {"logitless demo", "logitless sft", "logitless grpo", "logitless verifree", "logitless grade",
+            "logitless bench",
             "logitless bench lmhead", "logitless bench grpo", "logitless bench reward", "logitless bench jax",
             "logitless bench grade", "logitless bench grade-variance"} <= set(commands)
     assert [name for name, parser in commands.items() if not parser.description] == []
@@ -71,7 +72,7 @@ MISSING = "no-such-data.jsonl"
                                           (["bench", "lmhead", "--help"], 0), (["demo", "--steps", "0"], 1),
                                           (["grade", "--method", "x"], 2), (["bench", "grade", "--steps", "0"], 1),
                                           *[([command, "--data", MISSING], 1)
-                                            for command in ("sft", "grpo", "grade", "distill")],
+                                            for command in ("sft", "grpo", "verifree", "grade", "distill")],
                                           (["distill", "--teacher", __file__], 1),
                                           (["bench", "compile", "--targets", "sm_75"], 1)])
 def test_help_version_and_option_errors_answer_without_loading_pytorch(argv, status, tmp_path):

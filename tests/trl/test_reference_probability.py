@@ -7,10 +7,9 @@ import torch
 trl = pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402
 
-from logitless.hf import final_hidden_states  # noqa: E402
-from logitless.models import tiny_qwen2  # noqa: E402
 from logitless.trl import GRPOTrainerWithLogits, RewardStdFilter, reference_probability_reward  # noqa: E402
 from logitless.trl.reference_probability import answer_replaced  # noqa: E402
+from spread_policy import spread_policy  # noqa: E402
 
 FRANCE = "What is the capital of France?"
 PRIME = [{"role": "user", "content": "Name a prime."}]
@@ -38,19 +37,8 @@ def chat_tokenizer(tokenizer):
 
 @pytest.fixture(scope="module")
 def policy(tokenizer):
-    """The untied tiny Qwen2 with its head made to spread its probability over the tokens the cases use (the random
-    head gives every token about 1/V, which would make every reward about 1e-6): every other row points against the
-    hidden states' mean direction, the used rows are small random vectors."""
-    model = tiny_qwen2(seed=0, tie_word_embeddings=False)
     texts = [FRANCE, "2+2?", "Name a prime."] + [text for *_, text in CASES if text] + [" Paris ", " 4 ", " 3 "]
-    used = sorted({token for text in texts for token in tokenizer(text, add_special_tokens=False)["input_ids"]})
-    with torch.no_grad():
-        hidden = final_hidden_states(model, torch.tensor([tokenizer(" ".join(texts))["input_ids"]]))[0]
-        direction = hidden.mean(0) / hidden.mean(0).norm()
-        weight = model.get_output_embeddings().weight
-        weight.copy_(-5.0 * direction.expand_as(weight))
-        weight[used] = 0.15 * torch.randn(len(used), weight.shape[1])
-    return model
+    return spread_policy(tokenizer, texts)
 
 
 def _prompt_ids(tokenizer, prompt) -> list[int]:

@@ -28,7 +28,7 @@ from logitless.recipes.common import (NONFINITE_ADVICE, RunPlan, check_model_sou
                                       hub_reachable, load_model, loading_snippet, plural, refuse_other_commands_data,
                                       run_recipe)
 from logitless.recipes.grpo_options import (FIXED_OPTIONS, RESULT_OPTIONS, SYNTHETIC_QUESTIONS,
-                                            MultichoiceGRPOConfig)
+                                            MultichoiceGRPOConfig, MultichoiceRunConfig)
 from logitless.rundir import write_json_atomically, write_text_atomically
 
 WARM_UP_HINT = ("GRPO learns only from reward differences within a group. The reward reads the letter after "
@@ -46,13 +46,13 @@ class GRPOPlan(RunPlan):
     records: list[dict] = dataclasses.field(default_factory=list)
 
 
-def load_questions(config: MultichoiceGRPOConfig) -> list[dict]:
-    """The questions, at least one step's worth; errors name ``data``."""
+def load_questions(config: MultichoiceRunConfig, command: str = "grpo") -> list[dict]:
+    """The questions of ``logitless COMMAND``, at least one step's worth; errors name ``data``."""
     from logitless.multichoice.data import load_multichoice, names_a_file, synthetic_multichoice
 
     if config.data is None:
         return synthetic_multichoice(count=SYNTHETIC_QUESTIONS, seed=config.seed + 1)
-    refuse_other_commands_data("data", config.data, "grpo", "grpo")
+    refuse_other_commands_data("data", config.data, command, "grpo")
     if Path(config.data).expanduser().exists() or names_a_file(config.data) or hub_reachable():
         records = load_multichoice(config.data, name="data")
     else:  # only the local cache can hold it: look there alone, not through a minute of retries
@@ -87,7 +87,7 @@ def train_grpo_multichoice(config: MultichoiceGRPOConfig | GRPOPlan, *, progress
     from trl import GRPOConfig
 
     from logitless.multichoice.data import to_trl_dataset
-    from logitless.recipes.trl_runs import EqualRewardsWarning, train_resumably
+    from logitless.recipes.trl_runs import EqualRewardsWarning, multichoice_trainer_options, train_resumably
     from logitless.trl import GRPOTrainerWithLogits, RewardStdFilter
     from logitless.trl.nonfinite import NonFiniteGuard
 
@@ -96,13 +96,7 @@ def train_grpo_multichoice(config: MultichoiceGRPOConfig | GRPOPlan, *, progress
     hf_logging.disable_progress_bar()  # no bars for each checkpoint write and model load
     policy, tokenizer = load_model("model", config.model, config.seed)
     reward = make_reward(config, policy, tokenizer)
-    args = GRPOConfig(output_dir=str(output_dir), use_cpu=True, bf16=False, activation_checkpointing=False,
-                      per_device_train_batch_size=config.completions_per_step, num_generations=config.num_generations,
-                      max_completion_length=config.max_completion_length, max_steps=config.steps,
-                      learning_rate=config.learning_rate, lr_scheduler_type="constant", loss_type=config.loss_type,
-                      temperature=config.temperature, logging_steps=1, report_to="none", save_strategy="steps",
-                      save_steps=config.save_every, save_total_limit=config.save_total_limit, seed=config.seed,
-                      disable_dropout=True, disable_tqdm=not progress)
+    args = GRPOConfig(**multichoice_trainer_options(config, output_dir, progress), loss_type=config.loss_type)
     guard = NonFiniteGuard(config.on_nonfinite, NONFINITE_ADVICE)
     trainer = GRPOTrainerWithLogits(model=policy, reward_funcs=reward, args=args,
                                     train_dataset=to_trl_dataset(plan.records), processing_class=tokenizer,

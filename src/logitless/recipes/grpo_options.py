@@ -25,8 +25,10 @@ SYNTHETIC_QUESTIONS = 256  # the default question set, the same whatever the num
 
 
 @dataclass
-class MultichoiceGRPOConfig(RecipeConfig):
-    judge: str | None = None  # a causal LM to judge chains of thought; None: a frozen copy of the initial policy
+class MultichoiceRunConfig(RecipeConfig):
+    """What the commands that train on multiple-choice questions with TRL's GRPOTrainer share (`logitless grpo`,
+    `logitless verifree`): the questions, the steps, the groups, the generation, the learning rate, the saves."""
+
     data: str | None = None  # jsonl / saved or hub dataset with question, choices, answer; None: synthetic
     output_dir: str = "runs/grpo"
     steps: int = 4
@@ -34,9 +36,25 @@ class MultichoiceGRPOConfig(RecipeConfig):
     num_generations: int = 4
     max_completion_length: int = 24
     learning_rate: float = 5e-5
-    loss_type: str = "dapo"
     temperature: float = 1.0
     save_every: int = 2
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_positive_ints(self, ("steps", "completions_per_step", "num_generations", "max_completion_length",
+                                   "save_every"))
+        check_generations(self.num_generations, self.completions_per_step)
+        check_finite_numbers(self, ("learning_rate", "temperature"))
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.completions_per_step // self.num_generations
+
+
+@dataclass
+class MultichoiceGRPOConfig(MultichoiceRunConfig):
+    judge: str | None = None  # a causal LM to judge chains of thought; None: a frozen copy of the initial policy
+    loss_type: str = "dapo"
     reward: str = "judge"
     reward_std_filter: bool = False  # RLPR's filter of the groups whose rewards hardly vary (the paper's settings)
 
@@ -45,10 +63,6 @@ class MultichoiceGRPOConfig(RecipeConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        check_positive_ints(self, ("steps", "completions_per_step", "num_generations", "max_completion_length",
-                                   "save_every"))
-        check_generations(self.num_generations, self.completions_per_step)
-        check_finite_numbers(self, ("learning_rate", "temperature"))
         check_choice("loss_type", self.loss_type, LOSS_TYPES)
         check_choice("reward", self.reward, REWARDS)
         if not isinstance(self.reward_std_filter, bool):
@@ -58,10 +72,6 @@ class MultichoiceGRPOConfig(RecipeConfig):
                 raise ValueError(f"judge: has no effect on this run (used with --reward judge only, not "
                                  f"{self.reward}); leave it out, or pass --reward judge")
             check_model_name("judge", self.judge)
-
-    @property
-    def prompts_per_step(self) -> int:
-        return self.completions_per_step // self.num_generations
 
 
 HELP = {

@@ -15,6 +15,18 @@ from logitless import interrupts
 from logitless.recipes.common import announce_start
 
 
+def multichoice_trainer_options(config, output_dir: Path, progress: bool) -> dict:
+    """The GRPOConfig options of a `MultichoiceRunConfig` run (`logitless grpo`, `logitless verifree`): one generation
+    per optimizer step on the CPU, a constant learning rate, a log line per step, checkpoints every ``save_every``."""
+    return dict(output_dir=str(output_dir), use_cpu=True, bf16=False, activation_checkpointing=False,
+                per_device_train_batch_size=config.completions_per_step, num_generations=config.num_generations,
+                max_completion_length=config.max_completion_length, max_steps=config.steps,
+                learning_rate=config.learning_rate, lr_scheduler_type="constant", temperature=config.temperature,
+                logging_steps=1, report_to="none", save_strategy="steps", save_steps=config.save_every,
+                save_total_limit=config.save_total_limit, seed=config.seed, disable_dropout=True,
+                disable_tqdm=not progress)
+
+
 class QuietProgress(ProgressCallback):
     """TRL's step bar, named like the other commands' bars, without a printed dict of metrics per step."""
 

@@ -38,7 +38,7 @@ WITH_REASONING_METRIC = "reference_probability/with_reasoning"
 WITHOUT_REASONING_METRIC = "reference_probability/without_reasoning"
 
 
-def _text(name: str, value) -> str:
+def completion_text(name: str, value) -> str:
     """A completion as text: a string, or a conversation whose last message holds it."""
     if isinstance(value, str):
         return value
@@ -61,6 +61,19 @@ def answer_replaced(completion: str, reference: str, answer_start: str = "<answe
     start = len(reasoning) + len(answer_start) + len(leading)
     text = reasoning + answer_start + leading + reference + " " + answer_end
     return text, (start, start + len(reference))
+
+
+def answer_from_template(completion: str, reference: str, answer_start: str, answer_template: str
+                         ) -> tuple[str, tuple[int, int]] | None:
+    """VeriFree's rule: (the completion up to and with its first ``answer_start``, then ``answer_template`` with
+    ``reference`` in its ``{answer}`` field; the character span of that filled template), or None when
+    ``answer_start`` does not occur. What the completion wrote after the tag is dropped."""
+    position = completion.find(answer_start)
+    if position < 0:
+        return None
+    start = position + len(answer_start)
+    text = completion[:start] + answer_template.format(answer=reference)
+    return text, (start, len(text))
 
 
 def answer_alone(reference: str) -> tuple[str, tuple[int, int]]:
@@ -159,7 +172,8 @@ def reference_probability_reward(model, tokenizer, *, answer_column: str = "solu
             prompt_ids = prompt_token_ids(tokenizer, prompt)
             if not prompt_ids:
                 raise ValueError(f"prompts[{i}]: tokenizes to no tokens; the answer's first token needs a row")
-            replaced = answer_replaced(_text(f"completions[{i}]", completion), reference, answer_start, answer_end)
+            replaced = answer_replaced(completion_text(f"completions[{i}]", completion), reference, answer_start,
+                                       answer_end)
             if replaced is None:
                 continue
             ids, first, stop = covering_tokens(tokenizer, *replaced)
