@@ -4,6 +4,7 @@ GRPO step loses the logits' share of its temporaries."""
 
 import contextlib
 import functools
+import re
 import subprocess
 import sys
 
@@ -264,20 +265,29 @@ def test_ppo_policy_loss_with_an_entropy_bonus_equals_tunix(tunix):
     assert_equal_steps(stock, switched, "tensor<4x11x1000xf32>")
 
 
-def test_the_switch_replaces_tunixs_two_functions_once_and_gives_them_back(tunix):
-    common, algo_core, switch = tunix["common"], tunix["algo_core"], tunix["switch"]
-    stock = common.compute_per_token_logps, algo_core.compute_entropy_from_logits
-    assert not switch.fused_head_in_use()
+def replaced_by_the_switch(tunix):
+    """Every function of Tunix's that the switch replaces, where Tunix looks it up: {name: (owner, attribute)}."""
+    common, algo_core = tunix["common"], tunix["algo_core"]
+    return {"compute_per_token_logps": (common, "compute_per_token_logps"),
+            "compute_entropy_from_logits": (algo_core, "compute_entropy_from_logits"),
+            "get_per_token_logps": (common, "get_per_token_logps")}
+
+
+def test_the_switch_replaces_tunixs_functions_once_and_gives_them_back(tunix):
+    switch = tunix["switch"]
+    seams = replaced_by_the_switch(tunix)
+    current = lambda: {name: vars(owner).get(attribute) for name, (owner, attribute) in seams.items()}  # noqa: E731
+    stock = current()
+    assert not switch.fused_head_in_use() and None not in stock.values()
     with switch.use_fused_head():
         switch.use_fused_head()  # a second call changes nothing
         assert switch.fused_head_in_use()
-        assert common.compute_per_token_logps is switch.compute_per_token_logps
-        assert algo_core.compute_entropy_from_logits is switch.compute_entropy_from_logits
-    assert (common.compute_per_token_logps, algo_core.compute_entropy_from_logits) == stock
+        assert current() == {name: getattr(switch, name) for name in seams}
+    assert current() == stock
     switch.use_fused_head()
     switch.use_stock_head()
     switch.use_stock_head()
-    assert (common.compute_per_token_logps, algo_core.compute_entropy_from_logits) == stock
+    assert current() == stock
 
 
 def test_another_tunix_signature_another_model_and_no_tunix_are_refused_by_name(tunix, monkeypatch):
@@ -469,3 +479,86 @@ def test_the_compiled_grpo_step_loses_the_logits_share_of_its_temporaries(tunix)
     assert stock > 2 * logits_bytes  # the logits, and their softmax and gradient, are most of stock's step
     assert fused <= stock - 0.75 * logits_bytes, (stock, fused, logits_bytes)
     print(f"compiled temporaries: stock {stock:,} B, switched {fused:,} B, logits {logits_bytes:,} B")
+
+
+def preference_batch(vocab, batch=2, prompt=6, completion=5, seed=0):
+    """DPO's tokenized input: prompts (B, P) left-padded, chosen and rejected completions (B, C) right-padded."""
+    prompt_ids, chosen_ids = token_batch(vocab, batch, prompt, completion, seed)
+    rejected_ids = token_batch(vocab, batch, prompt, completion, seed + 1)[1]
+    return dict(prompt_ids=prompt_ids, prompt_mask=prompt_ids != PAD, chosen_ids=chosen_ids,
+                chosen_mask=chosen_ids != PAD, rejected_ids=rejected_ids, rejected_mask=rejected_ids != PAD)
+
+
+def sequence_batch(tunix, vocab, batch=2, length=11, seed=0):
+    """A PEFT trainer's input: ids (B, L) with the positions and causal mask of their padding."""
+    prompt_ids, completion_ids = token_batch(vocab, batch, 6, length - 6, seed)
+    input_tokens = jnp.concatenate([prompt_ids, completion_ids], axis=1)
+    mask = input_tokens != PAD
+    return dict(input_tokens=input_tokens, input_mask=mask, positions=tunix["common"].build_positions_from_mask(mask),
+                attention_mask=tunix["common"].make_causal_attn_mask(mask))
+
+
+def dpo_trainer(tunix, vocab, algorithm):
+    """Tunix's DPOTrainer: DPO of a tied Qwen2 against a reference model (label smoothing 0.1), or ORPO of a Llama3."""
+    from tunix.sft.dpo import dpo_trainer as dpo
+
+    config = dpo.DPOTrainingConfig(algorithm=algorithm, beta=0.1, lambda_orpo=0.2, label_smoothing=0.1,
+                                   eval_every_n_steps=100, max_steps=1)
+    if algorithm == "dpo":
+        model, reference = tiny_qwen2(tunix, vocab, tied=True), tiny_qwen2(tunix, vocab, tied=True, seed=1)
+    else:
+        model, reference = tiny_family("llama3", vocab), None
+    return dpo.DPOTrainer(model, reference, kept_gradients(), config), preference_batch(vocab)
+
+
+def peft_trainer(tunix, vocab):
+    """Tunix's PeftTrainer with its default loss (the cross-entropy of every next token) on a Gemma3."""
+    from tunix.sft import peft_trainer as peft
+
+    trainer = peft.PeftTrainer(tiny_family("gemma3", vocab), kept_gradients(),
+                               peft.TrainingConfig(eval_every_n_steps=100, max_steps=1))
+    return trainer, sequence_batch(tunix, vocab)
+
+
+SFT_LEARNERS = {"dpo": lambda tunix, vocab: dpo_trainer(tunix, vocab, "dpo"),
+                "orpo": lambda tunix, vocab: dpo_trainer(tunix, vocab, "orpo"),
+                "peft": peft_trainer}
+
+
+def trainer_step(tunix, learner, vocab, fused: bool):
+    """One step of Tunix's own trainer for ``learner`` on tiny models: (every logged metric, the step's gradients,
+    the updated parameters, the text of the jitted train step's program)."""
+    nnx, switch = tunix["nnx"], tunix["switch"]
+    with switch.use_fused_head() if fused else contextlib.nullcontext():
+        trainer, batch = SFT_LEARNERS[learner](tunix, vocab)
+        trainer.train([batch])
+        trainer.clear_jit_cache()
+        step, _ = trainer.jit_train_and_eval_step(cache_nnx_graph=False)  # partial(nnx.jit(step), model, optimizer)
+        program = step.func.lower(*step.args, trainer._prepare_inputs(batch)).as_text()
+    logged = {(prefix, str(mode), name): np.asarray(values, np.float64)
+              for prefix, modes in trainer.metrics_logger._metrics.items() for mode, names in modes.items()
+              for name, values in names.items()}
+    return logged, trainer.optimizer.opt_state, nnx.state(trainer.model, nnx.Param), program
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("learner", sorted(SFT_LEARNERS))
+def test_one_step_of_each_sft_learner_equals_stock_tunix(tunix, learner):
+    """Tunix's own DPO (a reference model, label smoothing), ORPO and PEFT trainers, one step on a tiny vocabulary
+    (257): with the switch, the same logged metrics, gradients and parameters as stock Tunix, and the step's program
+    holds no (B, T, V) array where stock Tunix's holds the logits."""
+    vocab = 257
+    stock_logged, stock_grads, stock_params, stock_program = trainer_step(tunix, learner, vocab, fused=False)
+    logged, grads, params, program = trainer_step(tunix, learner, vocab, fused=True)
+    vocabulary_arrays = re.compile(rf"tensor<\d+x\d+x{vocab}x\w+>")  # (B, T, V) in any dtype
+    assert vocabulary_arrays.search(stock_program) and not vocabulary_arrays.search(program)
+    assert logged.keys() == stock_logged.keys() and len(logged) >= 2
+    for key, values in logged.items():
+        assert_rounding(values, stock_logged[key], 16, "/".join(key))
+    flat, stock_flat = (dict(jax.tree_util.tree_leaves_with_path(tree)) for tree in (grads, stock_grads))
+    assert flat.keys() == stock_flat.keys()
+    assert sum(float(jnp.abs(grad).max()) > 0 for grad in stock_flat.values()) >= 8  # (zero-initialized MLPs: 0)
+    for path, grad in flat.items():
+        assert_rounding(grad, stock_flat[path], 64, "gradient " + jax.tree_util.keystr(path))
+    for (path, value), stock_value in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(stock_params)):
+        assert_rounding(value, stock_value, 4, "parameter " + jax.tree_util.keystr(path))
