@@ -29,6 +29,7 @@ from logitless.jax import fused_linear_logprobs
 try:
     from flax import nnx
     from tunix.rl import algo_core, common
+    from tunix.sft import peft_trainer
     from tunix.sft.peft_trainer import PeftTrainer
 except ImportError as err:  # say how to get it, not just that it is missing
     raise ImportError("logitless.tunix needs Tunix: pip install 'logitless[tunix]'") from err
@@ -126,10 +127,25 @@ def get_per_token_logps(model, input_tokens: jax.Array, positions: jax.Array, at
                                  head=head)
 
 
+def default_loss_fn(model, input_tokens: jax.Array, input_mask: jax.Array, positions: jax.Array,
+                    attention_mask: jax.Array, images: jax.Array | None = None) -> jax.Array:
+    """Tunix 0.1.7's ``tunix.sft.peft_trainer._default_loss_fn`` (same arguments, same value), the PEFT trainer's
+    cross-entropy, on the fused head: the mean over the tokens of ``input_mask`` (B, L) after the first of minus the
+    log-prob of each, from the state before it."""
+    kwargs = {} if images is None else {"images": images}
+    final_hidden, head = final_states(model, input_tokens, positions=positions, attention_mask=attention_mask,
+                                      cache=None, **kwargs)  # (B, L, H)
+    log_probs = fused_linear_logprobs(final_hidden[:, :-1], targets=input_tokens[:, 1:], head=head)  # (B, L - 1)
+    target_mask = input_mask[:, 1:]
+    norm_factor = 1 / (jnp.sum(target_mask) + 1e-8)  # as Tunix's
+    return -jnp.sum(log_probs * target_mask.astype(log_probs.dtype)) * norm_factor
+
+
 _SEAMS = (  # (owner, name, ours): what the switch replaces, each looked up by Tunix when it runs
     (common, "compute_per_token_logps", compute_per_token_logps),  # the RL learners' scoring
     (algo_core, "compute_entropy_from_logits", compute_entropy_from_logits),  # their entropy
     (common, "get_per_token_logps", get_per_token_logps),  # DPO's and ORPO's scoring
+    (peft_trainer, "_default_loss_fn", default_loss_fn),  # the PEFT trainer's loss (read when one is made)
 )
 _STOCK: list = []  # (owner, name, what it held), while the switch is on
 
@@ -154,12 +170,18 @@ class FusedHead:
         use_stock_head()
 
 
-def _retrace_compiled_steps() -> None:
+def _retrace_compiled_steps(replaced: dict) -> None:
     """Every live Tunix trainer drops its compiled train and eval steps, and JAX its caches of traced functions,
     which hold the scoring they were traced with: the next step of every learner is traced with the scoring now
-    switched on, so no step mixes the two."""
+    switched on, so no step mixes the two. A trainer whose loss is a function just replaced (the PEFT trainer's
+    default, which it took when it was made) takes its replacement: ``replaced`` {old: new}."""
     for trainer in [found for found in gc.get_objects() if issubclass(type(found), PeftTrainer)]:
         trainer.clear_jit_cache()
+        for old, new in replaced.items():
+            if trainer.loss_fn is old:
+                trainer.loss_fn = new
+            if trainer.eval_loss_fn is old:
+                trainer.eval_loss_fn = new
     jax.clear_caches()
 
 
@@ -173,7 +195,7 @@ def use_fused_head() -> FusedHead:
         for owner, name, ours in _SEAMS:
             _STOCK.append((owner, name, getattr(owner, name)))
             setattr(owner, name, ours)
-        _retrace_compiled_steps()
+        _retrace_compiled_steps({stock: ours for (_, _, stock), (_, _, ours) in zip(_STOCK, _SEAMS)})
     return FusedHead()
 
 
@@ -181,10 +203,12 @@ def use_stock_head() -> None:
     """Give Tunix its own functions back (nothing to do when the switch is off); the steps compiled with the switch
     on are traced again at their next call."""
     if _STOCK:
+        replaced = {}
         while _STOCK:
             owner, name, stock = _STOCK.pop()
+            replaced[getattr(owner, name)] = stock
             setattr(owner, name, stock)
-        _retrace_compiled_steps()
+        _retrace_compiled_steps(replaced)
 
 
 def fused_head_in_use() -> bool:
@@ -192,5 +216,5 @@ def fused_head_in_use() -> bool:
     return common.compute_per_token_logps is compute_per_token_logps
 
 
-__all__ = ["FusedHead", "TokenEntropy", "compute_entropy_from_logits", "compute_per_token_logps", "fused_head_in_use",
-           "get_per_token_logps", "use_fused_head", "use_stock_head"]
+__all__ = ["FusedHead", "TokenEntropy", "compute_entropy_from_logits", "compute_per_token_logps", "default_loss_fn",
+           "fused_head_in_use", "get_per_token_logps", "use_fused_head", "use_stock_head"]
