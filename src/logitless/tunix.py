@@ -34,6 +34,7 @@ try:
 except ImportError as err:  # say how to get it, not just that it is missing
     raise ImportError("logitless.tunix needs Tunix: pip install 'logitless[tunix]'") from err
 
+from logitless import tunix_distillation
 from logitless.tunix_models import final_states
 
 TUNIX_VERSION = "0.1.7"  # the release built against: the functions replaced take the arguments these do
@@ -146,8 +147,10 @@ _SEAMS = (  # (owner, name, ours): what the switch replaces, each looked up by T
     (algo_core, "compute_entropy_from_logits", compute_entropy_from_logits),  # their entropy
     (common, "get_per_token_logps", get_per_token_logps),  # DPO's and ORPO's scoring
     (peft_trainer, "_default_loss_fn", default_loss_fn),  # the PEFT trainer's loss (read when one is made)
+    *tunix_distillation.SEAMS,  # LogitStrategy's methods that read the student's and the teacher's logits
 )
-_STOCK: list = []  # (owner, name, what it held), while the switch is on
+_STOCK: list = []  # (owner, name, what its own attributes held: _INHERITED where a class inherited it), switch on
+_INHERITED = object()
 
 
 def _check_tunix() -> None:
@@ -192,10 +195,12 @@ def use_fused_head() -> FusedHead:
     leaving."""
     if not _STOCK:
         _check_tunix()
+        replaced = {}
         for owner, name, ours in _SEAMS:
-            _STOCK.append((owner, name, getattr(owner, name)))
+            replaced[getattr(owner, name)] = ours
+            _STOCK.append((owner, name, vars(owner).get(name, _INHERITED)))
             setattr(owner, name, ours)
-        _retrace_compiled_steps({stock: ours for (_, _, stock), (_, _, ours) in zip(_STOCK, _SEAMS)})
+        _retrace_compiled_steps(replaced)
     return FusedHead()
 
 
@@ -206,8 +211,12 @@ def use_stock_head() -> None:
         replaced = {}
         while _STOCK:
             owner, name, stock = _STOCK.pop()
-            replaced[getattr(owner, name)] = stock
-            setattr(owner, name, stock)
+            ours = getattr(owner, name)
+            if stock is _INHERITED:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, stock)
+            replaced[ours] = getattr(owner, name)
         _retrace_compiled_steps(replaced)
 
 
