@@ -1,15 +1,22 @@
-"""Tunix's policy scoring on logitless's fused head: `use_fused_head()` makes Tunix 0.1.7's RL learners score the
-policy, the old policy and the reference model, and read the entropy, through `logitless.jax.fused_linear_logprobs`
-from the model's final hidden states, without the ``(B, P + C, V)`` fp32 logits.
+"""Tunix's learners on logitless's fused head: `use_fused_head()` makes Tunix 0.1.7's RL learners (GRPO, PPO), its DPO
+and ORPO trainer, its PEFT trainer's default cross-entropy and its logit distillation score tokens through
+`logitless.jax`'s fused ops from the models' final hidden states, without the ``(B, T, V)`` fp32 logits.
 
-Every Tunix caller (the GRPO and PPO losses, the reference and old-policy scoring of ``RLCluster``, the rollouts)
-looks ``compute_per_token_logps`` up through ``tunix.rl.common`` when it runs, and the losses read the entropy through
-``tunix.rl.algo_core.compute_entropy_from_logits``: the switch replaces those two module attributes. The replacement
-`compute_per_token_logps` has Tunix's signature and returns Tunix's values; where Tunix returns the logits
-(``return_logits=True``, which its losses ask for only to take their entropy) it returns a `TokenEntropy` instead,
-which the replaced ``compute_entropy_from_logits`` reads. Tunix's loss code runs unchanged on both.
+Each of Tunix's functions that reads logits is a module or class attribute that Tunix looks up when it runs; the switch
+replaces them (`_SEAMS`) and `use_stock_head()` gives them back:
 
-Needs the ``tunix`` extra (``pip install 'logitless[tunix]'``). See docs/tunix.md.
+- ``tunix.rl.common.compute_per_token_logps``, which the GRPO and PPO losses, the reference and old-policy scoring of
+  ``RLCluster`` and the rollouts call, and ``tunix.rl.algo_core.compute_entropy_from_logits``, which the losses take
+  the entropy with. The replacement `compute_per_token_logps` has Tunix's signature and returns Tunix's values; where
+  Tunix returns the logits (``return_logits=True``, which its losses ask for only to take their entropy) it returns a
+  `TokenEntropy` instead, which the replaced ``compute_entropy_from_logits`` reads.
+- ``tunix.rl.common.get_per_token_logps``, DPO's and ORPO's scoring of the chosen and rejected completions.
+- ``tunix.sft.peft_trainer._default_loss_fn``, the PEFT trainer's loss (a trainer made before the switch takes the
+  replacement too).
+- ``LogitStrategy``'s output and loss methods (`logitless.tunix_distillation`).
+
+Tunix's loss code runs unchanged on all but the distillation strategy's. Needs the ``tunix`` extra (``pip install
+'logitless[tunix]'``). See docs/tunix.md.
 """
 
 from __future__ import annotations
