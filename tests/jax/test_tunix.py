@@ -4,6 +4,7 @@ GRPO step loses the logits' share of its temporaries."""
 
 import contextlib
 import functools
+import re
 import subprocess
 import sys
 
@@ -264,20 +265,46 @@ def test_ppo_policy_loss_with_an_entropy_bonus_equals_tunix(tunix):
     assert_equal_steps(stock, switched, "tensor<4x11x1000xf32>")
 
 
-def test_the_switch_replaces_tunixs_two_functions_once_and_gives_them_back(tunix):
+def replaced_by_the_switch(tunix):
+    """Every function of Tunix's that the switch replaces, where Tunix looks it up, and its replacement:
+    [(owner, attribute, replacement)]."""
+    from tunix.distillation.strategies import logit
+    from tunix.sft import peft_trainer
+
+    import logitless.tunix_distillation as distillation
+
     common, algo_core, switch = tunix["common"], tunix["algo_core"], tunix["switch"]
-    stock = common.compute_per_token_logps, algo_core.compute_entropy_from_logits
-    assert not switch.fused_head_in_use()
+    return [(common, "compute_per_token_logps", switch.compute_per_token_logps),
+            (algo_core, "compute_entropy_from_logits", switch.compute_entropy_from_logits),
+            (common, "get_per_token_logps", switch.get_per_token_logps),
+            (peft_trainer, "_default_loss_fn", switch.default_loss_fn),
+            *((logit.LogitStrategy, name, getattr(distillation, name))
+              for name in ("get_student_outputs", "get_teacher_outputs", "compute_loss", "compute_eval_loss"))]
+
+
+def test_the_switch_replaces_tunixs_functions_once_and_gives_them_back(tunix):
+    """Each function replaced while the switch is on, and Tunix's own after (a method LogitStrategy inherits
+    inherited again); a PEFT trainer made before the switch (which took Tunix's default loss then) takes the
+    replacement, and gives it back."""
+    from tunix.sft import peft_trainer as peft
+
+    switch = tunix["switch"]
+    seams = replaced_by_the_switch(tunix)
+    current = lambda: [vars(owner).get(name, "inherited") for owner, name, _ in seams]  # noqa: E731
+    stock = current()
+    trainer = peft.PeftTrainer(tiny_qwen2(tunix, 64), kept_gradients(), peft.TrainingConfig(eval_every_n_steps=1))
+    assert not switch.fused_head_in_use() and stock.count("inherited") == 2
     with switch.use_fused_head():
         switch.use_fused_head()  # a second call changes nothing
         assert switch.fused_head_in_use()
-        assert common.compute_per_token_logps is switch.compute_per_token_logps
-        assert algo_core.compute_entropy_from_logits is switch.compute_entropy_from_logits
-    assert (common.compute_per_token_logps, algo_core.compute_entropy_from_logits) == stock
+        assert current() == [ours for _, _, ours in seams]
+        assert trainer.loss_fn is trainer.eval_loss_fn is switch.default_loss_fn
+    assert current() == stock
+    assert trainer.loss_fn is trainer.eval_loss_fn is peft._default_loss_fn
     switch.use_fused_head()
     switch.use_stock_head()
     switch.use_stock_head()
-    assert (common.compute_per_token_logps, algo_core.compute_entropy_from_logits) == stock
+    assert current() == stock
 
 
 def test_another_tunix_signature_another_model_and_no_tunix_are_refused_by_name(tunix, monkeypatch):
@@ -469,3 +496,162 @@ def test_the_compiled_grpo_step_loses_the_logits_share_of_its_temporaries(tunix)
     assert stock > 2 * logits_bytes  # the logits, and their softmax and gradient, are most of stock's step
     assert fused <= stock - 0.75 * logits_bytes, (stock, fused, logits_bytes)
     print(f"compiled temporaries: stock {stock:,} B, switched {fused:,} B, logits {logits_bytes:,} B")
+
+
+def preference_batch(vocab, batch=2, prompt=6, completion=5, seed=0):
+    """DPO's tokenized input: prompts (B, P) left-padded, chosen and rejected completions (B, C) right-padded."""
+    prompt_ids, chosen_ids = token_batch(vocab, batch, prompt, completion, seed)
+    rejected_ids = token_batch(vocab, batch, prompt, completion, seed + 1)[1]
+    return dict(prompt_ids=prompt_ids, prompt_mask=prompt_ids != PAD, chosen_ids=chosen_ids,
+                chosen_mask=chosen_ids != PAD, rejected_ids=rejected_ids, rejected_mask=rejected_ids != PAD)
+
+
+def sequence_batch(tunix, vocab, batch=2, length=11, seed=0):
+    """A PEFT trainer's input: ids (B, L) with the positions and causal mask of their padding."""
+    prompt_ids, completion_ids = token_batch(vocab, batch, 6, length - 6, seed)
+    input_tokens = jnp.concatenate([prompt_ids, completion_ids], axis=1)
+    mask = input_tokens != PAD
+    return dict(input_tokens=input_tokens, input_mask=mask, positions=tunix["common"].build_positions_from_mask(mask),
+                attention_mask=tunix["common"].make_causal_attn_mask(mask))
+
+
+def dpo_trainer(tunix, vocab, algorithm):
+    """Tunix's DPOTrainer: DPO of a tied Qwen2 against a reference model (label smoothing 0.1), or ORPO of a Llama3."""
+    from tunix.sft.dpo import dpo_trainer as dpo
+
+    config = dpo.DPOTrainingConfig(algorithm=algorithm, beta=0.1, lambda_orpo=0.2, label_smoothing=0.1,
+                                   eval_every_n_steps=100, max_steps=1)
+    if algorithm == "dpo":
+        model, reference = tiny_qwen2(tunix, vocab, tied=True), tiny_qwen2(tunix, vocab, tied=True, seed=1)
+    else:
+        model, reference = tiny_family("llama3", vocab), None
+    return dpo.DPOTrainer(model, reference, kept_gradients(), config), preference_batch(vocab)
+
+
+def peft_trainer(tunix, vocab):
+    """Tunix's PeftTrainer with its default loss (the cross-entropy of every next token) on a Gemma3."""
+    from tunix.sft import peft_trainer as peft
+
+    trainer = peft.PeftTrainer(tiny_family("gemma3", vocab), kept_gradients(),
+                               peft.TrainingConfig(eval_every_n_steps=100, max_steps=1))
+    return trainer, sequence_batch(tunix, vocab)
+
+
+def distillation_trainer(tunix, vocab):
+    """Tunix's DistillationTrainer with a LogitStrategy (temperature 2, alpha 0.3, Tunix's one-hot labels of the
+    next tokens) from a Qwen3 teacher to an untied Qwen2 student."""
+    from tunix.distillation import distillation_trainer as distillation
+    from tunix.distillation import strategies
+
+    def forward(model, input_tokens, input_mask, positions, attention_mask):  # as Tunix's examples write it
+        logits, _ = model(input_tokens, positions, None, attention_mask)
+        return logits[:, :-1, :]
+
+    def labels(input_tokens, input_mask, positions, attention_mask):
+        return jax.nn.one_hot(input_tokens[:, 1:], vocab) * input_mask[:, 1:, None]  # (B, L - 1, V)
+
+    strategy = strategies.LogitStrategy(forward, forward, labels, temperature=2.0, alpha=0.3)
+    trainer = distillation.DistillationTrainer(tiny_qwen2(tunix, vocab), tiny_family("qwen3", vocab), strategy,
+                                               kept_gradients(), distillation.TrainingConfig(eval_every_n_steps=100,
+                                                                                             max_steps=1))
+    batch = sequence_batch(tunix, vocab)
+    trainer = trainer.with_gen_model_input_fn(lambda x: {
+        name: batch[name] for name in ("input_tokens", "input_mask", "positions", "attention_mask")})
+    return trainer, distillation.TrainingInput(input_tokens=batch["input_tokens"], input_mask=batch["input_mask"])
+
+
+SFT_LEARNERS = {"distillation": distillation_trainer,
+                "dpo": lambda tunix, vocab: dpo_trainer(tunix, vocab, "dpo"),
+                "orpo": lambda tunix, vocab: dpo_trainer(tunix, vocab, "orpo"),
+                "peft": peft_trainer}
+
+
+def trainer_step(tunix, learner, vocab, fused: bool):
+    """One step of Tunix's own trainer for ``learner`` on tiny models: (every logged metric, the step's gradients,
+    the updated parameters, the text of the jitted train step's program)."""
+    nnx, switch = tunix["nnx"], tunix["switch"]
+    trainer, batch = SFT_LEARNERS[learner](tunix, vocab)  # made before the switch, which it then follows
+    with switch.use_fused_head() if fused else contextlib.nullcontext():
+        trainer.train([batch])
+        trainer.clear_jit_cache()
+        step, _ = trainer.jit_train_and_eval_step(cache_nnx_graph=False)  # partial(nnx.jit(step), model, optimizer)
+        inputs = trainer._prepare_inputs(batch)
+        program = step.func.lower(*step.args, inputs).as_text()
+        loss = trainer.loss_fn(trainer.model, **trainer.gen_model_input_fn(inputs))  # after the step
+    logged = {(prefix, str(mode), name): np.asarray(values, np.float64)
+              for prefix, modes in trainer.metrics_logger._metrics.items() for mode, names in modes.items()
+              for name, values in names.items()}
+    if isinstance(loss, tuple):  # the loss's metrics, which the distillation trainer does not log
+        logged.update({("aux", name): np.asarray(value, np.float64) for name, value in loss[1].items()})
+    return logged, trainer.optimizer.opt_state, nnx.state(trainer.model, nnx.Param), program
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("learner", sorted(SFT_LEARNERS))
+def test_one_step_of_each_sft_learner_equals_stock_tunix(tunix, learner):
+    """Tunix's own DPO (a reference model, label smoothing), ORPO, PEFT and logit-distillation trainers, each made
+    before the switch, one step on a tiny vocabulary (257): with the switch, the same logged metrics (and the
+    distillation loss's own), gradients and parameters (the gradients' rounding times the learning rate) as stock
+    Tunix. The step's program holds no (B, T, V) array where stock Tunix's holds the logits, except distillation's
+    labels (B, T, V), which its labels function makes: nothing there takes a softmax over the vocabulary, and the
+    teacher's logits are no input of the step."""
+    vocab = 257
+    stock_logged, stock_grads, stock_params, stock_program = trainer_step(tunix, learner, vocab, fused=False)
+    logged, grads, params, program = trainer_step(tunix, learner, vocab, fused=True)
+    vocabulary_arrays = re.compile(rf"tensor<\d+x\d+x{vocab}x\w+>")  # (B, T, V) in any dtype
+    softmax = re.compile(rf"stablehlo\.(exponential|log|subtract) .*tensor<\d+x\d+x{vocab}x")  # over (B, T, V)
+    step_inputs = lambda program: program[program.index("@main("):].split("\n")[0]  # noqa: E731
+    assert softmax.search(stock_program) and not softmax.search(program)
+    if learner == "distillation":
+        assert vocabulary_arrays.search(step_inputs(stock_program))  # the teacher's logits
+        assert not vocabulary_arrays.search(step_inputs(program))
+        assert {key[-1] for key in logged if key[0] == "aux"} == {"distill/soft_loss", "distill/hard_loss",
+                                                             "distill/kl_div", "distill/teacher_loss"}
+    else:
+        assert vocabulary_arrays.search(stock_program) and not vocabulary_arrays.search(program)
+    assert logged.keys() == stock_logged.keys() and len(logged) >= 2
+    for key, values in logged.items():
+        assert_rounding(values, stock_logged[key], 16, "/".join(key))
+    flat, stock_flat = (dict(jax.tree_util.tree_leaves_with_path(tree)) for tree in (grads, stock_grads))
+    assert flat.keys() == stock_flat.keys()
+    assert sum(float(jnp.abs(grad).max()) > 0 for grad in stock_flat.values()) >= 8  # (zero-initialized MLPs: 0)
+    for path, grad in flat.items():
+        assert_rounding(grad, stock_flat[path], 64, "gradient " + jax.tree_util.keystr(path))
+    for (path, value), stock_value in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(stock_params)):
+        assert_rounding(value, stock_value, 16, "parameter " + jax.tree_util.keystr(path))
+
+
+def test_distillation_the_fused_head_cannot_match_is_refused_or_left_to_tunix(tunix):
+    """LogitStrategy switched: a forward function that changes the logits' values, and a head with a final soft cap
+    (which bends the logits the cross-entropy on the labels sums), are refused by name; a strategy distilling the
+    teacher's top k logits runs Tunix's own methods, on the logits."""
+    from tunix.distillation import strategies
+
+    switch, vocab = tunix["switch"], 64
+    batch = sequence_batch(tunix, vocab)
+
+    def forward(model, input_tokens, input_mask, positions, attention_mask):
+        return model(input_tokens, positions, None, attention_mask)[0][:, :-1, :]
+
+    def softened(model, **inputs):
+        return forward(model, **inputs) / 2.0
+
+    def labels(input_tokens, input_mask, positions, attention_mask):
+        return jax.nn.one_hot(input_tokens[:, 1:], vocab) * input_mask[:, 1:, None]
+
+    model = tiny_qwen2(tunix, vocab)
+    with switch.use_fused_head():
+        with pytest.raises(TypeError, match=r"^student_forward_fn: does more to the logits than slice their leading "
+                                            r"axes \(div, slice\)"):
+            strategies.LogitStrategy(softened, forward, labels).get_student_outputs(model, batch)
+        capped = strategies.LogitStrategy(forward, forward, labels)
+        gemma = tiny_family("gemma", vocab)
+        with pytest.raises(NotImplementedError, match=r"^model: a final soft cap \(1.0\)"):
+            capped.compute_loss(capped.get_student_outputs(gemma, batch), capped.get_teacher_outputs(gemma, batch),
+                                labels(**batch))
+        top_k = strategies.LogitStrategy(forward, forward, labels, distill_top_k=8)
+        student, teacher = top_k.get_student_outputs(model, batch), top_k.get_teacher_outputs(model, batch)
+        assert student.shape == (2, 10, vocab) and teacher.shape == (2, 10, vocab)  # Tunix's logits
+        switched = top_k.compute_loss(student, teacher, labels(**batch))
+    stock = top_k.compute_loss(student, teacher, labels(**batch))
+    assert jax.tree.map(float, switched) == jax.tree.map(float, stock)
