@@ -4,9 +4,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 # Tunix 0.1.7 for tests/jax/test_tunix.py, without its own resolve (which would downgrade transformers and
-# huggingface_hub and pull in tensorflow-datasets): the packages `tunix.rl` and its learners import, pinned
+# huggingface_hub and pull in tensorflow-datasets): the packages `tunix.rl` and its learners import, pinned; and qwix,
+# Tunix's LoRA, whose wrapped models the tests check are refused
 TUNIX_PINS := google-tunix==0.1.7 google-metrax==0.2.4 clu==0.0.12 wrapt==2.5.2 tensorboardX==2.6.5 \
-	jaxtyping==0.3.11 wadler-lindig==0.1.8 sentencepiece==0.2.3 perfetto==0.59.1
+	jaxtyping==0.3.11 wadler-lindig==0.1.8 sentencepiece==0.2.3 perfetto==0.59.1 qwix==0.1.8
 DEEPSPEED_PIN := deepspeed==0.19.8
 
 .PHONY: install demo test test-fast test-jax-alone tokamax-env lint test-loaded gpu-wheels clean

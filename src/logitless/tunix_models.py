@@ -95,6 +95,12 @@ def take_head(model, output: Callable = _identity) -> TakenHead:
     """Takes the head off ``model`` (a merged copy, changed in place), so that calling it returns ``output`` of its
     final hidden states (B, L, H) where it returned its logits (by default the states themselves, cast as its
     logits would be; ``output`` is kept in the model's graph, so it is one object for every call, not a closure)."""
+    wrapped = getattr(type(model), "_unquantized_type", None)  # qwix's subclass of a LoRA or quantized model
+    if wrapped is not None:
+        raise NotImplementedError(
+            f"model: a {wrapped.__name__} wrapped by qwix (LoRA or quantization) is refused: qwix intercepts its "
+            "matmuls by module path, the head's too where its rules match it, and logitless.tunix cannot read them; "
+            "logitless.tunix.use_stock_head() scores it")
     family = FAMILIES.get(type(model))
     if family is None:
         names = ", ".join(cls.__name__ for cls in FAMILIES)

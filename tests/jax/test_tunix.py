@@ -621,6 +621,23 @@ def test_one_step_of_each_sft_learner_equals_stock_tunix(tunix, learner):
         assert_rounding(value, stock_value, 16, "parameter " + jax.tree_util.keystr(path))
 
 
+def test_a_model_qwix_wrapped_for_lora_is_refused_in_one_line(tunix):
+    """qwix's LoRA (and quantization) subclasses the model and intercepts its matmuls by module path, the head's where
+    its rules match it: the switch refuses such a model by name rather than score a head whose arithmetic it cannot
+    read."""
+    import qwix
+
+    base = tiny_qwen2(tunix, 64)
+    lora = qwix.LoraProvider(module_path=".*q_proj|.*v_proj", rank=2, alpha=4.0)
+    model = qwix.apply_lora_to_model(base, lora, rngs=tunix["nnx"].Rngs(0), **base.get_model_input())
+    prompt_ids, completion_ids = token_batch(64)
+    graphdef, state = tunix["nnx"].split(model)
+    with tunix["switch"].use_fused_head():
+        with pytest.raises(NotImplementedError, match=r"^model: a Qwen2 wrapped by qwix \(LoRA or quantization\) is "
+                                                      r"refused: .*use_stock_head\(\) scores it"):
+            tunix["common"].compute_per_token_logps(graphdef, state, prompt_ids, completion_ids, PAD, EOS)
+
+
 def test_distillation_the_fused_head_cannot_match_is_refused_or_left_to_tunix(tunix):
     """LogitStrategy switched: a forward function that changes the logits' values, and a head with a final soft cap
     (which bends the logits the cross-entropy on the labels sums), are refused by name; a strategy distilling the
