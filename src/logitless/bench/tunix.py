@@ -31,8 +31,8 @@ import time
 from dataclasses import asdict, dataclass
 
 from logitless.bench.jax import COMPILE_SHAPE, Shape, shape_option
-from logitless.bench.options import (benchmark_parser, choices_metavar, require_positive, require_writable,
-                                     rows_so_far, write_report)
+from logitless.bench.options import (add_report_options, benchmark_parser, choices_metavar, require_positive,
+                                     require_writable, rows_so_far, write_report)
 from logitless.bench.text_table import MB_PER_BYTE, column, header_line, row_line
 from logitless.bench.xla_memory import memory_of
 
@@ -191,26 +191,23 @@ DESCRIPTION = ("One training step of each of Tunix 0.1.7's learners on tiny mode
 
 
 def add_parser(targets) -> None:
-    """Register ``logitless bench tunix`` on the ``bench`` subcommand's subparsers."""
-    defaults = Sizes()
+    """Register ``logitless bench tunix`` on the ``bench`` subcommand's subparsers (its --repeats: the timed steps
+    of each learner and head, after one warm-up)."""
     parser = benchmark_parser(targets, "tunix", SUMMARY, DESCRIPTION)
-    parser.add_argument("--learners", nargs="+", default=list(LEARNERS), metavar=choices_metavar(LEARNERS),
-                        help=f"the learners to measure (default: {' '.join(LEARNERS)})")
-    parser.add_argument("--batch", "-B", type=int, default=defaults.batch,
+    parser.add_argument("--batch", "-B", type=int, default=Sizes.batch,
                         help="sequences (DPO and ORPO: prompts, each with a chosen and a rejected completion) "
                              "(default: %(default)s)")
-    parser.add_argument("--seq", "-T", type=int, default=defaults.seq,
+    parser.add_argument("--seq", "-T", type=int, default=Sizes.seq,
                         help="tokens per sequence, prompt and completion (at least 8) (default: %(default)s)")
-    parser.add_argument("--vocab", "-V", type=int, default=defaults.vocab,
+    parser.add_argument("--vocab", "-V", type=int, default=Sizes.vocab,
                         help="vocabulary size of the tiny models (default: %(default)s, Qwen2's)")
+    parser.add_argument("--learners", nargs="+", default=list(LEARNERS), metavar=choices_metavar(LEARNERS),
+                        help=f"the learners to measure (default: {' '.join(LEARNERS)})")
     parser.add_argument("--seed-shape", dest="seed_shape", default="1,8192,4096,151936,bfloat16",
                         metavar="B,T,H,V,DTYPE",
                         help="the shape at which the GRPO step's scoring is compiled only, or none (default: "
                              "%(default)s)")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="timed steps per learner and head, after one warm-up; median reported (default: "
-                             "%(default)s)")
-    parser.add_argument("--json", help="write the report here (default: not written)")
+    add_report_options(parser, plot=False)
     parser.set_defaults(handler=run_cli)
 
 
