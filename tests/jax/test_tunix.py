@@ -15,7 +15,12 @@ import jax
 import jax.numpy as jnp
 
 EPS = float(np.finfo(np.float32).eps)
-PAD, EOS = 0, 2
+try:  # without Tunix, the `tunix` fixture fails each test, saying how to get it
+    from logitless.bench.tunix_learners import (EOS, PAD, SFT_LEARNERS, grpo_config, grpo_loss_step, kept_gradients,
+                                                on_policy_example, sequence_batch, tiny_family, tiny_qwen2,
+                                                token_batch, train_step)
+except ImportError:
+    pass
 
 
 @pytest.fixture(scope="module")
@@ -41,33 +46,6 @@ def _stock_tunix_after_each_test():
         sys.modules["logitless.tunix"].use_stock_head()
 
 
-def tiny_qwen2(tunix, vocab=1000, tied=False, seed=0, layers=1):
-    """A Tunix Qwen2 from a config, randomly initialized; its MLP (zeros at init) made random too, so that every
-    parameter takes a gradient through every path."""
-    nnx, qwen2 = tunix["nnx"], tunix["qwen2"]
-    config = qwen2.ModelConfig(num_layers=layers, vocab_size=vocab, embed_dim=32, hidden_dim=64, num_heads=4,
-                               head_dim=8, num_kv_heads=2, rope_theta=10000, norm_eps=1e-6, use_tied_embedding=tied)
-    model = qwen2.Qwen2(config, rngs=nnx.Rngs(seed))
-    if tied:  # N(0, 1) embeddings make logits of ~50 and one-hot softmaxes: scaled to a language model's spread
-        model.embedder.input_embedding[...] = 0.05 * model.embedder.input_embedding[...]
-    key = jax.random.key(seed + 100)
-    for layer in model.layers:
-        for linear in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-            key, draw = jax.random.split(key)
-            linear.kernel[...] = 0.1 * jax.random.normal(draw, linear.kernel[...].shape)
-    return model
-
-
-def token_batch(vocab, batch=4, prompt=6, completion=5, seed=0):
-    """Prompt ids (B, P), left-padded, and completion ids (B, C), right-padded, as a Tunix rollout hands them."""
-    rng = np.random.default_rng(seed)
-    prompt_ids = rng.integers(3, vocab, (batch, prompt))
-    prompt_ids[0, :2] = PAD
-    completion_ids = rng.integers(3, vocab, (batch, completion))
-    completion_ids[1, 3:] = PAD
-    return jnp.asarray(prompt_ids), jnp.asarray(completion_ids)
-
-
 def assert_rounding(got, expected, roundings, what):
     """``got`` equals ``expected`` within ``roundings`` fp32 roundings of the largest of the values expected (all 0:
     exactly)."""
@@ -87,7 +65,7 @@ def test_switched_scoring_equals_tunix(tunix, tied, temperature, packed):
     Tunix leaves out at 0 and 1."""
     nnx, common, algo_core, switch = tunix["nnx"], tunix["common"], tunix["algo_core"], tunix["switch"]
     vocab = 1000
-    graphdef, state = nnx.split(tiny_qwen2(tunix, vocab, tied))
+    graphdef, state = nnx.split(tiny_qwen2(vocab, tied))
     prompt_ids, completion_ids = token_batch(vocab)
     packing = {}
     if packed:  # one packed row per sequence: the prompt is empty, the positions and segments given
@@ -112,39 +90,6 @@ def test_switched_scoring_equals_tunix(tunix, tied, temperature, packed):
     if packed:
         assert float(jnp.abs(log_probs[:, 0]).max()) == 0.0
         np.testing.assert_allclose(token_entropy.entropy[:, 0], np.log(vocab), rtol=4 * EPS)
-
-
-def tiny_family(family, vocab=1000, seed=0):
-    """A one-layer Tunix model of ``family`` from a config (random weights; its head scaled to a language model's
-    spread of logits; Gemma's and Gemma 4's final soft cap 1, which bends logits of that size)."""
-    from flax import nnx
-    from tunix.models.gemma import model as gemma
-    from tunix.models.gemma3 import model as gemma3
-    from tunix.models.gemma4 import model as gemma4
-    from tunix.models.llama3 import model as llama3
-    from tunix.models.qwen3 import model as qwen3
-
-    shape = dict(num_layers=1, embed_dim=32, hidden_dim=64, num_heads=4, head_dim=8, num_kv_heads=2)
-    rope = dict(rope_theta=10000, norm_eps=1e-6)
-    build = {
-        "llama3": lambda: llama3.Llama3(llama3.ModelConfig(vocab_size=vocab, **rope, **shape), rngs=nnx.Rngs(seed)),
-        "llama3-tied": lambda: llama3.Llama3(llama3.ModelConfig(vocab_size=vocab, weight_tying=True, **rope, **shape),
-                                             rngs=nnx.Rngs(seed)),
-        "qwen3": lambda: qwen3.Qwen3(qwen3.ModelConfig(vocab_size=vocab, **rope, **shape), rngs=nnx.Rngs(seed)),
-        "gemma": lambda: gemma.Gemma(gemma.ModelConfig(
-            num_embed=vocab, final_logit_softcap=1.0, use_post_attn_norm=True, use_post_ffw_norm=True,
-            attention_types=(gemma.AttentionType.GLOBAL,), **shape), rngs=nnx.Rngs(seed)),
-        "gemma3": lambda: gemma3.Gemma3(gemma3.ModelConfig(num_embed=vocab, sliding_window_size=8,
-                                                           param_dtype=jnp.float32, **shape), rngs=nnx.Rngs(seed)),
-        "gemma4": lambda: gemma4.Gemma4(gemma4.ModelConfig(num_embed=vocab, sliding_window_size=8,
-                                                           final_logit_softcap=1.0, **shape), rngs=nnx.Rngs(seed)),
-    }
-    model = build[family]()
-    embedding = model.embedder.input_embedding
-    embedding[...] = 0.05 * embedding[...] / max(float(jnp.std(embedding[...])), 1e-6)
-    if hasattr(model, "lm_head"):
-        model.lm_head.w[...] = 0.15 * model.lm_head.w[...] / max(float(jnp.std(model.lm_head.w[...])), 1e-6)
-    return model
 
 
 @pytest.mark.parametrize("family", ["llama3", "llama3-tied", "qwen3", "gemma", "gemma3", "gemma4"])
@@ -202,14 +147,7 @@ def grpo_example(tunix, vocab, seed=0, old=True):
 def loss_step(tunix, loss_name, model, example, config):
     """Tunix's registered policy loss ``loss_name`` of ``model`` on ``example``, jitted afresh (a jitted step keeps
     the scoring it was first traced with): (loss, metrics, gradients w.r.t. the parameters, the step's program)."""
-    nnx = tunix["nnx"]
-    loss_fn = tunix["grpo_learner"].function_registry.get_policy_loss_fn(loss_name)
-    graphdef, state = nnx.split(model)
-
-    def loss(state):
-        return loss_fn(nnx.merge(graphdef, state), example, algo_config=config, pad_id=PAD, eos_id=EOS)
-
-    step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    step, state = grpo_loss_step(model, example, config, loss_name)
     (value, metrics), grads = step(state)
     return value, metrics, grads, step.lower(state).as_text()
 
@@ -240,7 +178,7 @@ def test_grpo_loss_metrics_and_gradients_equal_tunix(tunix, tied, loss_algo, los
     config = tunix["grpo_learner"].GRPOConfig(num_generations=2, beta=0.04, loss_algo=loss_algo,
                                               loss_agg_mode=loss_agg_mode, epsilon=0.1)
     config.temperature = 0.8  # the learner sets it from the rollout's
-    model, example = tiny_qwen2(tunix, 1000, tied), grpo_example(tunix, 1000, old=old)
+    model, example = tiny_qwen2(1000, tied), grpo_example(tunix, 1000, old=old)
     stock = loss_step(tunix, "grpo", model, example, config)
     with tunix["switch"].use_fused_head():
         switched = loss_step(tunix, "grpo", model, example, config)
@@ -257,7 +195,7 @@ def test_ppo_policy_loss_with_an_entropy_bonus_equals_tunix(tunix):
     config = SimpleNamespace(epsilon_low=0.2, epsilon_high=0.28, entropy_coef=0.05, kl_coef=0.05, kl_clamp_value=None)
     example = grpo_example(tunix, 1000, seed=3)
     example = example.replace(advantages=jnp.asarray(np.random.default_rng(4).standard_normal((4, 5)), jnp.float32))
-    model = tiny_qwen2(tunix, 1000)
+    model = tiny_qwen2(1000)
     stock = loss_step(tunix, "ppo", model, example, config)
     with tunix["switch"].use_fused_head():
         switched = loss_step(tunix, "ppo", model, example, config)
@@ -292,7 +230,7 @@ def test_the_switch_replaces_tunixs_functions_once_and_gives_them_back(tunix):
     seams = replaced_by_the_switch(tunix)
     current = lambda: [vars(owner).get(name, "inherited") for owner, name, _ in seams]  # noqa: E731
     stock = current()
-    trainer = peft.PeftTrainer(tiny_qwen2(tunix, 64), kept_gradients(), peft.TrainingConfig(eval_every_n_steps=1))
+    trainer = peft.PeftTrainer(tiny_qwen2(64), kept_gradients(), peft.TrainingConfig(eval_every_n_steps=1))
     assert not switch.fused_head_in_use() and stock.count("inherited") == 2
     with switch.use_fused_head():
         switch.use_fused_head()  # a second call changes nothing
@@ -345,7 +283,7 @@ def test_a_switch_after_a_step_compiled_takes_effect_at_the_next_step(tunix):
         return -common.compute_per_token_logps(graphdef, state, prompt_ids, completion_ids, PAD, EOS,
                                                stop_gradient=False).mean()
 
-    trainer = peft_trainer.PeftTrainer(tiny_qwen2(tunix, 64), optax.sgd(1e-2),
+    trainer = peft_trainer.PeftTrainer(tiny_qwen2(64), optax.sgd(1e-2),
                                        peft_trainer.TrainingConfig(eval_every_n_steps=100, max_steps=1))
     trainer = trainer.with_loss_fn(loss_fn)
     prompt_ids, completion_ids = token_batch(64)
@@ -394,19 +332,6 @@ class IdTokenizer:
         return PAD
 
 
-def kept_gradients(learning_rate=1e-2):
-    """SGD that keeps the last gradient in its state, where a test reads it after Tunix's step."""
-    import optax
-
-    def init(params):
-        return {"grads": jax.tree.map(jnp.zeros_like, params)}
-
-    def update(grads, state, params=None):
-        return jax.tree.map(lambda grad: -learning_rate * grad, grads), {"grads": grads}
-
-    return optax.GradientTransformation(init, update)
-
-
 def learner_step(tunix, fused: bool):
     """One step of Tunix's GRPOLearner (vanilla rollout, a reference model, beta 0.04, 2 prompts x 2 generations) on a
     tiny Qwen2: (every logged metric, the step's gradients, the updated parameters, how often the fused op ran)."""
@@ -414,7 +339,7 @@ def learner_step(tunix, fused: bool):
     from tunix.rl.rollout import base_rollout
 
     nnx, switch = tunix["nnx"], tunix["switch"]
-    actor, reference = tiny_qwen2(tunix, 64, layers=1, seed=0), tiny_qwen2(tunix, 64, layers=1, seed=1)
+    actor, reference = tiny_qwen2(64, layers=1, seed=0), tiny_qwen2(64, layers=1, seed=1)
     mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), (jax.sharding.AxisType.Auto,) * 2)
     roles = (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE, rl_cluster_lib.Role.ROLLOUT)
     cluster_config = rl_cluster_lib.ClusterConfig(
@@ -469,24 +394,12 @@ def test_the_compiled_grpo_step_loses_the_logits_share_of_its_temporaries(tunix)
     stock Tunix's temporaries hold the fp32 logits of every position, prompt included, B (P + C) V 4 bytes, and
     what the softmax makes of them; switched, at most a quarter of that share is left, and the rest of the step
     (the body's activations and gradients) is the same size."""
-    nnx, switch = tunix["nnx"], tunix["switch"]
+    switch = tunix["switch"]
     vocab, batch, prompt, completion = 32768, 4, 8, 24
-    model = tiny_qwen2(tunix, vocab, layers=1)
-    prompt_ids, completion_ids = token_batch(vocab, batch, prompt, completion)
-    example = tunix["grpo_learner"].TrainExample(
-        prompt_ids=prompt_ids, prompt_mask=prompt_ids != PAD, completion_ids=completion_ids,
-        completion_mask=completion_ids != PAD, advantages=jnp.ones(batch), ref_per_token_logps=None,
-        old_per_token_logps=None)
-    config = tunix["grpo_learner"].GRPOConfig(num_generations=2, beta=0.0)
-    config.temperature = 1.0
-    loss_fn = tunix["grpo_learner"].function_registry.get_policy_loss_fn("grpo")
-    graphdef, state = nnx.split(model)
+    model, example = tiny_qwen2(vocab, layers=1), on_policy_example(vocab, batch, prompt, completion)
 
     def temp_bytes():
-        def loss(state):
-            return loss_fn(nnx.merge(graphdef, state), example, algo_config=config, pad_id=PAD, eos_id=EOS)
-
-        step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+        step, state = grpo_loss_step(model, example, grpo_config())
         return step.lower(state).compile().memory_analysis().temp_size_in_bytes
 
     stock = temp_bytes()
@@ -498,84 +411,14 @@ def test_the_compiled_grpo_step_loses_the_logits_share_of_its_temporaries(tunix)
     print(f"compiled temporaries: stock {stock:,} B, switched {fused:,} B, logits {logits_bytes:,} B")
 
 
-def preference_batch(vocab, batch=2, prompt=6, completion=5, seed=0):
-    """DPO's tokenized input: prompts (B, P) left-padded, chosen and rejected completions (B, C) right-padded."""
-    prompt_ids, chosen_ids = token_batch(vocab, batch, prompt, completion, seed)
-    rejected_ids = token_batch(vocab, batch, prompt, completion, seed + 1)[1]
-    return dict(prompt_ids=prompt_ids, prompt_mask=prompt_ids != PAD, chosen_ids=chosen_ids,
-                chosen_mask=chosen_ids != PAD, rejected_ids=rejected_ids, rejected_mask=rejected_ids != PAD)
-
-
-def sequence_batch(tunix, vocab, batch=2, length=11, seed=0):
-    """A PEFT trainer's input: ids (B, L) with the positions and causal mask of their padding."""
-    prompt_ids, completion_ids = token_batch(vocab, batch, 6, length - 6, seed)
-    input_tokens = jnp.concatenate([prompt_ids, completion_ids], axis=1)
-    mask = input_tokens != PAD
-    return dict(input_tokens=input_tokens, input_mask=mask, positions=tunix["common"].build_positions_from_mask(mask),
-                attention_mask=tunix["common"].make_causal_attn_mask(mask))
-
-
-def dpo_trainer(tunix, vocab, algorithm):
-    """Tunix's DPOTrainer: DPO of a tied Qwen2 against a reference model (label smoothing 0.1), or ORPO of a Llama3."""
-    from tunix.sft.dpo import dpo_trainer as dpo
-
-    config = dpo.DPOTrainingConfig(algorithm=algorithm, beta=0.1, lambda_orpo=0.2, label_smoothing=0.1,
-                                   eval_every_n_steps=100, max_steps=1)
-    if algorithm == "dpo":
-        model, reference = tiny_qwen2(tunix, vocab, tied=True), tiny_qwen2(tunix, vocab, tied=True, seed=1)
-    else:
-        model, reference = tiny_family("llama3", vocab), None
-    return dpo.DPOTrainer(model, reference, kept_gradients(), config), preference_batch(vocab)
-
-
-def peft_trainer(tunix, vocab):
-    """Tunix's PeftTrainer with its default loss (the cross-entropy of every next token) on a Gemma3."""
-    from tunix.sft import peft_trainer as peft
-
-    trainer = peft.PeftTrainer(tiny_family("gemma3", vocab), kept_gradients(),
-                               peft.TrainingConfig(eval_every_n_steps=100, max_steps=1))
-    return trainer, sequence_batch(tunix, vocab)
-
-
-def distillation_trainer(tunix, vocab):
-    """Tunix's DistillationTrainer with a LogitStrategy (temperature 2, alpha 0.3, Tunix's one-hot labels of the
-    next tokens) from a Qwen3 teacher to an untied Qwen2 student."""
-    from tunix.distillation import distillation_trainer as distillation
-    from tunix.distillation import strategies
-
-    def forward(model, input_tokens, input_mask, positions, attention_mask):  # as Tunix's examples write it
-        logits, _ = model(input_tokens, positions, None, attention_mask)
-        return logits[:, :-1, :]
-
-    def labels(input_tokens, input_mask, positions, attention_mask):
-        return jax.nn.one_hot(input_tokens[:, 1:], vocab) * input_mask[:, 1:, None]  # (B, L - 1, V)
-
-    strategy = strategies.LogitStrategy(forward, forward, labels, temperature=2.0, alpha=0.3)
-    trainer = distillation.DistillationTrainer(tiny_qwen2(tunix, vocab), tiny_family("qwen3", vocab), strategy,
-                                               kept_gradients(), distillation.TrainingConfig(eval_every_n_steps=100,
-                                                                                             max_steps=1))
-    batch = sequence_batch(tunix, vocab)
-    trainer = trainer.with_gen_model_input_fn(lambda x: {
-        name: batch[name] for name in ("input_tokens", "input_mask", "positions", "attention_mask")})
-    return trainer, distillation.TrainingInput(input_tokens=batch["input_tokens"], input_mask=batch["input_mask"])
-
-
-SFT_LEARNERS = {"distillation": distillation_trainer,
-                "dpo": lambda tunix, vocab: dpo_trainer(tunix, vocab, "dpo"),
-                "orpo": lambda tunix, vocab: dpo_trainer(tunix, vocab, "orpo"),
-                "peft": peft_trainer}
-
-
 def trainer_step(tunix, learner, vocab, fused: bool):
     """One step of Tunix's own trainer for ``learner`` on tiny models: (every logged metric, the step's gradients,
     the updated parameters, the text of the jitted train step's program)."""
     nnx, switch = tunix["nnx"], tunix["switch"]
-    trainer, batch = SFT_LEARNERS[learner](tunix, vocab)  # made before the switch, which it then follows
+    trainer, batch = SFT_LEARNERS[learner](vocab)  # made before the switch, which it then follows
     with switch.use_fused_head() if fused else contextlib.nullcontext():
         trainer.train([batch])
-        trainer.clear_jit_cache()
-        step, _ = trainer.jit_train_and_eval_step(cache_nnx_graph=False)  # partial(nnx.jit(step), model, optimizer)
-        inputs = trainer._prepare_inputs(batch)
+        step, inputs = train_step(trainer, batch)
         program = step.func.lower(*step.args, inputs).as_text()
         loss = trainer.loss_fn(trainer.model, **trainer.gen_model_input_fn(inputs))  # after the step
     logged = {(prefix, str(mode), name): np.asarray(values, np.float64)
@@ -645,7 +488,7 @@ def test_distillation_the_fused_head_cannot_match_is_refused_or_left_to_tunix(tu
     from tunix.distillation import strategies
 
     switch, vocab = tunix["switch"], 64
-    batch = sequence_batch(tunix, vocab)
+    batch = sequence_batch(vocab)
 
     def forward(model, input_tokens, input_mask, positions, attention_mask):
         return model(input_tokens, positions, None, attention_mask)[0][:, :-1, :]
@@ -656,7 +499,7 @@ def test_distillation_the_fused_head_cannot_match_is_refused_or_left_to_tunix(tu
     def labels(input_tokens, input_mask, positions, attention_mask):
         return jax.nn.one_hot(input_tokens[:, 1:], vocab) * input_mask[:, 1:, None]
 
-    model = tiny_qwen2(tunix, vocab)
+    model = tiny_qwen2(vocab)
     with switch.use_fused_head():
         with pytest.raises(TypeError, match=r"^student_forward_fn: does more to the logits than slice their leading "
                                             r"axes \(div, slice\)"):

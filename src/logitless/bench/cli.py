@@ -1,5 +1,5 @@
-"""The ``logitless bench`` subcommands: lmhead, grpo, reward, jax, grade, grade-variance, trl, cli, distributed,
-compile.
+"""The ``logitless bench`` subcommands: lmhead, grpo, reward, jax, tunix, grade, grade-variance, trl, cli,
+distributed, compile.
 
 `add_parser(subcommands)` adds ``bench`` and returns its own subcommands, so a benchmark module can
 register itself there with one line (``mymodule.add_parser(bench_targets)``). Every option is checked,
@@ -18,6 +18,7 @@ from logitless.bench import cli_startup, distributed, grade, grade_variance, lmh
 from logitless.bench import compile as bench_compile
 from logitless.bench import grpo as bench_grpo
 from logitless.bench import jax as bench_jax
+from logitless.bench import tunix as bench_tunix
 from logitless.bench.options import (add_device_option, add_model_option, benchmark_parser, interrupted,
                                      require_device, require_model, require_positive, require_writable, write_report)
 
@@ -88,6 +89,7 @@ def add_parser(subcommands):
                         help="warm-up SFT steps that teach the tiny policy to answer 'ANSWER: <ordinal> X' "
                              "(default: %(default)s)")
     bench_jax.add_parser(targets)
+    bench_tunix.add_parser(targets)
     grade.add_parser(targets)
     grade_variance.add_parser(targets)
     trainers.add_parser(targets)

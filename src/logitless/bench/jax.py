@@ -351,13 +351,13 @@ def plot(report: dict, path):
                             f"JAX LM-head losses, value_and_grad ({report['backend']})", path, rotate_names=True)
 
 
-def _shape_option(text: str) -> Shape | None:
-    """--compile-shape's value: B,T,H,V,DTYPE, or none."""
+def shape_option(text: str, option: str = "--compile-shape") -> Shape | None:
+    """The value of a shape option (``option``, named in its error): B,T,H,V,DTYPE, or none."""
     if text == "none":
         return None
     parts = text.split(",")
     if len(parts) != 5 or not all(part.isdigit() and int(part) > 0 for part in parts[:4]) or parts[4] not in DTYPES:
-        raise SystemExit(f"--compile-shape: expected B,T,H,V,DTYPE (positive ints, DTYPE one of {', '.join(DTYPES)}) "
+        raise SystemExit(f"{option}: expected B,T,H,V,DTYPE (positive ints, DTYPE one of {', '.join(DTYPES)}) "
                          f"or none, got {text!r}")
     return Shape(*map(int, parts[:4]), parts[4])
 
@@ -423,7 +423,7 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.tokamax == "only" and args.plot:
         raise SystemExit("--plot: draws the ce, kl and grpo rows, which --tokamax only leaves out")
     require_positive(args, ("batch", "seq", "hidden", "vocab", "repeats", "vocab_block", "seq_chunks"))
-    compile_shape = None if args.tokamax == "only" else _shape_option(args.compile_shape)
+    compile_shape = None if args.tokamax == "only" else shape_option(args.compile_shape)
     run_shape = Shape(args.batch, args.seq, args.hidden, args.vocab, args.dtype, args.vocab_block, args.seq_chunks)
     for shape in (run_shape, compile_shape):
         if shape is not None and (shape.batch * shape.seq) % args.seq_chunks:

@@ -148,9 +148,10 @@ def add_shape_options(parser, defaults, dtypes, vocab_help: str = "vocabulary si
                         help="dtype of the hidden states and the weight (default: %(default)s)")
 
 
-def add_report_options(parser) -> None:
-    """--repeats, --json and --plot of a benchmark that times each implementation and draws bars."""
+def add_report_options(parser, plot: bool = True) -> None:
+    """--repeats, --json and (where ``plot``) --plot of a benchmark that times each implementation and draws bars."""
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed steps per implementation, median reported (default: %(default)s)")
     parser.add_argument("--json", help="write the report here (default: not written)")
-    parser.add_argument("--plot", help="write a PNG bar chart here (default: not drawn)")
+    if plot:
+        parser.add_argument("--plot", help="write a PNG bar chart here (default: not drawn)")

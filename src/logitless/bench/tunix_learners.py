@@ -1,0 +1,198 @@
+"""Tiny Tunix 0.1.7 learners and the one jitted training step of each, as `logitless bench tunix` measures them and
+tests/jax/test_tunix.py compares them: models of Tunix's families from a config (random weights, a language model's
+spread of logits), their token batches, Tunix's own DPO, ORPO, PEFT and logit-distillation trainers on them, and the
+value and gradient of Tunix's GRPO policy loss. Whether a step scores on the fused head is `logitless.tunix`'s switch
+at the time the step is traced."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tunix.models.qwen2 import model as qwen2
+from tunix.rl import common
+from tunix.rl.grpo import grpo_learner
+
+PAD, EOS = 0, 2
+SHAPE = dict(embed_dim=32, hidden_dim=64, num_heads=4, head_dim=8, num_kv_heads=2)  # of every tiny model's layers
+
+
+def tiny_qwen2(vocab=1000, tied=False, seed=0, layers=1, **config):
+    """A Tunix Qwen2 from a config (`SHAPE` unless ``config`` says otherwise), randomly initialized; its MLP (zeros
+    at init) made random too, so that every parameter takes a gradient through every path."""
+    settings = dict(SHAPE, rope_theta=10000, norm_eps=1e-6, **config)
+    model = qwen2.Qwen2(qwen2.ModelConfig(num_layers=layers, vocab_size=vocab, use_tied_embedding=tied, **settings),
+                        rngs=nnx.Rngs(seed))
+    if tied:  # N(0, 1) embeddings make logits of ~50 and one-hot softmaxes: scaled to a language model's spread
+        model.embedder.input_embedding[...] = 0.05 * model.embedder.input_embedding[...]
+    key = jax.random.key(seed + 100)
+    for layer in model.layers:
+        for linear in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            key, draw = jax.random.split(key)
+            linear.kernel[...] = 0.1 * jax.random.normal(draw, linear.kernel[...].shape)
+    return model
+
+
+def tiny_family(family, vocab=1000, seed=0):
+    """A one-layer Tunix model of ``family`` from a config (random weights; its head scaled to a language model's
+    spread of logits; Gemma's and Gemma 4's final soft cap 1, which bends logits of that size)."""
+    from tunix.models.gemma import model as gemma
+    from tunix.models.gemma3 import model as gemma3
+    from tunix.models.gemma4 import model as gemma4
+    from tunix.models.llama3 import model as llama3
+    from tunix.models.qwen3 import model as qwen3
+
+    shape = dict(num_layers=1, **SHAPE)
+    rope = dict(rope_theta=10000, norm_eps=1e-6)
+    build = {
+        "llama3": lambda: llama3.Llama3(llama3.ModelConfig(vocab_size=vocab, **rope, **shape), rngs=nnx.Rngs(seed)),
+        "llama3-tied": lambda: llama3.Llama3(llama3.ModelConfig(vocab_size=vocab, weight_tying=True, **rope, **shape),
+                                             rngs=nnx.Rngs(seed)),
+        "qwen3": lambda: qwen3.Qwen3(qwen3.ModelConfig(vocab_size=vocab, **rope, **shape), rngs=nnx.Rngs(seed)),
+        "gemma": lambda: gemma.Gemma(gemma.ModelConfig(
+            num_embed=vocab, final_logit_softcap=1.0, use_post_attn_norm=True, use_post_ffw_norm=True,
+            attention_types=(gemma.AttentionType.GLOBAL,), **shape), rngs=nnx.Rngs(seed)),
+        "gemma3": lambda: gemma3.Gemma3(gemma3.ModelConfig(num_embed=vocab, sliding_window_size=8,
+                                                           param_dtype=jnp.float32, **shape), rngs=nnx.Rngs(seed)),
+        "gemma4": lambda: gemma4.Gemma4(gemma4.ModelConfig(num_embed=vocab, sliding_window_size=8,
+                                                           final_logit_softcap=1.0, **shape), rngs=nnx.Rngs(seed)),
+    }
+    model = build[family]()
+    embedding = model.embedder.input_embedding
+    embedding[...] = 0.05 * embedding[...] / max(float(jnp.std(embedding[...])), 1e-6)
+    if hasattr(model, "lm_head"):
+        model.lm_head.w[...] = 0.15 * model.lm_head.w[...] / max(float(jnp.std(model.lm_head.w[...])), 1e-6)
+    return model
+
+
+def token_batch(vocab, batch=4, prompt=6, completion=5, seed=0):
+    """Prompt ids (B, P), left-padded, and completion ids (B, C), right-padded, as a Tunix rollout hands them
+    (the first prompt and the second completion, or with one sequence its own, are the padded ones)."""
+    rng = np.random.default_rng(seed)
+    prompt_ids = rng.integers(3, vocab, (batch, prompt))
+    prompt_ids[0, :2] = PAD
+    completion_ids = rng.integers(3, vocab, (batch, completion))
+    completion_ids[min(1, batch - 1), 3:] = PAD
+    return jnp.asarray(prompt_ids), jnp.asarray(completion_ids)
+
+
+def kept_gradients(learning_rate=1e-2):
+    """SGD that keeps the last gradient in its state, where a test reads it after Tunix's step."""
+
+    def init(params):
+        return {"grads": jax.tree.map(jnp.zeros_like, params)}
+
+    def update(grads, state, params=None):
+        return jax.tree.map(lambda grad: -learning_rate * grad, grads), {"grads": grads}
+
+    return optax.GradientTransformation(init, update)
+
+
+def grpo_loss_step(model, example, config, loss_name="grpo"):
+    """The jitted value and gradient of Tunix's registered policy loss ``loss_name`` of ``model`` on ``example`` (a
+    GRPO `TrainExample`), taken with respect to the model's state: (step, state); ``step(state)`` returns
+    ((loss, metrics), gradients)."""
+    loss_fn = grpo_learner.function_registry.get_policy_loss_fn(loss_name)
+    graphdef, state = nnx.split(model)
+
+    def loss(state):
+        return loss_fn(nnx.merge(graphdef, state), example, algo_config=config, pad_id=PAD, eos_id=EOS)
+
+    return jax.jit(jax.value_and_grad(loss, has_aux=True)), state
+
+
+def on_policy_example(vocab, batch=4, prompt=6, completion=5):
+    """A GRPO `TrainExample` on-policy (no old or reference log-probs), every advantage 1."""
+    prompt_ids, completion_ids = token_batch(vocab, batch, prompt, completion)
+    return grpo_learner.TrainExample(
+        prompt_ids=prompt_ids, prompt_mask=prompt_ids != PAD, completion_ids=completion_ids,
+        completion_mask=completion_ids != PAD, advantages=jnp.ones(batch), ref_per_token_logps=None,
+        old_per_token_logps=None)
+
+
+def grpo_config():
+    """Tunix's GRPO config without the KL term, at temperature 1 (which the learner sets from its rollout's)."""
+    config = grpo_learner.GRPOConfig(num_generations=2, beta=0.0)
+    config.temperature = 1.0
+    return config
+
+
+def preference_batch(vocab, batch=2, prompt=6, completion=5, seed=0):
+    """DPO's tokenized input: prompts (B, P) left-padded, chosen and rejected completions (B, C) right-padded."""
+    prompt_ids, chosen_ids = token_batch(vocab, batch, prompt, completion, seed)
+    rejected_ids = token_batch(vocab, batch, prompt, completion, seed + 1)[1]
+    return dict(prompt_ids=prompt_ids, prompt_mask=prompt_ids != PAD, chosen_ids=chosen_ids,
+                chosen_mask=chosen_ids != PAD, rejected_ids=rejected_ids, rejected_mask=rejected_ids != PAD)
+
+
+def sequence_batch(vocab, batch=2, length=11, seed=0):
+    """A PEFT trainer's input: ids (B, L) with the positions and causal mask of their padding."""
+    prompt_ids, completion_ids = token_batch(vocab, batch, length - length // 2, length // 2, seed)
+    input_tokens = jnp.concatenate([prompt_ids, completion_ids], axis=1)
+    mask = input_tokens != PAD
+    return dict(input_tokens=input_tokens, input_mask=mask, positions=common.build_positions_from_mask(mask),
+                attention_mask=common.make_causal_attn_mask(mask))
+
+
+def dpo_trainer(vocab, algorithm, batch=2, length=11):
+    """Tunix's DPOTrainer: DPO of a tied Qwen2 against a reference model (label smoothing 0.1), or ORPO of a Llama3;
+    and its input, B prompts of L - L // 2 tokens with chosen and rejected completions of L // 2."""
+    from tunix.sft.dpo import dpo_trainer as dpo
+
+    config = dpo.DPOTrainingConfig(algorithm=algorithm, beta=0.1, lambda_orpo=0.2, label_smoothing=0.1,
+                                   eval_every_n_steps=100, max_steps=1)
+    if algorithm == "dpo":
+        model, reference = tiny_qwen2(vocab, tied=True), tiny_qwen2(vocab, tied=True, seed=1)
+    else:
+        model, reference = tiny_family("llama3", vocab), None
+    inputs = preference_batch(vocab, batch, length - length // 2, length // 2)
+    return dpo.DPOTrainer(model, reference, kept_gradients(), config), inputs
+
+
+def peft_trainer(vocab, batch=2, length=11):
+    """Tunix's PeftTrainer with its default loss (the cross-entropy of every next token) on a Gemma3; and its
+    input, B sequences of L tokens."""
+    from tunix.sft import peft_trainer as peft
+
+    trainer = peft.PeftTrainer(tiny_family("gemma3", vocab), kept_gradients(),
+                               peft.TrainingConfig(eval_every_n_steps=100, max_steps=1))
+    return trainer, sequence_batch(vocab, batch, length)
+
+
+def distillation_trainer(vocab, batch=2, length=11):
+    """Tunix's DistillationTrainer with a LogitStrategy (temperature 2, alpha 0.3, Tunix's one-hot labels of the
+    next tokens) from a Qwen3 teacher to an untied Qwen2 student; and its input, B sequences of L tokens."""
+    from tunix.distillation import distillation_trainer as distillation
+    from tunix.distillation import strategies
+
+    def forward(model, input_tokens, input_mask, positions, attention_mask):  # as Tunix's examples write it
+        logits, _ = model(input_tokens, positions, None, attention_mask)
+        return logits[:, :-1, :]
+
+    def labels(input_tokens, input_mask, positions, attention_mask):
+        return jax.nn.one_hot(input_tokens[:, 1:], vocab) * input_mask[:, 1:, None]  # (B, L - 1, V)
+
+    strategy = strategies.LogitStrategy(forward, forward, labels, temperature=2.0, alpha=0.3)
+    trainer = distillation.DistillationTrainer(tiny_qwen2(vocab), tiny_family("qwen3", vocab), strategy,
+                                               kept_gradients(), distillation.TrainingConfig(eval_every_n_steps=100,
+                                                                                             max_steps=1))
+    inputs = sequence_batch(vocab, batch, length)
+    trainer = trainer.with_gen_model_input_fn(lambda x: {
+        name: inputs[name] for name in ("input_tokens", "input_mask", "positions", "attention_mask")})
+    return trainer, distillation.TrainingInput(input_tokens=inputs["input_tokens"], input_mask=inputs["input_mask"])
+
+
+SFT_LEARNERS = {"distillation": distillation_trainer,
+                "dpo": lambda vocab, batch=2, length=11: dpo_trainer(vocab, "dpo", batch, length),
+                "orpo": lambda vocab, batch=2, length=11: dpo_trainer(vocab, "orpo", batch, length),
+                "peft": peft_trainer}
+
+
+def train_step(trainer, batch):
+    """A Tunix trainer's jitted train step, traced afresh (with the scoring switched on now), and its prepared
+    input: (step, inputs); ``step.func.lower(*step.args, inputs)`` lowers it, ``step(inputs)`` runs one step."""
+    trainer.clear_jit_cache()
+    step, _ = trainer.jit_train_and_eval_step(cache_nnx_graph=False)  # partial(nnx.jit(step), model, optimizer)
+    return step, trainer._prepare_inputs(batch)
