@@ -470,7 +470,7 @@ def test_a_model_qwix_wrapped_for_lora_is_refused_in_one_line(tunix):
     read."""
     import qwix
 
-    base = tiny_qwen2(tunix, 64)
+    base = tiny_qwen2(64)
     lora = qwix.LoraProvider(module_path=".*q_proj|.*v_proj", rank=2, alpha=4.0)
     model = qwix.apply_lora_to_model(base, lora, rngs=tunix["nnx"].Rngs(0), **base.get_model_input())
     prompt_ids, completion_ids = token_batch(64)
