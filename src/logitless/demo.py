@@ -31,7 +31,7 @@ from logitless.hf import final_hidden_states, lm_head_of
 from logitless.logprobs import get_response_log_probs
 from logitless.models import load_model_and_tokenizer
 from logitless.multichoice.data import synthetic_multichoice
-from logitless.multichoice.answer import find_answer_position
+from logitless.multichoice.accuracy import sampled_accuracy
 from logitless.multichoice.warm_start import multichoice_sft_pairs, warm_start_policy
 from logitless.plots import plot_curve
 from logitless.recipes.grpo import train_grpo_multichoice
@@ -47,26 +47,6 @@ def quarter_means(values: list[float]) -> tuple[float, float]:
     """Means of the first and of the last quarter of ``values`` (at least one value each)."""
     quarter = max(len(values) // 4, 1)
     return sum(values[:quarter]) / quarter, sum(values[-quarter:]) / quarter
-
-
-def sampled_accuracy(model_dir: str | Path, questions: list[dict], samples: int = 4) -> float:
-    """Fraction of ``samples`` completions per question (temperature 1, seeded) that name the right letter
-    after "ANSWER:": an estimate of P(correct | model) on questions GRPO never saw."""
-    model, tokenizer = load_model_and_tokenizer(str(model_dir))
-    tokenizer.padding_side = "left"
-    prompts = [q["prompt"] for q in questions for _ in range(samples)]
-    encoded = tokenizer(prompts, return_tensors="pt", padding=True)
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        generated = model.generate(**encoded, max_new_tokens=8, do_sample=True, temperature=1.0, top_k=0,
-                                   pad_token_id=tokenizer.pad_token_id)
-    right = 0
-    for index, row in enumerate(generated[:, encoded["input_ids"].shape[1]:].tolist()):
-        ids = row[: row.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in row else row
-        position = find_answer_position(ids, tokenizer)
-        right += (position is not None
-                  and tokenizer.decode(ids[position]).strip() == questions[index // samples]["answer"])
-    return right / len(prompts)
 
 
 def log_prob_errors(model_dir: str | Path) -> dict[str, float]:

@@ -78,3 +78,29 @@ def plot_curves(series: dict[str, list[float] | dict[int, float]], path: str | P
     axis.legend()
     axis.grid(alpha=0.3)
     return save_figure(figure, path)
+
+
+def curves_beside_bars(series: dict[str, list[float]], bars: dict[str, dict[str, float]], path: str | Path, *,
+                       title: str, curves_ylabel: str, bars_ylabel: str) -> Path:
+    """Two panels: the named curves (a value per step 1, 2, ...) on the left; on the right, for each name of
+    ``bars``, a group of bars ({bar's label: value}) side by side, each labelled with its value."""
+    plt = _pyplot()
+    figure, (curves, grouped) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, values in series.items():
+        curves.plot(range(1, len(values) + 1), values, marker=".", linewidth=1, label=name)
+    curves.set(xlabel="step", ylabel=curves_ylabel)
+    curves.xaxis.set_major_locator(_integer_locator())
+    curves.legend()
+    curves.grid(alpha=0.3)
+    labels = list(dict.fromkeys(label for group in bars.values() for label in group))
+    width = 0.8 / len(labels)
+    for index, label in enumerate(labels):
+        values = [group.get(label, 0.0) for group in bars.values()]
+        placed = grouped.bar([x + (index - (len(labels) - 1) / 2) * width for x in range(len(bars))], values, width,
+                             label=label)
+        grouped.bar_label(placed, fmt="%.2f")
+    grouped.set_xticks(range(len(bars)), list(bars))
+    grouped.set(ylabel=bars_ylabel, ylim=(0, 1.1))
+    grouped.legend()
+    figure.suptitle(title)
+    return save_figure(figure, path)

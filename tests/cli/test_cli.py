@@ -23,7 +23,7 @@ def test_every_command_has_a_description_and_every_option_its_default_in_one_for
     assert {"logitless demo", "logitless sft", "logitless grpo", "logitless verifree", "logitless grade",
             "logitless bench",
             "logitless bench lmhead", "logitless bench grpo", "logitless bench reward", "logitless bench jax",
-            "logitless bench grade", "logitless bench grade-variance"} <= set(commands)
+            "logitless bench grade", "logitless bench grade-variance", "logitless bench learning"} <= set(commands)
     assert [name for name, parser in commands.items() if not parser.description] == []
     options = [(f"{name} {action.option_strings[0]}", action.help or "") for name, parser in commands.items()
                for action in parser._actions

@@ -186,7 +186,8 @@ def test_the_multichoice_modules_and_a_grade_methods_run_do_one_job_each():
                            "letter_logsumexp"},
             "answer.py": {"find_answer_position", "extract_answer_probability_from_logits"},
             "recompute.py": {"answer_probability_by_recomputing"}, "strip.py": {"strip_final_answer"},
-            "judge.py": {"MultichoiceJudge"}, "reward.py": {"multichoice_judge_reward"}}
+            "judge.py": {"MultichoiceJudge"}, "reward.py": {"multichoice_judge_reward"},
+            "accuracy.py": {"sampled_accuracy"}}
     assert {name: _defined(PACKAGE / "multichoice" / name) for name in jobs} == jobs
     assert _defined(PACKAGE / "recipes" / "grade_method.py") >= {"build_trainer", "resume_trainer", "train_step",
                                                                   "train_steps", "save_method", "plot_method",

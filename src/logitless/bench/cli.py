@@ -1,5 +1,5 @@
 """The ``logitless bench`` subcommands: lmhead, grpo, reward, jax, tunix, grade, grade-variance, trl, cli,
-distributed, compile.
+distributed, compile, learning.
 
 `add_parser(subcommands)` adds ``bench`` and returns its own subcommands, so a benchmark module can
 register itself there with one line (``mymodule.add_parser(bench_targets)``). Every option is checked,
@@ -14,7 +14,7 @@ import importlib
 
 from logitless import interrupts
 from logitless._checks import check_generations
-from logitless.bench import cli_startup, distributed, grade, grade_variance, lmhead, trainers
+from logitless.bench import cli_startup, distributed, grade, grade_variance, learning, lmhead, trainers
 from logitless.bench import compile as bench_compile
 from logitless.bench import grpo as bench_grpo
 from logitless.bench import jax as bench_jax
@@ -96,6 +96,7 @@ def add_parser(subcommands):
     cli_startup.add_parser(targets)
     distributed.add_parser(targets)
     bench_compile.add_parser(targets)
+    learning.add_parser(targets)
     for parser in targets.choices.values():
         parser.set_defaults(handler=_telling_interrupts(parser.get_default("handler")))
     return targets
