@@ -325,3 +325,12 @@ def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int) -> None:
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise ValueError(f"{name}: token ids must lie in [0, {vocab_size}), got range "
                          f"[{int(ids.min())}, {int(ids.max())}]")
+
+
+def completion_text(name: str, value) -> str:
+    """A completion as text: a string, or a conversation whose last message holds it."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and isinstance(value[-1], dict) and isinstance(value[-1].get("content"), str):
+        return value[-1]["content"]
+    raise TypeError(f"{name}: expected a string or a list of messages, got {type(value).__name__}")

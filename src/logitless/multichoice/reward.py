@@ -8,20 +8,10 @@ tell the answer. P(correct | model) is read from ONE row of the policy's own com
 
 from __future__ import annotations
 
-from logitless._checks import check_positive_finite
+from logitless._checks import check_positive_finite, completion_text
 from logitless.multichoice.answer import extract_answer_probability_from_logits
 from logitless.multichoice.letters import check_marker, choice_token_ids
 from logitless.multichoice.recompute import answer_probability_by_recomputing
-
-
-def _completion_text(name: str, completion) -> str:
-    """A completion as text: a string, or a conversation whose last message holds it."""
-    if isinstance(completion, str):
-        return completion
-    last_message = completion[-1] if isinstance(completion, list) and completion else None
-    if isinstance(last_message, dict) and isinstance(last_message.get("content"), str):
-        return last_message["content"]
-    raise TypeError(f"{name}: expected a string or a list of messages, got {type(completion).__name__}")
 
 
 def multichoice_judge_reward(judge, tokenizer, choices: str = "ABCD", *, policy=None, marker: str = "ANSWER:",
@@ -65,8 +55,8 @@ def multichoice_judge_reward(judge, tokenizer, choices: str = "ABCD", *, policy=
             p_model = [answer_probability_by_recomputing(policy, tokenizer, prompts[i], completion_ids[i], answer[i],
                                                          choices, marker, temperature=temperature)
                        for i in range(count)]
-        texts = [_completion_text(f"completions[{i}]", c) for i, c in enumerate(completions)]
-        questions = question if question is not None else [_completion_text(f"prompts[{i}]", p)
+        texts = [completion_text(f"completions[{i}]", c) for i, c in enumerate(completions)]
+        questions = question if question is not None else [completion_text(f"prompts[{i}]", p)
                                                            for i, p in enumerate(prompts)]
         p_judge = judge.probabilities(list(questions), texts, list(answer))
         if log_metric is not None and count:

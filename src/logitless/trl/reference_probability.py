@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from logitless._checks import check_choice, check_positive_finite
+from logitless._checks import check_choice, check_positive_finite, completion_text
 from logitless.hf import final_hidden_states, lm_head_of
 from logitless.hf_probe import check_head
 from logitless.ops.fused import fused_linear_logprobs
@@ -36,15 +36,6 @@ AGGREGATES = ("mean", "sequence")
 NO_ANSWER_METRIC = "reference_probability/no_answer"
 WITH_REASONING_METRIC = "reference_probability/with_reasoning"
 WITHOUT_REASONING_METRIC = "reference_probability/without_reasoning"
-
-
-def completion_text(name: str, value) -> str:
-    """A completion as text: a string, or a conversation whose last message holds it."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and value and isinstance(value[-1], dict) and isinstance(value[-1].get("content"), str):
-        return value[-1]["content"]
-    raise TypeError(f"{name}: expected a string or a list of messages, got {type(value).__name__}")
 
 
 def answer_replaced(completion: str, reference: str, answer_start: str = "<answer>",

@@ -45,9 +45,9 @@ from trl import GRPOTrainer
 from trl.trainer.grpo_config import GRPOConfig  # the class itself, even where trl.GRPOConfig is replaced
 from trl.trainer.utils import pad
 
-from logitless._checks import check_answer_template
+from logitless._checks import check_answer_template, completion_text
 from logitless.trl.checkpoints import AtomicCheckpoints
-from logitless.trl.reference_probability import answer_from_template, completion_text, covering_tokens
+from logitless.trl.reference_probability import answer_from_template, covering_tokens
 from logitless.trl.resume import ExactResume
 from logitless.trl.seam import LogitlessHead
 
