@@ -25,6 +25,7 @@ from logitless.ops.one_pass import TokenLoss
 from logitless.ops.sharded import on_this_rank
 from logitless.ops.softmax import TOKEN_EXTRAS
 
+
 @checked_keywords(wholes=head_wholes(""))
 def linear_token_stats(hidden: torch.Tensor, weight: torch.Tensor | None = None, targets: torch.Tensor | None = None,
                        *, head: LinearHead | None = None, bias: torch.Tensor | None = None, temperature: float = 1.0,

@@ -26,12 +26,13 @@ class Materialized(StatsThenLoss):
     def token_stats(self, head: LinearHead, hidden: torch.Tensor, targets: torch.Tensor, *, need_entropy: bool = True,
                     need_mean_log_prob: bool = False, extras: tuple[str, ...] = (), sizes: BlockSizes = BlockSizes()):
         logits = reference.head_logits(hidden, head)  # (N, V)
-        log_probs, entropy = reference.logprobs_from_logits(logits, targets, return_token_entropy=True)
+        log_probs_all = torch.log_softmax(logits, dim=-1)  # (N, V), once for every statistic
+        log_probs = log_probs_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
         zeros = torch.zeros_like(log_probs)
-        mean_log_prob = torch.log_softmax(logits, dim=-1).mean(dim=-1) if need_mean_log_prob else zeros
+        entropy = reference.entropy_from_log_probs(log_probs_all) if need_entropy else zeros
+        mean_log_prob = log_probs_all.mean(dim=-1) if need_mean_log_prob else zeros
         every_extra = reference.token_extras(logits.detach(), targets) if extras else {}
-        return (log_probs, entropy if need_entropy else zeros, mean_log_prob,
-                {name: every_extra[name] for name in extras})
+        return log_probs, entropy, mean_log_prob, {name: every_extra[name] for name in extras}
 
     def kl(self, head_p: LinearHead, hidden_p: torch.Tensor, head_q: LinearHead, hidden_q: torch.Tensor,
            sizes: BlockSizes) -> torch.Tensor:
