@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from logitless.bench.jax import COMPILE_SHAPE, Shape, shape_option
 from logitless.bench.options import (add_report_options, benchmark_parser, choices_metavar, require_positive,
                                      require_writable, rows_so_far, write_report)
+from logitless.bench.ratios import ratio
 from logitless.bench.text_table import MB_PER_BYTE, column, header_line, row_line
 from logitless.bench.xla_memory import memory_of
 
@@ -121,7 +122,7 @@ def _add_ratios(by_head: dict) -> None:
     for row in by_head.values():
         for key, ratio_key in (("temp_size_in_bytes", "temp_ratio"), ("time_s", "time_ratio")):
             if key in row:
-                row[ratio_key] = row[key] / stock[key] if stock[key] else None
+                row[ratio_key] = ratio(row[key], stock[key])
 
 
 def run(learners=LEARNERS, sizes: Sizes = Sizes(), seed_shape: Shape | None = COMPILE_SHAPE,
