@@ -33,6 +33,43 @@ def read_jsonl(path: str | Path, name: str = "path") -> Iterator[tuple[str, dict
             yield f"line {line_no} of {path}", record
 
 
+def names_a_file(path_or_name: str | Path) -> bool:
+    """Whether a data name is plainly a local file's (a .jsonl/.json name, or a path from ``.``, ``/`` or ``~``)
+    rather than a hub dataset's id."""
+    return Path(path_or_name).suffix in (".jsonl", ".json") or str(path_or_name).startswith((".", "/", "~"))
+
+
+def read_rows(path_or_name: str | Path, split: str = "train", *, name: str = "path_or_name"
+              ) -> Iterator[tuple[str, object]]:
+    """(where, row) for each row of a jsonl file, a dataset saved with ``save_to_disk`` (its ``split`` when it holds
+    a DatasetDict) or a Hugging Face hub dataset id (``datasets.load_dataset(name, split=split)``); ``where`` reads
+    "line 3 of f.jsonl" or "row 3 of NAME". Errors start with ``name``."""
+    if not isinstance(path_or_name, (str, Path)) or not str(path_or_name):
+        raise TypeError(f"{name}: expected a file, directory or dataset name, got {path_or_name!r}")
+    path = Path(path_or_name).expanduser()
+    if path.is_file():
+        yield from read_jsonl(path, name)
+        return
+    if not path.is_dir() and names_a_file(path_or_name):
+        raise ValueError(f"{name}: no such file {str(path_or_name)!r}")
+    import datasets
+
+    try:
+        if path.is_dir():
+            loaded = datasets.load_from_disk(str(path))
+            if isinstance(loaded, datasets.DatasetDict):
+                if split not in loaded:
+                    raise ValueError(f"split: {path} has splits {sorted(loaded)}, not {split!r}")
+                loaded = loaded[split]
+        else:
+            loaded = datasets.load_dataset(str(path_or_name), split=split)
+    except OSError as err:  # a missing directory or hub dataset, no network
+        raise ValueError(f"{name}: cannot load {str(path_or_name)!r} as a saved dataset or a hub dataset "
+                         f"({' '.join(str(err).split())[:200]})") from None
+    for i, row in enumerate(loaded):
+        yield f"row {i} of {path_or_name}", row
+
+
 def load_jsonl(path: str | Path, prompt_key: str = "prompt", response_key: str = "response", *,
                name: str = "path") -> list[dict[str, str]]:
     """Read (prompt, response) pairs of strings from a jsonl file, one JSON object per line.

@@ -24,6 +24,10 @@ def test_the_reward_options_are_documented_and_a_judge_without_the_judge_reward_
     with pytest.raises(SystemExit):
         main([*RLPR[:1], "--reward", "rlpr"])
     assert "argument --reward: invalid choice: 'rlpr'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=r"^logitless grpo: --reward: the judge reward reads the letter of a "
+                                         r"multiple-choice question; --task free-form needs --reward "
+                                         r"reference-probability$"):
+        main(["grpo", "--task", "free-form"])
     (tmp_path / "config.yaml").write_text("reward_std_filter: 'yes'\n")
     with pytest.raises(SystemExit, match="^logitless grpo: --reward-std-filter: expected true or false, got 'yes'$"):
         main(["grpo", "--config", str(tmp_path / "config.yaml")])
@@ -93,3 +97,19 @@ def test_rlpr_run_logs_its_reward_and_resumes_with_the_std_filter_state(tmp_path
     resumed = json.loads((out / "history.json").read_text())
     assert len(resumed["reward"]) == 3 and resumed["no_answer"] == [1.0, 1.0, 1.0]
     assert json.loads((out / "checkpoint-3" / STATE_FILE).read_text())["batches"] == 3  # the filter's state resumed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [RLPR, ["verifree", *RLPR[3:]]], ids=["rlpr", "verifree"])
+def test_free_form_runs_score_the_embedded_questions_answer_after_the_reasoning(tmp_path, warm_policy, command):
+    """On the embedded free-form questions, a policy that writes "ANSWER:" gets its reference answer (a number or a
+    word) scored after its reasoning: a probability above 0, and the run card names the questions."""
+    policy, _ = warm_policy
+    output_dir = tmp_path / "run"
+    assert main([*command, "--task", "free-form", "--model", str(policy), "--steps", "1", "--temperature", "0.3",
+                 "--output-dir", str(output_dir)]) == 0
+    history = json.loads((output_dir / "history.json").read_text())
+    scored = history["p_reference_with_reasoning" if command is RLPR else "reward"]
+    assert len(scored) == 1 and 0 < scored[0] < 1 and history["no_answer"][0] < 1
+    card = " ".join((output_dir / "README.md").read_text().split())
+    assert "on free-form questions (140 embedded free-form questions" in card

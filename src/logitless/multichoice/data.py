@@ -11,7 +11,7 @@ import random
 from pathlib import Path
 
 from logitless._checks import check_positive_int
-from logitless.records import read_jsonl
+from logitless.records import read_rows
 
 INSTRUCTION = "Think briefly, then finish with a line of the form ANSWER: <letter>."
 
@@ -122,46 +122,17 @@ def _record(raw, where: str, letters: str, name: str) -> dict:
             "prompt": format_prompt(question, options, letters)}
 
 
-def names_a_file(path_or_name: str | Path) -> bool:
-    """Whether a data name is plainly a local file's (a .jsonl/.json name, or a path from ``.``, ``/`` or ``~``)
-    rather than a hub dataset's id."""
-    return Path(path_or_name).suffix in (".jsonl", ".json") or str(path_or_name).startswith((".", "/", "~"))
-
-
 def load_multichoice(path_or_name: str | Path, split: str = "train", choices: str = "ABCD", *,
                      name: str = "path_or_name") -> list[dict]:
-    """Records from a jsonl file (one object per line), a dataset saved with ``save_to_disk``, or the hub.
+    """Records from a jsonl file (one object per line), a dataset saved with ``save_to_disk``, or the hub
+    (`logitless.records.read_rows`).
 
     Each row needs ``question`` (str), ``choices`` (a list of option texts or numbers) and ``answer`` (a
-    letter of ``choices``, or an int index, converted to its letter). A directory is read with
-    ``datasets.load_from_disk`` (its ``split`` when it holds a DatasetDict); a name that is not a
-    path is a Hugging Face dataset id loaded with ``datasets.load_dataset(name, split=split)``.
-    Errors start with ``name`` (the caller's name for the argument, e.g. "data").
+    letter of ``choices``, or an int index, converted to its letter). Errors start with ``name`` (the caller's name
+    for the argument, e.g. "data").
     """
     _check_letters("choices", choices)
-    if not isinstance(path_or_name, (str, Path)) or not str(path_or_name):
-        raise TypeError(f"{name}: expected a file, directory or dataset name, got {path_or_name!r}")
-    path = Path(path_or_name).expanduser()
-    if path.is_file():
-        records = [_record(raw, where, choices, name) for where, raw in read_jsonl(path, name)]
-    elif not path.is_dir() and names_a_file(path_or_name):
-        raise ValueError(f"{name}: no such file {str(path_or_name)!r}")
-    else:
-        import datasets
-
-        try:
-            if path.is_dir():
-                loaded = datasets.load_from_disk(str(path))
-                if isinstance(loaded, datasets.DatasetDict):
-                    if split not in loaded:
-                        raise ValueError(f"split: {path} has splits {sorted(loaded)}, not {split!r}")
-                    loaded = loaded[split]
-            else:
-                loaded = datasets.load_dataset(str(path_or_name), split=split)
-        except OSError as err:  # a missing directory or hub dataset, no network
-            raise ValueError(f"{name}: cannot load {str(path_or_name)!r} as a saved dataset or a hub dataset "
-                             f"({' '.join(str(err).split())[:200]})") from None
-        records = [_record(row, f"row {i} of {path_or_name}", choices, name) for i, row in enumerate(loaded)]
+    records = [_record(raw, where, choices, name) for where, raw in read_rows(path_or_name, split, name=name)]
     if not records:
         raise ValueError(f"{name}: {path_or_name} holds no questions")
     return records

@@ -31,9 +31,9 @@ from logitless.recipes.grpo_options import (FIXED_OPTIONS, RESULT_OPTIONS, SYNTH
                                             MultichoiceGRPOConfig, MultichoiceRunConfig)
 from logitless.rundir import write_json_atomically, write_text_atomically
 
-WARM_UP_HINT = ("GRPO learns only from reward differences within a group. The reward reads the letter after "
+WARM_UP_HINT = ("GRPO learns only from reward differences within a group. The reward reads the answer after "
                 "'ANSWER:', so the policy must first write that format: warm it up with `logitless sft` on "
-                "(prompt, ' ANSWER: <letter>') pairs, as `logitless demo` does (docs/runs.md, 'GRPO that can learn')")
+                "(prompt, ' ANSWER: <answer>') pairs, as `logitless demo` does (docs/runs.md, 'GRPO that can learn')")
 
 
 OUTPUTS = (STEP_CHECKPOINT, CHECKPOINT_STAGING, "history.json", "reward.png", "README.md")
@@ -47,20 +47,24 @@ class GRPOPlan(RunPlan):
 
 
 def load_questions(config: MultichoiceRunConfig, command: str = "grpo") -> list[dict]:
-    """The questions of ``logitless COMMAND``, at least one step's worth; errors name ``data``."""
-    from logitless.multichoice.data import load_multichoice, names_a_file, synthetic_multichoice
+    """The questions of ``logitless COMMAND`` for ``config.task``, at least one step's worth; errors name ``data``."""
+    from logitless.free_form.data import load_free_form
+    from logitless.multichoice.data import load_multichoice, synthetic_multichoice
+    from logitless.records import names_a_file
 
+    load = load_free_form if config.task == "free-form" else load_multichoice
     if config.data is None:
-        return synthetic_multichoice(count=SYNTHETIC_QUESTIONS, seed=config.seed + 1)
+        return (load_free_form(name="data") if config.task == "free-form"
+                else synthetic_multichoice(count=SYNTHETIC_QUESTIONS, seed=config.seed + 1))
     refuse_other_commands_data("data", config.data, command, "grpo")
     if Path(config.data).expanduser().exists() or names_a_file(config.data) or hub_reachable():
-        records = load_multichoice(config.data, name="data")
+        records = load(config.data, name="data")
     else:  # only the local cache can hold it: look there alone, not through a minute of retries
         import datasets
 
         offline, datasets.config.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE, True
         try:
-            records = load_multichoice(config.data, name="data")
+            records = load(config.data, name="data")
         except ValueError as err:
             raise ValueError(f"{err}; the hub is unreachable (offline) and the local cache holds no copy of "
                              "it") from None
@@ -86,8 +90,8 @@ def train_grpo_multichoice(config: MultichoiceGRPOConfig | GRPOPlan, *, progress
     from transformers.utils import logging as hf_logging
     from trl import GRPOConfig
 
-    from logitless.multichoice.data import to_trl_dataset
-    from logitless.recipes.trl_runs import EqualRewardsWarning, multichoice_trainer_options, train_resumably
+    from logitless.recipes.trl_runs import (EqualRewardsWarning, multichoice_trainer_options, questions_dataset,
+                                            train_resumably)
     from logitless.trl import GRPOTrainerWithLogits, RewardStdFilter
     from logitless.trl.nonfinite import NonFiniteGuard
 
@@ -99,7 +103,7 @@ def train_grpo_multichoice(config: MultichoiceGRPOConfig | GRPOPlan, *, progress
     args = GRPOConfig(**multichoice_trainer_options(config, output_dir, progress), loss_type=config.loss_type)
     guard = NonFiniteGuard(config.on_nonfinite, NONFINITE_ADVICE)
     trainer = GRPOTrainerWithLogits(model=policy, reward_funcs=reward, args=args,
-                                    train_dataset=to_trl_dataset(plan.records), processing_class=tokenizer,
+                                    train_dataset=questions_dataset(config, plan.records), processing_class=tokenizer,
                                     callbacks=[guard, EqualRewardsWarning("grpo", config.steps, WARM_UP_HINT)],
                                     reward_std_filter=RewardStdFilter() if config.reward_std_filter else None)
 
@@ -114,12 +118,12 @@ def train_grpo_multichoice(config: MultichoiceGRPOConfig | GRPOPlan, *, progress
 
 
 REWARD_FORMULAS = {"judge": "P(correct | model) x (1 - P(correct | judge))",
-                   "reference-probability": "clip(P(correct letter | reasoning) - P(correct letter | prompt), 0, 1)"}
+                   "reference-probability": "clip(P(answer | reasoning) - P(answer | prompt), 0, 1)"}
 
 
 def make_reward(config: MultichoiceGRPOConfig, policy, tokenizer):
     """The reward function ``config.reward`` names, for TRL; the judge reward loads its judge (frozen)."""
-    if config.reward == "reference-probability":  # the letter the prompt asks for after "ANSWER:", ending the line
+    if config.reward == "reference-probability":  # the answer the prompt asks for after "ANSWER:", ending the line
         from logitless.trl import reference_probability_reward
 
         return reference_probability_reward(policy, tokenizer, answer_column="answer", answer_start="ANSWER:",
@@ -144,8 +148,8 @@ def logged_metrics(config: MultichoiceGRPOConfig) -> tuple[tuple[str, str, str],
                                                          WITHOUT_REASONING_METRIC)
 
         metrics = (("no_answer", NO_ANSWER_METRIC, "completions with no answer after 'ANSWER:' (reward 0)"),
-                   ("p_reference_with_reasoning", WITH_REASONING_METRIC, "P(correct letter | reasoning)"),
-                   ("p_reference_without_reasoning", WITHOUT_REASONING_METRIC, "P(correct letter | prompt)"))
+                   ("p_reference_with_reasoning", WITH_REASONING_METRIC, "P(reference answer | reasoning)"),
+                   ("p_reference_without_reasoning", WITHOUT_REASONING_METRIC, "P(reference answer | prompt)"))
     if config.reward_std_filter:
         from logitless.trl.std_filter import DROPPED_METRIC, THRESHOLD_METRIC
 
@@ -188,8 +192,8 @@ def write_run_card(output_dir: Path, config: MultichoiceGRPOConfig, history: dic
         reward_line += ", with RLPR's filter of the questions whose rewards hardly vary"
     write_text_atomically(output_dir / "README.md", f"""# logitless grpo run
 
-GRPO (TRL's GRPOTrainer, scored by logitless's fused LM head) of the policy `{config.model}` on multiple-choice
-questions ({config.data or f"{SYNTHETIC_QUESTIONS} synthetic questions"}), loss type `{config.loss_type}`,
+GRPO (TRL's GRPOTrainer, scored by logitless's fused LM head) of the policy `{config.model}` on {config.task}
+questions ({config.questions_named}), loss type `{config.loss_type}`,
 learning rate {config.learning_rate}, {config.num_generations} completions per question.
 
 - reward: {reward_line}; per step mean {trend} (history.json, reward.png)

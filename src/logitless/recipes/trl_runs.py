@@ -27,6 +27,15 @@ def multichoice_trainer_options(config, output_dir: Path, progress: bool) -> dic
                 disable_tqdm=not progress)
 
 
+def questions_dataset(config, records: list[dict]):
+    """The TRL dataset (prompt, question, answer) of a `MultichoiceRunConfig` run's questions, for its ``task``."""
+    if config.task == "free-form":
+        from logitless.free_form.data import to_trl_dataset
+    else:
+        from logitless.multichoice.data import to_trl_dataset
+    return to_trl_dataset(records)
+
+
 class QuietProgress(ProgressCallback):
     """TRL's step bar, named like the other commands' bars, without a printed dict of metrics per step."""
 

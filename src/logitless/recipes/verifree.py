@@ -1,10 +1,10 @@
-"""`logitless verifree`: VeriFree on multiple-choice questions, logit-free, crash-safe.
+"""`logitless verifree`: VeriFree on multiple-choice or free-form questions, logit-free, crash-safe.
 
 The policy trains with `VeriFreeTrainer`: what each completion wrote after ``answer_start`` ("ANSWER:", where the
-prompts ask for the letter) is replaced by ``answer_template`` holding the correct letter, and the policy's own
-probability of it after the completion's reasoning, R, read in the training forward, is both the reasoning's reward
-(against the mean R of the other completions of its question) and the weight of the letter's likelihood. A
-completion without "ANSWER:" has R = 0.
+prompts ask for the answer) is replaced by ``answer_template`` holding the reference answer (the correct letter, or
+the free-form answer), and the policy's own probability of it after the completion's reasoning, R, read in the
+training forward, is both the reasoning's reward (against the mean R of the other completions of its question) and
+the weight of the answer's likelihood. A completion without "ANSWER:" has R = 0.
 
 As `logitless grpo` does: the options and the questions are checked and the output directory claimed before any
 model loads (`prepare_verifree`); checkpoints every ``save_every`` steps, each complete or absent; a rerun resumes
@@ -21,11 +21,10 @@ from logitless.plots import plot_curves
 from logitless.recipes.common import (NONFINITE_ADVICE, check_model_sources, claim_run, curve_line, load_model,
                                       loading_snippet, plural, run_recipe)
 from logitless.recipes.grpo import OUTPUTS, GRPOPlan, load_questions
-from logitless.recipes.grpo_options import SYNTHETIC_QUESTIONS
 from logitless.recipes.verifree_options import FIXED_OPTIONS, RESULT_OPTIONS, VeriFreeRunConfig
 from logitless.rundir import write_json_atomically, write_text_atomically
 
-REWARD_FORMULA = "pi(correct letter | prompt, reasoning)"
+REWARD_FORMULA = "pi(reference answer | prompt, reasoning)"
 # (history.json's name, the Trainer's metric, the curve's label, drawn)
 METRICS = (("reward", "reward", f"reward R = {REWARD_FORMULA}", True),
            ("no_answer", "verifree/no_answer", "completions without the answer marker (R = 0)", True),
@@ -50,8 +49,7 @@ def train_verifree(config: VeriFreeRunConfig | GRPOPlan, *, progress: bool = Tru
     two terms, the entropy and the learning rate."""
     from transformers.utils import logging as hf_logging
 
-    from logitless.multichoice.data import to_trl_dataset
-    from logitless.recipes.trl_runs import multichoice_trainer_options, train_resumably
+    from logitless.recipes.trl_runs import multichoice_trainer_options, questions_dataset, train_resumably
     from logitless.trl import VeriFreeConfig, VeriFreeTrainer
     from logitless.trl.nonfinite import NonFiniteGuard
 
@@ -62,7 +60,7 @@ def train_verifree(config: VeriFreeRunConfig | GRPOPlan, *, progress: bool = Tru
     args = VeriFreeConfig(**multichoice_trainer_options(config, output_dir, progress), answer_column="answer",
                           answer_start=config.answer_start, answer_template=config.answer_template)
     guard = NonFiniteGuard(config.on_nonfinite, NONFINITE_ADVICE)
-    trainer = VeriFreeTrainer(model=policy, args=args, train_dataset=to_trl_dataset(plan.records),
+    trainer = VeriFreeTrainer(model=policy, args=args, train_dataset=questions_dataset(config, plan.records),
                               processing_class=tokenizer, callbacks=[guard])
 
     def write_outputs(log_history: list[dict]) -> dict:
@@ -93,11 +91,11 @@ def write_run_card(output_dir: Path, config: VeriFreeRunConfig, history: dict) -
     write_text_atomically(output_dir / "README.md", f"""# logitless verifree run
 
 VeriFree (VeriFreeTrainer, on TRL's GRPOTrainer, scored by logitless's fused LM head) of the policy `{config.model}`
-on multiple-choice questions ({config.data or f"{SYNTHETIC_QUESTIONS} synthetic questions"}), learning rate
-{config.learning_rate}, {config.num_generations} completions per question; what a completion wrote after
-`{config.answer_start}` replaced by `{config.answer_template}` with the correct letter.
+on {config.task} questions ({config.questions_named}), learning rate {config.learning_rate},
+{config.num_generations} completions per question; what a completion wrote after `{config.answer_start}` replaced by
+`{config.answer_template}` with the reference answer.
 
-- reward: R = {REWARD_FORMULA}, the reasoning's reward and the letter's likelihood weight; per step mean {trend}
+- reward: R = {REWARD_FORMULA}, the reasoning's reward and the answer's likelihood weight; per step mean {trend}
   (history.json, reward.png)
 - checkpoints: `checkpoint-STEP/` (each complete or absent); rerun the same `logitless verifree` command to resume
 
