@@ -12,6 +12,7 @@ import re
 # must precede the first jax import: the host platform's device count is fixed when the backend starts
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
@@ -118,8 +119,8 @@ def run_head(mesh, tied: bool) -> dict:
     config.temperature = 0.8  # the learner sets it from the rollout's
 
     runs = {}
-    for name in ("stock", "switched"):
-        with switch.use_fused_head() if name == "switched" else switch.FusedHead(), mesh:  # Tunix's ``with mesh:``
+    for name, head in (("stock", contextlib.nullcontext), ("switched", switch.use_fused_head)):
+        with head(), mesh:  # the mesh entered as Tunix's RLCluster enters a role's
             runs[name] = (*scoring(graphdef, state, prompt_ids, completion_ids),
                           *grpo_step(graphdef, state, example, config))
     (stock_lp, stock_entropy, stock_scoring, stock_loss, stock_grads, stock_step) = runs["stock"]
