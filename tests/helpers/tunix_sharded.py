@@ -2,9 +2,9 @@
 untied head) laid out by its own sharding config on a mesh of Tunix's axes, fsdp x tp = 2 x 2 (`AxisType.Auto`, the
 vocabulary over tp), and Tunix's scoring and GRPO loss called under ``with mesh:`` as Tunix's ``RLCluster`` and
 trainers call them, stock against switched. Prints a JSON line: per head, the largest differences to stock in fp32
-roundings of the largest value expected, the head weight's gradient's sharding, the collectives of each compiled
-program, the arrays as large as the whole weight or holding a vocabulary's worth of logits per position, and each
-program's per-device temporaries."""
+roundings of the largest value expected, the head weight's gradient's sharding, and for each program (the scoring,
+the GRPO step) stock and switched, what `program_report` reads: the logits, the collectives and what they gather,
+the arrays as large as the whole weight, the per-device temporaries."""
 
 import os
 import re
