@@ -17,14 +17,15 @@ from qwix import LoraProvider, PtqProvider, QtProvider, QuantizationRule
 from qwix._src.model import _output_transform_nnx
 
 READ_PROVIDERS = (LoraProvider, PtqProvider, QtProvider)  # each acts on a matmul only where a rule matches its module
-_STOCK = "logitless.tunix.use_stock_head() scores it"
+_USE_STOCK_HEAD = "logitless.tunix.use_stock_head() scores it"
 
 
 def _provider(model_class: type):
     """The provider qwix wrapped ``model_class.__call__`` with (None: not found), read from the closure of qwix's
     wrapper, whose output transform is ``partial(_output_transform_nnx, provider, "__call__")``."""
     call = model_class.__call__
-    closure = dict(zip(call.__code__.co_freevars, call.__closure__ or ()))
+    free_names = getattr(getattr(call, "__code__", None), "co_freevars", ())
+    closure = dict(zip(free_names, getattr(call, "__closure__", None) or ()))
     transform = closure["output_transform"].cell_contents if "output_transform" in closure else None
     if (isinstance(transform, functools.partial) and transform.func is _output_transform_nnx
             and transform.args[1:] == ("__call__",)):
@@ -43,13 +44,14 @@ def check_head_untouched(model, head) -> None:
         found = "no provider" if provider is None else type(provider).__name__
         raise NotImplementedError(
             f"model: {name} is refused: logitless.tunix reads the rules of qwix's "
-            f"{', '.join(cls.__name__ for cls in READ_PROVIDERS)}, found {found}; {_STOCK}")
+            f"{', '.join(cls.__name__ for cls in READ_PROVIDERS)}, found {found}; {_USE_STOCK_HEAD}")
     path = getattr(head, "qwix_path", None)
     if not isinstance(path, tuple):
-        raise NotImplementedError(f"model: {name} is refused: its head has no qwix path; {_STOCK}")
+        raise NotImplementedError(f"model: {name} is refused: its head has no qwix path; {_USE_STOCK_HEAD}")
     path = "/".join(map(str, path))  # as qwix joins it
-    matching = [rule.module_path for rule in rules if re.fullmatch(rule.module_path, path)]
+    matching = [rule.module_path for rule in rules if re.fullmatch(rule.module_path, path)]  # whatever its op_names
     if matching:
         raise NotImplementedError(
             f"model: {name} is refused: its {type(provider).__name__}'s rule module_path={matching[0]!r} matches "
-            f"its head {path!r} (LoRA or quantization of the logits, which the fused head would leave out); {_STOCK}")
+            f"its head {path!r} (LoRA or quantization of the logits, which the fused head would leave out); "
+            f"{_USE_STOCK_HEAD}")

@@ -438,7 +438,8 @@ def test_one_step_of_each_sft_learner_equals_stock_tunix(tunix, learner):
     distillation loss's own), gradients and parameters (the gradients' rounding times the learning rate) as stock
     Tunix. The step's program holds no (B, T, V) array where stock Tunix's holds the logits, except distillation's
     labels (B, T, V), which its labels function makes: nothing there takes a softmax over the vocabulary, and the
-    teacher's logits are no input of the step."""
+    teacher's logits are no input of the step. ``peft-lora``: the PEFT trainer on a LoRA policy (qwix's, on a Qwen2),
+    which it trains the LoRA parameters of only."""
     vocab = 257
     stock_logged, stock_grads, stock_params, stock_program = trainer_step(tunix, learner, vocab, fused=False)
     logged, grads, params, program = trainer_step(tunix, learner, vocab, fused=True)
