@@ -27,6 +27,8 @@ try:
 except ImportError as err:  # say how to get it, not just that it is missing
     raise ImportError("logitless.tunix needs Tunix: pip install 'logitless[tunix]'") from err
 
+from logitless.tunix_qwix import check_head_untouched  # qwix comes with Tunix
+
 
 @dataclass(frozen=True)
 class _Family:
@@ -94,20 +96,20 @@ def _identity(hidden):
 def take_head(model, output: Callable = _identity) -> TakenHead:
     """Takes the head off ``model`` (a merged copy, changed in place), so that calling it returns ``output`` of its
     final hidden states (B, L, H) where it returned its logits (by default the states themselves, cast as its
-    logits would be; ``output`` is kept in the model's graph, so it is one object for every call, not a closure)."""
+    logits would be; ``output`` is kept in the model's graph, so it is one object for every call, not a closure).
+    A model qwix wrapped (LoRA, quantization) is taken where none of its rules reaches the head
+    (`tunix_qwix.check_head_untouched`)."""
     wrapped = getattr(type(model), "_unquantized_type", None)  # qwix's subclass of a LoRA or quantized model
-    if wrapped is not None:
-        raise NotImplementedError(
-            f"model: a {wrapped.__name__} wrapped by qwix (LoRA or quantization) is refused: qwix intercepts its "
-            "matmuls by module path, the head's too where its rules match it, and logitless.tunix cannot read them; "
-            "logitless.tunix.use_stock_head() scores it")
-    family = FAMILIES.get(type(model))
+    model_class = wrapped or type(model)
+    family = FAMILIES.get(model_class)
     if family is None:
         names = ", ".join(cls.__name__ for cls in FAMILIES)
-        raise TypeError(f"model: logitless.tunix scores Tunix's {names}, got {type(model).__module__}."
-                        f"{type(model).__name__}")
+        raise TypeError(f"model: logitless.tunix scores Tunix's {names}, got {model_class.__module__}."
+                        f"{model_class.__name__}")
     tied = family.tied(model.config)
     head, weight_name = (model.embedder, "input_embedding") if tied else (model.lm_head, "w")
+    if wrapped is not None:  # its body runs under qwix's interception as it did; its head must be as without qwix
+        check_head_untouched(model, head)
     variables = sorted(name for name, value in vars(head).items()
                        if isinstance(value, nnx.Variable) and name not in family.other_variables)
     if variables != [weight_name]:  # an adapter (LoRA) on the head would be left out of the fused logits

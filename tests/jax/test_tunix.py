@@ -17,8 +17,8 @@ import jax.numpy as jnp
 EPS = float(np.finfo(np.float32).eps)
 try:  # without Tunix, the `tunix` fixture fails each test, saying how to get it
     from logitless.bench.tunix_learners import (EOS, PAD, SFT_LEARNERS, grpo_config, grpo_loss_step, kept_gradients,
-                                                on_policy_example, sequence_batch, tiny_family, tiny_qwen2,
-                                                token_batch, train_step)
+                                                lora_qwen2, on_policy_example, sequence_batch, tiny_family,
+                                                tiny_qwen2, token_batch, train_step)
 except ImportError:
     pass
 
@@ -144,10 +144,11 @@ def grpo_example(tunix, vocab, seed=0, old=True):
         ref_per_token_logps=near(), old_per_token_logps=near() if old else None)
 
 
-def loss_step(tunix, loss_name, model, example, config):
+def loss_step(tunix, loss_name, model, example, config, wrt=...):
     """Tunix's registered policy loss ``loss_name`` of ``model`` on ``example``, jitted afresh (a jitted step keeps
-    the scoring it was first traced with): (loss, metrics, gradients w.r.t. the parameters, the step's program)."""
-    step, state = grpo_loss_step(model, example, config, loss_name)
+    the scoring it was first traced with): (loss, metrics, gradients w.r.t. the variables ``wrt`` selects, the step's
+    program)."""
+    step, state = grpo_loss_step(model, example, config, loss_name, wrt)
     (value, metrics), grads = step(state)
     return value, metrics, grads, step.lower(state).as_text()
 
@@ -437,7 +438,8 @@ def test_one_step_of_each_sft_learner_equals_stock_tunix(tunix, learner):
     distillation loss's own), gradients and parameters (the gradients' rounding times the learning rate) as stock
     Tunix. The step's program holds no (B, T, V) array where stock Tunix's holds the logits, except distillation's
     labels (B, T, V), which its labels function makes: nothing there takes a softmax over the vocabulary, and the
-    teacher's logits are no input of the step."""
+    teacher's logits are no input of the step. ``peft-lora``: the PEFT trainer on a LoRA policy (qwix's, on a Qwen2),
+    which it trains the LoRA parameters of only."""
     vocab = 257
     stock_logged, stock_grads, stock_params, stock_program = trainer_step(tunix, learner, vocab, fused=False)
     logged, grads, params, program = trainer_step(tunix, learner, vocab, fused=True)
@@ -464,21 +466,74 @@ def test_one_step_of_each_sft_learner_equals_stock_tunix(tunix, learner):
         assert_rounding(value, stock_value, 16, "parameter " + jax.tree_util.keystr(path))
 
 
-def test_a_model_qwix_wrapped_for_lora_is_refused_in_one_line(tunix):
-    """qwix's LoRA (and quantization) subclasses the model and intercepts its matmuls by module path, the head's where
-    its rules match it: the switch refuses such a model by name rather than score a head whose arithmetic it cannot
-    read."""
+@pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied"])
+def test_a_lora_policy_is_scored_as_stock_tunix_scores_it(tunix, tied):
+    """A Qwen2 with qwix's LoRA on its attention and MLP (the head untouched by its rules), the adapters nonzero: the
+    switched log-probs and entropy equal Tunix's, whose body runs under qwix's interception; the same model without
+    its adapters scores otherwise (by far more than the rounding), so the body the switch ran had them."""
+    nnx, common, algo_core, switch = tunix["nnx"], tunix["common"], tunix["algo_core"], tunix["switch"]
+    vocab = 257
+    model = lora_qwen2(vocab, tied)
+    prompt_ids, completion_ids = token_batch(vocab)
+    score = lambda scoring, model: scoring(*nnx.split(model), prompt_ids, completion_ids, PAD, EOS,  # noqa: E731
+                                           return_logits=True, temperature=0.7)
+    stock_log_probs, stock_logits = score(common.compute_per_token_logps, model)
+    log_probs, token_entropy = score(switch.compute_per_token_logps, model)
+    assert_rounding(log_probs, stock_log_probs, 16, "LoRA log-probs")
+    stock_entropy = algo_core.compute_entropy_from_logits(stock_logits)
+    assert_rounding(switch.compute_entropy_from_logits(token_entropy), stock_entropy, 16, "LoRA entropy")
+    without_adapters, _ = score(common.compute_per_token_logps, tiny_qwen2(vocab, tied))
+    assert float(jnp.abs(without_adapters - stock_log_probs).max()) > 1e4 * EPS * float(jnp.abs(stock_log_probs).max())
+
+
+@pytest.mark.slow
+def test_grpo_loss_of_a_lora_policy_equals_tunix_and_leaves_the_head_undifferentiated(tunix):
+    """Tunix's GRPO loss (the KL to the reference, off policy) of a tied LoRA Qwen2, differentiated as Tunix trains
+    it, with respect to its `nnx.LoRAParam` only: the loss, every metric and every LoRA parameter's gradient equal
+    stock Tunix's. The head's weight (the input embedding), frozen, takes no gradient: no matmul of the switched step
+    yields a (V, H) array, where the same step differentiating every parameter has one."""
+    nnx = tunix["nnx"]
+    vocab, hidden = 257, 32
+    config = tunix["grpo_learner"].GRPOConfig(num_generations=2, beta=0.04, epsilon=0.1)
+    config.temperature = 0.8
+    model, example = lora_qwen2(vocab, tied=True), grpo_example(tunix, vocab)
+    stock = loss_step(tunix, "grpo", model, example, config, nnx.LoRAParam)
+    with tunix["switch"].use_fused_head():
+        switched = loss_step(tunix, "grpo", model, example, config, nnx.LoRAParam)
+        every_parameter_program = loss_step(tunix, "grpo", model, example, config)[3]
+    assert_equal_steps(stock, switched, f"tensor<4x11x{vocab}xf32>")
+    trained = {str(path[-2].key) for path, _ in jax.tree_util.tree_leaves_with_path(switched[2])}
+    assert trained == {"w_lora_a", "w_lora_b", "kernel_lora_a", "kernel_lora_b"}  # the attention's and the MLP's
+    head_gradient = re.compile(rf"stablehlo\.dot_general [^\n]*-> tensor<({vocab}x{hidden}|{hidden}x{vocab})xf32>")
+    assert head_gradient.search(every_parameter_program) and not head_gradient.search(switched[3])
+
+
+def test_a_qwix_model_whose_rules_reach_the_head_is_refused_in_one_line(tunix):
+    """A qwix model whose provider has a rule matching the head's module path (LoRA on ``lm_head``; quantized
+    training of every module, the tied embedding's ``decode`` included), whose logits the fused head would compute
+    without it, and one whose provider the switch does not read (a subclass of qwix's), are refused in one line."""
     import qwix
 
-    base = tiny_qwen2(64)
-    lora = qwix.LoraProvider(module_path=".*q_proj|.*v_proj", rank=2, alpha=4.0)
-    model = qwix.apply_lora_to_model(base, lora, rngs=tunix["nnx"].Rngs(0), **base.get_model_input())
-    prompt_ids, completion_ids = token_batch(64)
-    graphdef, state = tunix["nnx"].split(model)
-    with tunix["switch"].use_fused_head():
-        with pytest.raises(NotImplementedError, match=r"^model: a Qwen2 wrapped by qwix \(LoRA or quantization\) is "
-                                                      r"refused: .*use_stock_head\(\) scores it"):
-            tunix["common"].compute_per_token_logps(graphdef, state, prompt_ids, completion_ids, PAD, EOS)
+    class OwnLora(qwix.LoraProvider):
+        pass
+
+    nnx, common, switch = tunix["nnx"], tunix["common"], tunix["switch"]
+    tied = tiny_qwen2(257, tied=True)
+    refused = {
+        "LoraProvider's rule module_path='.*proj|lm_head' matches its head 'lm_head'":
+            lora_qwen2(257, provider=qwix.LoraProvider(module_path=".*proj|lm_head", rank=2, alpha=4.0)),
+        "QtProvider's rule module_path='.*' matches its head 'embedder'": qwix.quantize_model(
+            tied, qwix.QtProvider([qwix.QtRule(module_path=".*", weight_qtype="int8")]), skip_nnx_init=True,
+            **tied.get_model_input()),  # its rules are read without the first call, which makes its quantization state
+        "logitless.tunix reads the rules of qwix's LoraProvider, PtqProvider, QtProvider, found OwnLora":
+            lora_qwen2(257, provider=OwnLora(module_path=".*q_proj", rank=2, alpha=4.0)),
+    }
+    prompt_ids, completion_ids = token_batch(257)
+    with switch.use_fused_head():
+        for reason, model in refused.items():
+            one_line = rf"^model: a Qwen2 wrapped by qwix is refused: (its )?{re.escape(reason)}[^\n]*"
+            with pytest.raises(NotImplementedError, match=one_line + r"use_stock_head\(\) scores it"):
+                common.compute_per_token_logps(*nnx.split(model), prompt_ids, completion_ids, PAD, EOS)
 
 
 def test_distillation_the_fused_head_cannot_match_is_refused_or_left_to_tunix(tunix):

@@ -1,8 +1,8 @@
 """Tiny Tunix 0.1.7 learners and the one jitted training step of each, as `logitless bench tunix` measures them and
 tests/jax/test_tunix.py compares them: models of Tunix's families from a config (random weights, a language model's
-spread of logits), their token batches, Tunix's own DPO, ORPO, PEFT and logit-distillation trainers on them, and the
-value and gradient of Tunix's GRPO policy loss. Whether a step scores on the fused head is `logitless.tunix`'s switch
-at the time the step is traced."""
+spread of logits; a Qwen2 with qwix's LoRA), their token batches, Tunix's own DPO, ORPO, PEFT and logit-distillation
+trainers on them, and the value and gradient of Tunix's GRPO policy loss. Whether a step scores on the fused head is
+`logitless.tunix`'s switch at the time the step is traced."""
 
 from __future__ import annotations
 
@@ -33,6 +33,20 @@ def tiny_qwen2(vocab=1000, tied=False, seed=0, layers=1, **config):
             key, draw = jax.random.split(key)
             linear.kernel[...] = 0.1 * jax.random.normal(draw, linear.kernel[...].shape)
     return model
+
+
+LORA_PROJECTIONS = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*up_proj|.*down_proj"  # Qwen2's, as Tunix adapts
+
+
+def lora_qwen2(vocab=1000, tied=False, provider=None):
+    """`tiny_qwen2` wrapped by qwix with ``provider``: by default LoRA of rank 2 on every attention and MLP projection,
+    its B matrices random (zeros at init), so that the adapters change every log-prob."""
+    import qwix
+
+    provider = provider or qwix.LoraProvider(module_path=LORA_PROJECTIONS, rank=2, alpha=4.0,
+                                             lora_b_initializer=jax.nn.initializers.normal(0.1))
+    base = tiny_qwen2(vocab, tied)
+    return qwix.quantize_model(base, provider, rngs=nnx.Rngs(0), **base.get_model_input())
 
 
 def tiny_family(family, vocab=1000, seed=0):
@@ -90,15 +104,16 @@ def kept_gradients(learning_rate=1e-2):
     return optax.GradientTransformation(init, update)
 
 
-def grpo_loss_step(model, example, config, loss_name="grpo"):
+def grpo_loss_step(model, example, config, loss_name="grpo", wrt=...):
     """The jitted value and gradient of Tunix's registered policy loss ``loss_name`` of ``model`` on ``example`` (a
-    GRPO `TrainExample`), taken with respect to the model's state: (step, state); ``step(state)`` returns
+    GRPO `TrainExample`), taken with respect to the model's variables that the filter ``wrt`` selects (by default its
+    whole state; Tunix trains a LoRA model's `nnx.LoRAParam` only): (step, state); ``step(state)`` returns
     ((loss, metrics), gradients)."""
     loss_fn = grpo_learner.function_registry.get_policy_loss_fn(loss_name)
-    graphdef, state = nnx.split(model)
+    graphdef, state, frozen = nnx.split(model, wrt, ...)
 
     def loss(state):
-        return loss_fn(nnx.merge(graphdef, state), example, algo_config=config, pad_id=PAD, eos_id=EOS)
+        return loss_fn(nnx.merge(graphdef, state, frozen), example, algo_config=config, pad_id=PAD, eos_id=EOS)
 
     return jax.jit(jax.value_and_grad(loss, has_aux=True)), state
 
@@ -151,12 +166,12 @@ def dpo_trainer(vocab, algorithm, batch=2, length=11):
     return dpo.DPOTrainer(model, reference, kept_gradients(), config), inputs
 
 
-def peft_trainer(vocab, batch=2, length=11):
-    """Tunix's PeftTrainer with its default loss (the cross-entropy of every next token) on a Gemma3; and its
-    input, B sequences of L tokens."""
+def peft_trainer(vocab, batch=2, length=11, model=None):
+    """Tunix's PeftTrainer with its default loss (the cross-entropy of every next token) on ``model`` (by default a
+    Gemma3; of a LoRA model, it trains the LoRA parameters only); and its input, B sequences of L tokens."""
     from tunix.sft import peft_trainer as peft
 
-    trainer = peft.PeftTrainer(tiny_family("gemma3", vocab), kept_gradients(),
+    trainer = peft.PeftTrainer(tiny_family("gemma3", vocab) if model is None else model, kept_gradients(),
                                peft.TrainingConfig(eval_every_n_steps=100, max_steps=1))
     return trainer, sequence_batch(vocab, batch, length)
 
@@ -187,7 +202,8 @@ def distillation_trainer(vocab, batch=2, length=11):
 SFT_LEARNERS = {"distillation": distillation_trainer,
                 "dpo": lambda vocab, batch=2, length=11: dpo_trainer(vocab, "dpo", batch, length),
                 "orpo": lambda vocab, batch=2, length=11: dpo_trainer(vocab, "orpo", batch, length),
-                "peft": peft_trainer}
+                "peft": peft_trainer,
+                "peft-lora": lambda vocab, batch=2, length=11: peft_trainer(vocab, batch, length, lora_qwen2(vocab))}
 
 
 def train_step(trainer, batch):
