@@ -33,10 +33,10 @@ def test_bench_learning_trains_every_method_at_the_same_settings_and_measures_he
                  "--plot", str(out_png)]) == 0
     report = json.loads(out_json.read_text())
     assert set(report) == {"config", "warm_start_loss", "held_out", "results"}
-    assert report["held_out"] == {"questions": 3, "samples": 2, "temperature": 0.3}
+    assert report["held_out"] == {"questions": 3, "samples": 2, "temperature": 1.0}
     assert list(report["results"]) == ["judge", "rlpr", "verifree"]
     expected = {"steps": 1, "completions_per_step": 4, "num_generations": 2, "max_completion_length": 6,
-                "learning_rate": 1e-3, "temperature": 0.3, "seed": 3}
+                "learning_rate": 1e-3, "temperature": 1.0, "seed": 3}
     for name, result in report["results"].items():
         assert result["options"] == expected, name  # what each run recorded in its logitless-run.json
         assert len(result["reward"]) == 1 and len(result["logged"]["loss"]) == 1, name  # every step ran, logged
@@ -52,8 +52,8 @@ def test_bench_learning_trains_every_method_at_the_same_settings_and_measures_he
 
 @pytest.mark.parametrize("arguments, error", [
     (["--methods", "rlpr", "rlpr"], "--methods: each method at most once"),
-    (["--num-generations", "3"], "--num-generations: must be >= 2 and divide the 8"),
-    (["--train-questions", "1"], "--train-questions: a step needs 2 questions"),
+    (["--num-generations", "3"], "--num-generations: must be >= 2 and divide the 32"),
+    (["--train-questions", "1"], "--train-questions: a step needs 8 questions"),
     (["--temperature", "0"], "--temperature: must be a finite number > 0"),
     (["--steps", "0"], "--steps: must be >= 1"),
 ])

@@ -2,8 +2,9 @@
 VeriFree from the same warm start, at the same settings, with held-out accuracy before and after.
 
 1. Warm start: ``logitless sft`` of the embedded untied tiny Qwen2 on 16 multiple-choice questions (sums and
-   largest numbers, options in random order) answered " ANSWER: <ordinal> <letter>": it learns the format, not the
-   rule.
+   largest numbers, options in random order) answered " <ordinal> ANSWER: <letter>": it learns the format, not the
+   rule. The ordinal is the reasoning before the answer tag, what every method's reward conditions on (the judge
+   reads it, RLPR and VeriFree replace only what follows the tag).
 2. Each method is its own command in a fresh process, from that policy, on the same ``train_questions`` of the task
    "Which number is the largest?" with the options in increasing order (the answer is always the last one, a rule
    learned from the reward alone), with the same steps, groups, completion length, learning rate, temperature and
@@ -45,16 +46,16 @@ WARM_START_QUESTIONS, WARM_START_SEED = 16, 0
 
 @dataclass
 class LearningBenchConfig:
-    warm_start_steps: int = 30
+    warm_start_steps: int = 60
     train_questions: int = 64
     eval_questions: int = 16
     eval_samples: int = 4
-    steps: int = 16
-    completions_per_step: int = 8
+    steps: int = 12
+    completions_per_step: int = 32
     num_generations: int = 4
     max_completion_length: int = 8
     learning_rate: float = 1e-3
-    temperature: float = 0.3
+    temperature: float = 1.0
     seed: int = 0
     methods: tuple[str, ...] = tuple(COMMANDS)
 
@@ -106,7 +107,7 @@ def warm_start(config: LearningBenchConfig, scratch: Path) -> tuple[Path, list[f
     from logitless.multichoice.warm_start import multichoice_sft_pairs
 
     pairs = multichoice_sft_pairs(synthetic_multichoice(count=WARM_START_QUESTIONS, seed=WARM_START_SEED),
-                                  end=qwen_tokenizer().eos_token)
+                                  end=qwen_tokenizer().eos_token, ordinal_before_tag=True)
     data = scratch / "warm_start.jsonl"
     data.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
     steps = str(config.warm_start_steps)

@@ -31,9 +31,12 @@ from logitless.sft import sft_step
 ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth")
 
 
-def multichoice_sft_pairs(records: list[dict], letters: str = "ABCD", end: str = "") -> list[dict[str, str]]:
+def multichoice_sft_pairs(records: list[dict], letters: str = "ABCD", end: str = "", *,
+                          ordinal_before_tag: bool = False) -> list[dict[str, str]]:
     """(prompt, response) pairs whose response is " ANSWER: <ordinal> <letter>" + ``end`` for the right option
-    (" ANSWER: fourth D").
+    (" ANSWER: fourth D"), or with ``ordinal_before_tag`` " <ordinal> ANSWER: <letter>" (" fourth ANSWER: D"): the
+    ordinal is then reasoning before the answer tag, what the rewards that replace the answer after the tag (RLPR's,
+    VeriFree's) condition on.
 
     ``letters``: the answer letters the records were built with (`synthetic_multichoice`'s
     ``choices``, at most 10); ``end``: e.g. the tokenizer's EOS, so that generation stops there.
@@ -43,8 +46,9 @@ def multichoice_sft_pairs(records: list[dict], letters: str = "ABCD", end: str =
     for i, record in enumerate(records):
         if record["answer"] not in letters:
             raise ValueError(f"records[{i}]: answer {record['answer']!r} is not one of the letters {letters!r}")
+    form = " {ordinal} ANSWER: {letter}" if ordinal_before_tag else " ANSWER: {ordinal} {letter}"
     return [{"prompt": record["prompt"],
-             "response": f" ANSWER: {ORDINALS[letters.index(record['answer'])]} {record['answer']}{end}"}
+             "response": form.format(ordinal=ORDINALS[letters.index(record["answer"])], letter=record["answer"]) + end}
             for record in records]
 
 
