@@ -34,7 +34,9 @@ def test_a_users_questions_load_with_numbers_as_text_and_bad_rows_are_named(tmp_
     for row, message in [({"question": "q"}, r"data: line 1 of .* is not an object with question and answer"),
                          ({"question": "q", "answer": "two\nlines"}, "data: line 1 of .* expected one non-empty line"),
                          ({"question": "q", "answer": None}, "data: line 1 of .* not a string or a number: None"),
-                         ({"question": "", "answer": "x"}, "data: line 1 of .* not a non-empty string")]:
+                         ({"question": "", "answer": "x"}, "data: line 1 of .* not a non-empty string"),
+                         ({"question": "q", "choices": ["a", "b"], "answer": "A"},
+                          "data: line 1 of .* has choices: a multiple-choice question")]:
         path.write_text(json.dumps(row) + "\n")
         with pytest.raises(ValueError, match=message):
             load_free_form(path, name="data")

@@ -26,6 +26,9 @@ def _record(raw, where: str, name: str) -> dict:
     """A loaded row -> a record; errors start with ``name`` and give ``where``."""
     if not isinstance(raw, dict) or "question" not in raw or "answer" not in raw:
         raise ValueError(f"{name}: {where} is not an object with question and answer")
+    if "choices" in raw:  # its prompt would lose the options its answer (a letter) points into
+        raise ValueError(f"{name}: {where} has choices: a multiple-choice question, not a free-form one (for "
+                         "`logitless grpo` and `logitless verifree`: --task multichoice)")
     question, answer = raw["question"], raw["answer"]
     if not isinstance(question, str) or not question.strip():
         raise ValueError(f"{name}: {where} has a question that is not a non-empty string: {question!r}")
