@@ -478,7 +478,8 @@ def test_one_step_of_each_sft_learner_equals_stock_tunix(tunix, learner):
     """Tunix's own DPO (a reference model, label smoothing), ORPO, PEFT and logit-distillation trainers, each made
     before the switch, one step on a tiny vocabulary (257): with the switch, the same logged metrics (and the
     distillation loss's own), gradients and parameters (the gradients' rounding times the learning rate) as stock
-    Tunix. The step's program holds no (B, T, V) array where stock Tunix's holds the logits, except distillation's
+    Tunix (a metric that Tunix takes as a difference compared at the scale of what it subtracts: `difference_scales`).
+    The step's program holds no (B, T, V) array where stock Tunix's holds the logits, except distillation's
     labels (B, T, V), which its labels function makes: nothing there takes a softmax over the vocabulary, and the
     teacher's logits are no input of the step."""
     vocab = 257
@@ -496,11 +497,27 @@ def test_one_step_of_each_sft_learner_equals_stock_tunix(tunix, learner):
     else:
         assert vocabulary_arrays.search(stock_program) and not vocabulary_arrays.search(program)
     assert logged.keys() == stock_logged.keys() and len(logged) >= 2
+    scales = difference_scales(learner, vocab, {key[-1]: values for key, values in stock_logged.items()
+                                                if key[0] == "aux"})
     for key, values in logged.items():
-        assert_rounding(values, stock_logged[key], 16, "/".join(key))
+        assert_rounding(values, stock_logged[key], 16, "/".join(key), scale=scales.get(key[-1]))
     assert len(assert_equal_gradients(grads, stock_grads)) >= 8
     for (path, value), stock_value in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(stock_params)):
         assert_rounding(value, stock_value, 16, "parameter " + jax.tree_util.keystr(path))
+
+
+def difference_scales(learner, vocab, stock_metrics, completion=5):
+    """The scale at which each metric of ``learner``'s loss that Tunix takes as a difference is compared, that of what
+    it subtracts, {name: scale}: distillation's KL (and the soft loss, it times the temperature 2 squared) at the
+    softened distributions' cross-entropies, about log V; DPO's and ORPO's (``stock_metrics``) at the summed log-probs
+    of a completion of C = ``completion`` tokens, up to C log V (the odds ratio, their exponential, times itself)."""
+    cross_entropy = float(np.log(vocab))
+    if learner == "distillation":
+        return {"distill/kl_div": cross_entropy, "distill/soft_loss": 2.0**2 * cross_entropy}
+    if learner in ("dpo", "orpo"):
+        return {name: completion * cross_entropy * (float(np.abs(value).max()) if name == "odds_ratio" else 1.0)
+                for name, value in stock_metrics.items()}
+    return {}
 
 
 def vocabulary_softmax(vocab):
@@ -537,20 +554,12 @@ def sft_loss_step(tunix, learner, family, vocab, fused: bool):
 def test_each_sft_learners_loss_equals_tunix_on_every_family(tunix, learner, family):
     """Tunix's own DPO (a reference model), ORPO, PEFT and logit-distillation (teacher and student of one family)
     trainers on each model family Tunix ships, vocabulary 257: switched, the trainer's loss, its metrics and the
-    gradient of every parameter equal stock Tunix's, and nothing in the step takes a softmax over the vocabulary.
-    A metric that Tunix takes as a difference is compared at the scale of what it subtracts: distillation's KL (and
-    the soft loss, it times the temperature 2 squared) at the softened distributions' cross-entropies, about log V;
-    DPO's and ORPO's at the summed log-probs of a completion of C = 5 tokens, up to C log V (the odds ratio, their
-    exponential, times itself)."""
-    vocab, completion = 257, 5
+    gradient of every parameter equal stock Tunix's, and nothing in the step takes a softmax over the vocabulary
+    (a metric that Tunix takes as a difference compared at the scale of what it subtracts: `difference_scales`)."""
+    vocab = 257
     stock = sft_loss_step(tunix, learner, family, vocab, fused=False)
     switched = sft_loss_step(tunix, learner, family, vocab, fused=True)
-    cross_entropy = float(np.log(vocab))
-    scales = {"distill/kl_div": cross_entropy, "distill/soft_loss": 2.0**2 * cross_entropy}
-    if learner in ("dpo", "orpo"):
-        scales = {name: completion * cross_entropy * (float(value) if name == "odds_ratio" else 1.0)
-                  for name, value in stock[1].items()}
-    assert_equal_steps(stock, switched, vocabulary_softmax(vocab), scales)
+    assert_equal_steps(stock, switched, vocabulary_softmax(vocab), difference_scales(learner, vocab, stock[1]))
 
 
 def test_a_model_qwix_wrapped_for_lora_is_refused_in_one_line(tunix):
