@@ -1,6 +1,7 @@
-"""`logitless.tunix`: Tunix 0.1.7 switched onto the fused head scores a tiny Tunix Qwen2 as stock Tunix does (log-probs,
-entropy, the GRPO loss with its metrics and gradients, one GRPO learner step), to the rounding of fp32, and the compiled
-GRPO step loses the logits' share of its temporaries."""
+"""`logitless.tunix`: Tunix 0.1.7 switched onto the fused head scores tiny Tunix models of every family as stock Tunix
+does (log-probs, entropy, the GRPO and PPO losses and the DPO, ORPO, PEFT and distillation trainers' losses with their
+metrics and gradients, one step of each learner), to the rounding of fp32 (of bf16 where stock rounds a bf16 model's
+logits), and the compiled GRPO step loses the logits' share of its temporaries."""
 
 import contextlib
 import functools
@@ -16,9 +17,9 @@ import jax.numpy as jnp
 
 EPS = float(np.finfo(np.float32).eps)
 try:  # without Tunix, the `tunix` fixture fails each test, saying how to get it
-    from logitless.bench.tunix_learners import (EOS, PAD, SFT_LEARNERS, grpo_config, grpo_loss_step, kept_gradients,
-                                                lora_qwen2, on_policy_example, sequence_batch, tiny_family,
-                                                tiny_qwen2, token_batch, train_step)
+    from logitless.bench.tunix_learners import (EOS, FAMILIES, PAD, SFT_LEARNERS, grpo_config, grpo_loss_step,
+                                                kept_gradients, lora_qwen2, on_policy_example, sequence_batch,
+                                                tiny_family, tiny_qwen2, token_batch, train_step)
 except ImportError:
     pass
 
@@ -46,14 +47,14 @@ def _stock_tunix_after_each_test():
         sys.modules["logitless.tunix"].use_stock_head()
 
 
-def assert_rounding(got, expected, roundings, what):
-    """``got`` equals ``expected`` within ``roundings`` fp32 roundings of the largest of the values expected (all 0:
-    exactly)."""
+def assert_rounding(got, expected, roundings, what, eps=EPS, scale=None):
+    """``got`` equals ``expected`` within ``roundings`` roundings (``eps``: fp32's unless told) of ``scale``, by
+    default the largest of the values expected (all 0: exactly)."""
     got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
-    scale = max(float(np.abs(expected).max()), float(np.finfo(np.float32).tiny))
+    scale = max(float(np.abs(expected).max()) if scale is None else scale, float(np.finfo(np.float32).tiny))
     error = float(np.abs(got - expected).max())
-    print(f"{what}: {error / (EPS * scale):.2f} roundings of {scale:.3g}")  # what `pytest -s` shows, measured
-    assert error <= roundings * EPS * scale, f"{what}: max error {error:.3g} > {roundings} x eps x {scale:.3g}"
+    print(f"{what}: {error / (eps * scale):.2f} roundings of {scale:.3g}")  # what `pytest -s` shows, measured
+    assert error <= roundings * eps * scale, f"{what}: max error {error:.3g} > {roundings} x eps x {scale:.3g}"
 
 
 @pytest.mark.parametrize("tied, temperature, packed", [(False, 1.0, False), (False, 0.7, False), (True, 0.7, False),
@@ -92,7 +93,7 @@ def test_switched_scoring_equals_tunix(tunix, tied, temperature, packed):
         np.testing.assert_allclose(token_entropy.entropy[:, 0], np.log(vocab), rtol=4 * EPS)
 
 
-@pytest.mark.parametrize("family", ["llama3", "llama3-tied", "qwen3", "gemma", "gemma3", "gemma4"])
+@pytest.mark.parametrize("family", [family for family in FAMILIES if family != "qwen2"])
 def test_every_tunix_family_is_scored_as_stock_tunix_scores_it(tunix, family):
     """Each model family Tunix 0.1.7 ships, tied or not, with Gemma's final soft cap (which the switch applies in
     the fused head, not after it) and Gemma 4's casts: the log-probs and entropy equal Tunix's, at a temperature."""
@@ -153,20 +154,54 @@ def loss_step(tunix, loss_name, model, example, config, wrt=...):
     return value, metrics, grads, step.lower(state).as_text()
 
 
-def assert_equal_steps(stock, switched, logits_type):
-    """Two `loss_step` results: the same loss, metrics and gradients to fp32 rounding, and the stock program holds the
-    logits (``logits_type``, e.g. "tensor<4x11x1000xf32>") where the switched one holds none."""
+def assert_equal_steps(stock, switched, logits_type, metric_scales=None):
+    """Two `loss_step` results: the same loss, metrics and gradients to fp32 rounding (a metric in ``metric_scales``
+    {name: scale} of that scale, where it is the difference of values that large), and the stock program holds the
+    logits (``logits_type``, e.g. "tensor<4x11x1000xf32>", or a pattern of what is made of them) where the switched
+    one holds none."""
     (stock_loss, stock_metrics, stock_grads, stock_program), (loss, metrics, grads, program) = stock, switched
-    assert logits_type in stock_program and logits_type not in program
+    logits = logits_type if isinstance(logits_type, re.Pattern) else re.compile(re.escape(logits_type))
+    assert logits.search(stock_program) and not logits.search(program)
     assert_rounding(loss, stock_loss, 16, "loss")
     assert set(metrics) == set(stock_metrics)
     for name in metrics:
-        assert_rounding(metrics[name], stock_metrics[name], 16, name)
+        assert_rounding(metrics[name], stock_metrics[name], 16, name, scale=(metric_scales or {}).get(name))
+    assert len(assert_equal_gradients(grads, stock_grads)) >= 10
+
+
+def assert_equal_gradients(grads, stock_grads, roundings=64, eps=EPS):
+    """Each parameter's gradient equals stock Tunix's within ``roundings`` roundings (``eps``: fp32's unless told) of
+    its largest value, and none is 0; a gradient that is 0 but for rounding (below ``roundings`` fp32 roundings of the
+    model's largest gradient: the loss does not depend on that parameter, as a one-layer Gemma 4's on the scale of
+    its layer's output, which the final norm divides away) within as many roundings of the model's largest gradient.
+    Returns the gradients of the parameters {path: (switched, stock)}."""
     flat, stock_flat = (dict(jax.tree_util.tree_leaves_with_path(g)) for g in (grads, stock_grads))
-    assert flat.keys() == stock_flat.keys() and len(flat) >= 10
+    assert flat.keys() == stock_flat.keys()
+    largest = max(float(jnp.abs(grad).max()) for grad in stock_flat.values())
     for path, grad in flat.items():
-        assert float(jnp.abs(stock_flat[path]).max()) > 0, path
-        assert_rounding(grad, stock_flat[path], 64, jax.tree_util.keystr(path))
+        own = float(jnp.abs(stock_flat[path]).max())
+        assert own > 0, jax.tree_util.keystr(path)
+        scale = own if own > roundings * EPS * largest else largest
+        assert_rounding(grad, stock_flat[path], roundings, "gradient " + jax.tree_util.keystr(path), eps, scale)
+    return {path: (grad, stock_flat[path]) for path, grad in flat.items()}
+
+
+def grpo_loss_config(tunix, loss_algo="grpo", loss_agg_mode="token-mean"):
+    """Tunix's GRPO config of the loss tests: the KL to the reference (beta 0.04), epsilon 0.1, temperature 0.8."""
+    config = tunix["grpo_learner"].GRPOConfig(num_generations=2, beta=0.04, loss_algo=loss_algo,
+                                              loss_agg_mode=loss_agg_mode, epsilon=0.1)
+    config.temperature = 0.8  # the learner sets it from the rollout's
+    return config
+
+
+def ppo_loss_inputs(tunix, vocab):
+    """Tunix's PPO policy loss's config (an entropy bonus, a KL) and a `TrainExample` with an advantage per token."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(epsilon_low=0.2, epsilon_high=0.28, entropy_coef=0.05, kl_coef=0.05, kl_clamp_value=None)
+    example = grpo_example(tunix, vocab, seed=3)
+    return config, example.replace(advantages=jnp.asarray(np.random.default_rng(4).standard_normal((4, 5)),
+                                                           jnp.float32))
 
 
 @pytest.mark.slow
@@ -176,9 +211,7 @@ def assert_equal_steps(stock, switched, logits_type):
 def test_grpo_loss_metrics_and_gradients_equal_tunix(tunix, tied, loss_algo, loss_agg_mode, old):
     """Tunix's GRPO loss (the KL to the reference, a temperature) runs unchanged on the switched scoring: its loss,
     every metric (the entropy included) and the gradient of every parameter equal stock Tunix's."""
-    config = tunix["grpo_learner"].GRPOConfig(num_generations=2, beta=0.04, loss_algo=loss_algo,
-                                              loss_agg_mode=loss_agg_mode, epsilon=0.1)
-    config.temperature = 0.8  # the learner sets it from the rollout's
+    config = grpo_loss_config(tunix, loss_algo, loss_agg_mode)
     model, example = tiny_qwen2(1000, tied), grpo_example(tunix, 1000, old=old)
     stock = loss_step(tunix, "grpo", model, example, config)
     with tunix["switch"].use_fused_head():
@@ -191,17 +224,30 @@ def test_grpo_loss_metrics_and_gradients_equal_tunix(tunix, tied, loss_algo, los
 def test_ppo_policy_loss_with_an_entropy_bonus_equals_tunix(tunix):
     """Tunix's PPO policy loss reads the entropy through the same two functions, and with ``entropy_coef`` it is part
     of the loss: the entropy's gradient, through the fused op's, equals Tunix's from its logits."""
-    from types import SimpleNamespace
-
-    config = SimpleNamespace(epsilon_low=0.2, epsilon_high=0.28, entropy_coef=0.05, kl_coef=0.05, kl_clamp_value=None)
-    example = grpo_example(tunix, 1000, seed=3)
-    example = example.replace(advantages=jnp.asarray(np.random.default_rng(4).standard_normal((4, 5)), jnp.float32))
+    config, example = ppo_loss_inputs(tunix, 1000)
     model = tiny_qwen2(1000)
     stock = loss_step(tunix, "ppo", model, example, config)
     with tunix["switch"].use_fused_head():
         switched = loss_step(tunix, "ppo", model, example, config)
     assert "loss/entropy" in switched[1]
     assert_equal_steps(stock, switched, "tensor<4x11x1000xf32>")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", [family for family in FAMILIES if family != "qwen2"])
+def test_the_grpo_and_ppo_losses_equal_tunix_on_every_family(tunix, family):
+    """Each other model family Tunix ships (Llama3 tied and not, Gemma's and Gemma 4's logits in their soft cap's
+    bend): Tunix's GRPO loss (the KL to the reference, off policy, a temperature) and its PPO policy loss with an
+    entropy bonus, switched, have stock Tunix's loss, metrics and gradient of every parameter."""
+    vocab = 257
+    model = tiny_family(family, vocab)
+    ppo_config, ppo_example = ppo_loss_inputs(tunix, vocab)
+    for loss_name, config, example in (("grpo", grpo_loss_config(tunix), grpo_example(tunix, vocab)),
+                                       ("ppo", ppo_config, ppo_example)):
+        stock = loss_step(tunix, loss_name, model, example, config)
+        with tunix["switch"].use_fused_head():
+            switched = loss_step(tunix, loss_name, model, example, config)
+        assert_equal_steps(stock, switched, f"tensor<4x11x{vocab}xf32>")
 
 
 def replaced_by_the_switch(tunix):
@@ -381,10 +427,7 @@ def test_one_grpo_learner_step_equals_stock_tunix(tunix):
     assert {("actor", "train", name) for name in ("loss", "kl", "pg_clipfrac", "grad_norm")} <= logged.keys()
     for key, values in logged.items():
         assert_rounding(values, stock_logged[key], 16, "/".join(key))
-    flat, stock_flat = (dict(jax.tree_util.tree_leaves_with_path(tree)) for tree in (grads, stock_grads))
-    assert flat.keys() == stock_flat.keys()
-    for path, grad in flat.items():
-        assert_rounding(grad, stock_flat[path], 64, "gradient " + jax.tree_util.keystr(path))
+    assert_equal_gradients(grads, stock_grads)
     for (path, value), stock_value in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(stock_params)):
         assert_rounding(value, stock_value, 4, "parameter " + jax.tree_util.keystr(path))
 
@@ -412,11 +455,11 @@ def test_the_compiled_grpo_step_loses_the_logits_share_of_its_temporaries(tunix)
     print(f"compiled temporaries: stock {stock:,} B, switched {fused:,} B, logits {logits_bytes:,} B")
 
 
-def trainer_step(tunix, learner, vocab, fused: bool):
-    """One step of Tunix's own trainer for ``learner`` on tiny models: (every logged metric, the step's gradients,
-    the updated parameters, the text of the jitted train step's program)."""
+def trainer_step(tunix, make_trainer, fused: bool):
+    """One step of the Tunix trainer that ``make_trainer()`` makes, with its input: (every logged metric, the step's
+    gradients, the updated parameters, the text of the jitted train step's program)."""
     nnx, switch = tunix["nnx"], tunix["switch"]
-    trainer, batch = SFT_LEARNERS[learner](vocab)  # made before the switch, which it then follows
+    trainer, batch = make_trainer()  # made before the switch, which it then follows
     with switch.use_fused_head() if fused else contextlib.nullcontext():
         trainer.train([batch])
         step, inputs = train_step(trainer, batch)
@@ -436,17 +479,18 @@ def test_one_step_of_each_sft_learner_equals_stock_tunix(tunix, learner):
     """Tunix's own DPO (a reference model, label smoothing), ORPO, PEFT and logit-distillation trainers, each made
     before the switch, one step on a tiny vocabulary (257): with the switch, the same logged metrics (and the
     distillation loss's own), gradients and parameters (the gradients' rounding times the learning rate) as stock
-    Tunix. The step's program holds no (B, T, V) array where stock Tunix's holds the logits, except distillation's
+    Tunix (a metric that Tunix takes as a difference compared at the scale of what it subtracts: `difference_scales`).
+    The step's program holds no (B, T, V) array where stock Tunix's holds the logits, except distillation's
     labels (B, T, V), which its labels function makes: nothing there takes a softmax over the vocabulary, and the
     teacher's logits are no input of the step. ``peft-lora``: the PEFT trainer on a LoRA policy (qwix's, on a Qwen2),
     which it trains the LoRA parameters of only."""
     vocab = 257
-    stock_logged, stock_grads, stock_params, stock_program = trainer_step(tunix, learner, vocab, fused=False)
-    logged, grads, params, program = trainer_step(tunix, learner, vocab, fused=True)
+    make_trainer = functools.partial(SFT_LEARNERS[learner], vocab)
+    stock_logged, stock_grads, stock_params, stock_program = trainer_step(tunix, make_trainer, fused=False)
+    logged, grads, params, program = trainer_step(tunix, make_trainer, fused=True)
     vocabulary_arrays = re.compile(rf"tensor<\d+x\d+x{vocab}x\w+>")  # (B, T, V) in any dtype
-    softmax = re.compile(rf"stablehlo\.(exponential|log|subtract) .*tensor<\d+x\d+x{vocab}x")  # over (B, T, V)
     step_inputs = lambda program: program[program.index("@main("):].split("\n")[0]  # noqa: E731
-    assert softmax.search(stock_program) and not softmax.search(program)
+    assert vocabulary_softmax(vocab).search(stock_program) and not vocabulary_softmax(vocab).search(program)
     if learner == "distillation":
         assert vocabulary_arrays.search(step_inputs(stock_program))  # the teacher's logits
         assert not vocabulary_arrays.search(step_inputs(program))
@@ -455,15 +499,75 @@ def test_one_step_of_each_sft_learner_equals_stock_tunix(tunix, learner):
     else:
         assert vocabulary_arrays.search(stock_program) and not vocabulary_arrays.search(program)
     assert logged.keys() == stock_logged.keys() and len(logged) >= 2
+    scales = difference_scales(learner, vocab, {key[-1]: values for key, values in stock_logged.items()
+                                                if key[0] == "aux"})
     for key, values in logged.items():
-        assert_rounding(values, stock_logged[key], 16, "/".join(key))
-    flat, stock_flat = (dict(jax.tree_util.tree_leaves_with_path(tree)) for tree in (grads, stock_grads))
-    assert flat.keys() == stock_flat.keys()
-    assert sum(float(jnp.abs(grad).max()) > 0 for grad in stock_flat.values()) >= 8  # (zero-initialized MLPs: 0)
-    for path, grad in flat.items():
-        assert_rounding(grad, stock_flat[path], 64, "gradient " + jax.tree_util.keystr(path))
+        assert_rounding(values, stock_logged[key], 16, "/".join(key), scale=scales.get(key[-1]))
+    assert len(assert_equal_gradients(grads, stock_grads)) >= 8
     for (path, value), stock_value in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(stock_params)):
         assert_rounding(value, stock_value, 16, "parameter " + jax.tree_util.keystr(path))
+
+
+def difference_scales(learner, vocab, stock_metrics, completion=5):
+    """The scale at which each metric of ``learner``'s loss that Tunix takes as a difference is compared, that of what
+    it subtracts, {name: scale}: distillation's KL (and the soft loss, it times the temperature 2 squared) at the
+    softened distributions' cross-entropies, about log V; DPO's and ORPO's (``stock_metrics``) at the summed log-probs
+    of a completion of C = ``completion`` tokens, up to C log V (the odds ratio, their exponential, times itself)."""
+    cross_entropy = float(np.log(vocab))
+    if learner == "distillation":
+        return {"distill/kl_div": cross_entropy, "distill/soft_loss": 2.0**2 * cross_entropy}
+    if learner in ("dpo", "orpo"):
+        return {name: completion * cross_entropy * (float(np.abs(value).max()) if name == "odds_ratio" else 1.0)
+                for name, value in stock_metrics.items()}
+    return {}
+
+
+def vocabulary_softmax(vocab):
+    """What takes a softmax over the vocabulary in a program: an exp, log or subtract of a (B, T, ``vocab``) array."""
+    return re.compile(rf"stablehlo\.(exponential|log|subtract) .*tensor<\d+x\d+x{vocab}x")
+
+
+def sft_loss_step(tunix, learner, family, vocab, fused: bool):
+    """The jitted value and gradient of the loss of Tunix's own trainer for ``learner`` on a ``family``'s tiny models,
+    on the input the trainer prepares (DPO's reference log-probs, distillation's teacher outputs, each scored by the
+    head switched on or not): (loss, its metrics, the gradients of the trained model's parameters, the program)."""
+    nnx, switch = tunix["nnx"], tunix["switch"]
+    trainer, batch = SFT_LEARNERS[learner](vocab, family=family)  # made before the switch, which it then follows
+    with switch.use_fused_head() if fused else contextlib.nullcontext():
+        inputs = trainer.gen_model_input_fn(trainer._prepare_inputs(batch))
+        settings = {name: value for name, value in inputs.items() if isinstance(value, (str, int, float))}  # DPO's
+        inputs = {name: value for name, value in inputs.items() if name not in settings}
+        graphdef, params, rest = nnx.split(trainer.model, nnx.Param, ...)
+
+        def loss(params, inputs):
+            value = trainer.loss_fn(nnx.merge(graphdef, params, rest), **inputs, **settings)
+            return value if isinstance(value, tuple) else (value, {})
+
+        step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+        (value, metrics), grads = step(params, inputs)
+        program = step.lower(params, inputs).as_text()
+    return value, metrics, grads, program
+
+
+# each learner on two families, each family under at least one learner (the whole cross product is 26 compiled pairs,
+# too many for the suite); distillation leaves out Gemma and Gemma 4, refused for their soft cap
+SFT_LEARNER_FAMILIES = [("dpo", "qwen3"), ("dpo", "gemma"), ("orpo", "qwen2"), ("orpo", "gemma4"),
+                        ("peft", "llama3"), ("peft", "gemma"), ("distillation", "llama3-tied"),
+                        ("distillation", "gemma3")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("learner, family", SFT_LEARNER_FAMILIES)
+def test_each_sft_learners_loss_equals_tunix_on_two_families(tunix, learner, family):
+    """Tunix's own DPO (a reference model), ORPO, PEFT and logit-distillation (teacher and student of one family)
+    trainers, every model family Tunix ships under one of them (`SFT_LEARNER_FAMILIES`), vocabulary 257: switched,
+    the trainer's loss, its metrics and the gradient of every parameter equal stock Tunix's, and nothing in the step
+    takes a softmax over the vocabulary (a metric that Tunix takes as a difference compared at the scale of what it
+    subtracts: `difference_scales`)."""
+    vocab = 257
+    stock = sft_loss_step(tunix, learner, family, vocab, fused=False)
+    switched = sft_loss_step(tunix, learner, family, vocab, fused=True)
+    assert_equal_steps(stock, switched, vocabulary_softmax(vocab), difference_scales(learner, vocab, stock[1]))
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied"])
@@ -570,3 +674,57 @@ def test_distillation_the_fused_head_cannot_match_is_refused_or_left_to_tunix(tu
         switched = top_k.compute_loss(student, teacher, labels(**batch))
     stock = top_k.compute_loss(student, teacher, labels(**batch))
     assert jax.tree.map(float, switched) == jax.tree.map(float, stock)
+
+
+BF16_EPS = float(jnp.finfo(jnp.bfloat16).eps)
+
+
+@pytest.mark.slow
+def test_the_grpo_and_ppo_losses_of_a_bf16_model_equal_tunix_to_bf16_rounding(tunix):
+    """A Qwen2 with bf16 weights and activations: Tunix's GRPO loss (the KL to the reference, off policy, a
+    temperature) and PPO loss (an entropy bonus), switched, against stock Tunix's. The two run the same bf16 ops but
+    where Tunix rounds its head's logits to bf16 (and, backward, their gradient) and the fused op keeps both in fp32:
+    the paths differ by bf16 roundings where the fp32 tests' differ by fp32's, so each value is compared with the
+    fp32 tests' counts of roundings (16 for the loss and metrics, 64 for a gradient) in bf16's epsilon."""
+    vocab = 257
+    model = tiny_qwen2(vocab, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    ppo_config, ppo_example = ppo_loss_inputs(tunix, vocab)
+    for loss_name, config, example in (("grpo", grpo_loss_config(tunix), grpo_example(tunix, vocab)),
+                                       ("ppo", ppo_config, ppo_example)):
+        stock_loss, stock_metrics, stock_grads, stock_program = loss_step(tunix, loss_name, model, example, config)
+        with tunix["switch"].use_fused_head():
+            loss, metrics, grads, program = loss_step(tunix, loss_name, model, example, config)
+        assert vocabulary_softmax(vocab).search(stock_program) and not vocabulary_softmax(vocab).search(program)
+        assert_rounding(loss, stock_loss, 16, f"{loss_name} loss", BF16_EPS)
+        assert set(metrics) == set(stock_metrics)
+        for name in metrics:
+            assert_rounding(metrics[name], stock_metrics[name], 16, name, BF16_EPS)
+        assert {leaf.dtype for leaf in jax.tree.leaves(grads)} == {jnp.dtype(jnp.bfloat16)}
+        assert len(assert_equal_gradients(grads, stock_grads, 64, BF16_EPS)) >= 10
+        assert float(jnp.abs(loss - stock_loss)) > 0  # not the same arithmetic: bf16 rounded stock's logits
+
+
+@pytest.mark.slow
+def test_one_peft_step_of_a_bf16_model_equals_tunix_to_bf16_rounding(tunix):
+    """Tunix's PeftTrainer (its default loss) on a bf16 Qwen2, one step: the logged metrics, the gradients and the
+    updated bf16 parameters equal stock Tunix's, the values by the rounding of bf16 where stock rounds its logits (the
+    counts of the fp32 tests in bf16's epsilon: 16 for a metric, 64 for a gradient), each parameter p - lr g by one
+    bf16 rounding of it (the update is rounded into it) plus the learning rate lr times its gradient's bound."""
+    from logitless.bench.tunix_learners import peft_trainer
+
+    vocab = 257
+    make_trainer = lambda: peft_trainer(vocab, model=tiny_qwen2(vocab, dtype=jnp.bfloat16,  # noqa: E731
+                                                                param_dtype=jnp.bfloat16))
+    stock_logged, stock_grads, stock_params, stock_program = trainer_step(tunix, make_trainer, fused=False)
+    logged, grads, params, program = trainer_step(tunix, make_trainer, fused=True)
+    assert vocabulary_softmax(vocab).search(stock_program) and not vocabulary_softmax(vocab).search(program)
+    assert logged.keys() == stock_logged.keys() and len(logged) >= 2
+    for key, values in logged.items():
+        assert_rounding(values, stock_logged[key], 16, "/".join(key), BF16_EPS)
+    gradients = assert_equal_gradients(grads, stock_grads, 64, BF16_EPS)  # {path: (switched, stock)}
+    assert len(gradients) >= 8
+    for (path, value), stock_value, (grad_path, (_, stock_grad)) in zip(
+            jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(stock_params), gradients.items()):
+        assert jax.tree_util.keystr(grad_path).endswith(jax.tree_util.keystr(path)) and value.dtype == jnp.bfloat16
+        bound = float(jnp.abs(stock_value).max()) + 1e-2 * 64 * float(jnp.abs(stock_grad).max())
+        assert_rounding(value, stock_value, 1, "parameter " + jax.tree_util.keystr(path), BF16_EPS, bound)

@@ -6,6 +6,8 @@ trainers on them, and the value and gradient of Tunix's GRPO policy loss. Whethe
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,7 +33,7 @@ def tiny_qwen2(vocab=1000, tied=False, seed=0, layers=1, **config):
     for layer in model.layers:
         for linear in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
             key, draw = jax.random.split(key)
-            linear.kernel[...] = 0.1 * jax.random.normal(draw, linear.kernel[...].shape)
+            linear.kernel[...] = 0.1 * jax.random.normal(draw, linear.kernel[...].shape, linear.kernel[...].dtype)
     return model
 
 
@@ -49,9 +51,13 @@ def lora_qwen2(vocab=1000, tied=False, provider=None):
     return qwix.quantize_model(base, provider, rngs=nnx.Rngs(0), **base.get_model_input())
 
 
+FAMILIES = ("qwen2", "qwen3", "llama3", "llama3-tied", "gemma", "gemma3", "gemma4")  # `tiny_family`'s
+
+
 def tiny_family(family, vocab=1000, seed=0):
-    """A one-layer Tunix model of ``family`` from a config (random weights; its head scaled to a language model's
-    spread of logits; Gemma's and Gemma 4's final soft cap 1, which bends logits of that size)."""
+    """A one-layer Tunix model of ``family`` (one of `FAMILIES`) from a config (random weights, its zero-initialized
+    matrices (the MLPs') made random too, so that every parameter takes a gradient; its head scaled to a language
+    model's spread of logits; Gemma's and Gemma 4's final soft cap 1, which bends logits of that size)."""
     from tunix.models.gemma import model as gemma
     from tunix.models.gemma3 import model as gemma3
     from tunix.models.gemma4 import model as gemma4
@@ -61,6 +67,7 @@ def tiny_family(family, vocab=1000, seed=0):
     shape = dict(num_layers=1, **SHAPE)
     rope = dict(rope_theta=10000, norm_eps=1e-6)
     build = {
+        "qwen2": lambda: qwen2.Qwen2(qwen2.ModelConfig(vocab_size=vocab, **rope, **shape), rngs=nnx.Rngs(seed)),
         "llama3": lambda: llama3.Llama3(llama3.ModelConfig(vocab_size=vocab, **rope, **shape), rngs=nnx.Rngs(seed)),
         "llama3-tied": lambda: llama3.Llama3(llama3.ModelConfig(vocab_size=vocab, weight_tying=True, **rope, **shape),
                                              rngs=nnx.Rngs(seed)),
@@ -74,6 +81,11 @@ def tiny_family(family, vocab=1000, seed=0):
                                                            final_logit_softcap=1.0, **shape), rngs=nnx.Rngs(seed)),
     }
     model = build[family]()
+    key = jax.random.key(seed + 100)
+    for _, variable in nnx.iter_graph(model):
+        if isinstance(variable, nnx.Param) and variable[...].ndim >= 2 and not jnp.any(variable[...]):
+            key, draw = jax.random.split(key)
+            variable[...] = 0.1 * jax.random.normal(draw, variable[...].shape, variable[...].dtype)
     embedding = model.embedder.input_embedding
     embedding[...] = 0.05 * embedding[...] / max(float(jnp.std(embedding[...])), 1e-6)
     if hasattr(model, "lm_head"):
@@ -151,34 +163,38 @@ def sequence_batch(vocab, batch=2, length=11, seed=0):
                 attention_mask=common.make_causal_attn_mask(mask))
 
 
-def dpo_trainer(vocab, algorithm, batch=2, length=11):
-    """Tunix's DPOTrainer: DPO of a tied Qwen2 against a reference model (label smoothing 0.1), or ORPO of a Llama3;
-    and its input, B prompts of L - L // 2 tokens with chosen and rejected completions of L // 2."""
+def dpo_trainer(vocab, batch=2, length=11, family=None, algorithm="dpo"):
+    """Tunix's DPOTrainer: DPO against a reference model (label smoothing 0.1) or ORPO, of a ``family``'s model
+    (`tiny_family`; by default a tied Qwen2 for DPO, a Llama3 for ORPO); and its input, B prompts of L - L // 2 tokens
+    with chosen and rejected completions of L // 2."""
     from tunix.sft.dpo import dpo_trainer as dpo
 
     config = dpo.DPOTrainingConfig(algorithm=algorithm, beta=0.1, lambda_orpo=0.2, label_smoothing=0.1,
                                    eval_every_n_steps=100, max_steps=1)
-    if algorithm == "dpo":
+    if family is None and algorithm == "dpo":
         model, reference = tiny_qwen2(vocab, tied=True), tiny_qwen2(vocab, tied=True, seed=1)
     else:
-        model, reference = tiny_family("llama3", vocab), None
+        model = tiny_family(family or "llama3", vocab)
+        reference = tiny_family(family, vocab, seed=1) if algorithm == "dpo" else None
     inputs = preference_batch(vocab, batch, length - length // 2, length // 2)
     return dpo.DPOTrainer(model, reference, kept_gradients(), config), inputs
 
 
-def peft_trainer(vocab, batch=2, length=11, model=None):
-    """Tunix's PeftTrainer with its default loss (the cross-entropy of every next token) on ``model`` (by default a
-    Gemma3; of a LoRA model, it trains the LoRA parameters only); and its input, B sequences of L tokens."""
+def peft_trainer(vocab, batch=2, length=11, family=None, model=None):
+    """Tunix's PeftTrainer with its default loss (the cross-entropy of every next token) on ``model``, by default a
+    ``family``'s (`tiny_family`, a Gemma3 unless told); and its input, B sequences of L tokens."""
     from tunix.sft import peft_trainer as peft
 
-    trainer = peft.PeftTrainer(tiny_family("gemma3", vocab) if model is None else model, kept_gradients(),
+    model = tiny_family(family or "gemma3", vocab) if model is None else model
+    trainer = peft.PeftTrainer(model, kept_gradients(),
                                peft.TrainingConfig(eval_every_n_steps=100, max_steps=1))
     return trainer, sequence_batch(vocab, batch, length)
 
 
-def distillation_trainer(vocab, batch=2, length=11):
+def distillation_trainer(vocab, batch=2, length=11, family=None):
     """Tunix's DistillationTrainer with a LogitStrategy (temperature 2, alpha 0.3, Tunix's one-hot labels of the
-    next tokens) from a Qwen3 teacher to an untied Qwen2 student; and its input, B sequences of L tokens."""
+    next tokens) between two models of a ``family`` (`tiny_family`; by default from a Qwen3 teacher to an untied
+    Qwen2 student); and its input, B sequences of L tokens."""
     from tunix.distillation import distillation_trainer as distillation
     from tunix.distillation import strategies
 
@@ -190,7 +206,9 @@ def distillation_trainer(vocab, batch=2, length=11):
         return jax.nn.one_hot(input_tokens[:, 1:], vocab) * input_mask[:, 1:, None]  # (B, L - 1, V)
 
     strategy = strategies.LogitStrategy(forward, forward, labels, temperature=2.0, alpha=0.3)
-    trainer = distillation.DistillationTrainer(tiny_qwen2(vocab), tiny_family("qwen3", vocab), strategy,
+    student = tiny_qwen2(vocab) if family is None else tiny_family(family, vocab)
+    teacher = tiny_family("qwen3", vocab) if family is None else tiny_family(family, vocab, seed=1)
+    trainer = distillation.DistillationTrainer(student, teacher, strategy,
                                                kept_gradients(), distillation.TrainingConfig(eval_every_n_steps=100,
                                                                                              max_steps=1))
     inputs = sequence_batch(vocab, batch, length)
@@ -200,10 +218,11 @@ def distillation_trainer(vocab, batch=2, length=11):
 
 
 SFT_LEARNERS = {"distillation": distillation_trainer,
-                "dpo": lambda vocab, batch=2, length=11: dpo_trainer(vocab, "dpo", batch, length),
-                "orpo": lambda vocab, batch=2, length=11: dpo_trainer(vocab, "orpo", batch, length),
-                "peft": peft_trainer,
-                "peft-lora": lambda vocab, batch=2, length=11: peft_trainer(vocab, batch, length, lora_qwen2(vocab))}
+                "dpo": functools.partial(dpo_trainer, algorithm="dpo"),
+                "orpo": functools.partial(dpo_trainer, algorithm="orpo"),
+                "peft": peft_trainer,  # each (vocab, batch=2, length=11, family=its own) -> (trainer, its input)
+                "peft-lora": lambda vocab, batch=2, length=11: peft_trainer(vocab, batch, length,
+                                                                            model=lora_qwen2(vocab))}
 
 
 def train_step(trainer, batch):
