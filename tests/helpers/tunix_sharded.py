@@ -1,10 +1,11 @@
 """Run by tests/jax/test_tunix_sharded.py in a fresh process with four host CPU devices: a tiny Tunix Qwen2 (tied and
 untied head) laid out by its own sharding config on a mesh of Tunix's axes, fsdp x tp = 2 x 2 (`AxisType.Auto`, the
 vocabulary over tp), and Tunix's scoring and GRPO loss called under ``with mesh:`` as Tunix's ``RLCluster`` and
-trainers call them, stock against switched. Prints a JSON line: per head, the largest differences to stock in fp32
-roundings of the largest value expected, the head weight's gradient's sharding, and for each program (the scoring,
-the GRPO step) stock and switched, what `program_report` reads: the logits, the collectives and what they gather,
-the arrays as large as the whole weight, the per-device temporaries."""
+trainers call them, stock against switched; and one step of Tunix's own GRPOLearner with every ``RLCluster`` role on
+that mesh. Prints a JSON line: per head, the largest differences to stock in fp32 roundings of the largest value
+expected, the head weight's gradient's sharding, and for each program (the scoring, the GRPO step) stock and switched,
+what `program_report` reads: the logits, the collectives and what they gather, the arrays as large as the whole weight,
+the per-device temporaries; for the learner step, `learner_report`'s."""
 
 import os
 import re
@@ -27,7 +28,8 @@ from tunix.rl.grpo import grpo_learner  # noqa: E402
 
 import logitless.tunix as switch  # noqa: E402
 from logitless.bench.xla_memory import memory_of  # noqa: E402
-from logitless.bench.tunix_learners import EOS, PAD, grpo_loss_step, tiny_qwen2, token_batch  # noqa: E402
+from logitless.bench.tunix_learners import (EOS, PAD, grpo_loss_step, rl_learner_step, tiny_qwen2,  # noqa: E402
+                                            token_batch)
 
 warnings.simplefilter("ignore", DeprecationWarning)  # Tunix enters its meshes with ``with mesh:``, which JAX deprecates
 V, H = 4096, 32  # the vocabulary (two of the default blocks per device over tp = 2), the hidden size
@@ -139,11 +141,33 @@ def run_head(mesh, tied: bool) -> dict:
                      "grpo_step": {"stock": stock_step, "switched": step_program}}}
 
 
+def learner_report(mesh) -> dict:
+    """One step of Tunix's own GRPOLearner with every ``RLCluster`` role on ``mesh`` (`rl_learner_step`: the policy
+    and the reference of V tokens laid out by ``RLCluster`` from their ``shd_config``, the vanilla rollout), stock
+    against switched: the largest differences to stock, in fp32 roundings, of each logged metric, gradient and updated
+    parameter; the head's weight's and its gradient's shardings after the step; whether each step moved the
+    parameters, how often the fused op was traced, and the seconds both steps took."""
+    started = time.perf_counter()
+    stock, switched = (rl_learner_step("grpo", mesh, fused, V) for fused in (False, True))
+    differences = {}
+    for name in ("grads", "params"):
+        expected = dict(jax.tree_util.tree_leaves_with_path(getattr(stock, name)))
+        differences[name] = {jax.tree_util.keystr(path): roundings(value, expected[path])
+                             for path, value in jax.tree_util.tree_leaves_with_path(getattr(switched, name))}
+    return {"logged": {"/".join(key): roundings(values, stock.logged[key]) for key, values in switched.logged.items()},
+            "stock_logged": sorted("/".join(key) for key in stock.logged), **differences,
+            "weight_spec": str(head_weight(switched.params, tied=False).sharding.spec),
+            "weight_grad_spec": str(head_weight(switched.grads, tied=False).sharding.spec),
+            "moved": [stock.moved, switched.moved], "fused_calls": [stock.fused_calls, switched.fused_calls],
+            "seconds": time.perf_counter() - started}
+
+
 def main():
     started = time.perf_counter()
     mesh = tunix_mesh()
     report = {"devices": len(jax.devices()), "mesh": dict(mesh.shape),
-              "heads": {("tied" if tied else "lm_head"): run_head(mesh, tied) for tied in (False, True)}}
+              "heads": {("tied" if tied else "lm_head"): run_head(mesh, tied) for tied in (False, True)},
+              "grpo_learner": learner_report(mesh)}
     report["seconds"] = time.perf_counter() - started
     print(json.dumps(report))
 

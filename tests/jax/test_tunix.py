@@ -1,7 +1,7 @@
 """`logitless.tunix`: Tunix 0.1.7 switched onto the fused head scores tiny Tunix models of every family as stock Tunix
 does (log-probs, entropy, the GRPO and PPO losses and the DPO, ORPO, PEFT and distillation trainers' losses with their
-metrics and gradients, one step of each learner), to the rounding of fp32 (of bf16 where stock rounds a bf16 model's
-logits), and the compiled GRPO step loses the logits' share of its temporaries."""
+metrics and gradients, one step of each learner, GRPO and PPO included), to the rounding of fp32 (of bf16 where stock
+rounds a bf16 model's logits), and the compiled GRPO step loses the logits' share of its temporaries."""
 
 import contextlib
 import functools
@@ -18,8 +18,9 @@ import jax.numpy as jnp
 EPS = float(np.finfo(np.float32).eps)
 try:  # without Tunix, the `tunix` fixture fails each test, saying how to get it
     from logitless.bench.tunix_learners import (EOS, FAMILIES, PAD, SFT_LEARNERS, grpo_config, grpo_loss_step,
-                                                kept_gradients, lora_qwen2, on_policy_example, sequence_batch,
-                                                tiny_family, tiny_qwen2, token_batch, train_step)
+                                                kept_gradients, logged_metrics, lora_qwen2, on_policy_example,
+                                                rl_learner_step, sequence_batch, tiny_family, tiny_qwen2, token_batch,
+                                                train_step)
 except ImportError:
     pass
 
@@ -360,59 +361,24 @@ def test_a_switch_after_a_step_compiled_takes_effect_at_the_next_step(tunix):
         switch.fused_linear_logprobs, common.compute_per_token_logps = fused_op, stock
 
 
-class IdTokenizer:
-    """A tokenizer for Tunix's sampler: "t5 t9" <-> [5, 9]; 1 begins, 2 ends and 0 pads."""
-
-    def encode(self, text, **kwargs):
-        return [int(word[1:]) for word in str(text).split()]
-
-    def decode(self, ids, **kwargs):
-        return " ".join(f"t{int(i)}" for i in ids)
-
-    def bos_id(self):
-        return 1
-
-    def eos_id(self):
-        return EOS
-
-    def pad_id(self):
-        return PAD
+def one_device_mesh():
+    return jax.make_mesh((1, 1), ("fsdp", "tp"), (jax.sharding.AxisType.Auto,) * 2)
 
 
-def learner_step(tunix, fused: bool):
-    """One step of Tunix's GRPOLearner (vanilla rollout, a reference model, beta 0.04, 2 prompts x 2 generations) on a
-    tiny Qwen2: (every logged metric, the step's gradients, the updated parameters, how often the fused op ran)."""
-    from tunix.rl import rl_cluster as rl_cluster_lib
-    from tunix.rl.rollout import base_rollout
-
-    nnx, switch = tunix["nnx"], tunix["switch"]
-    actor, reference = tiny_qwen2(64, layers=1, seed=0), tiny_qwen2(64, layers=1, seed=1)
-    mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), (jax.sharding.AxisType.Auto,) * 2)
-    roles = (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE, rl_cluster_lib.Role.ROLLOUT)
-    cluster_config = rl_cluster_lib.ClusterConfig(
-        role_to_mesh={role: mesh for role in roles}, rollout_engine="vanilla", offload_to_cpu=False,
-        training_config=rl_cluster_lib.RLTrainingConfig(actor_optimizer=kept_gradients(), eval_every_n_steps=100,
-                                                        max_steps=1),
-        rollout_config=base_rollout.RolloutConfig(max_tokens_to_generate=6, max_prompt_length=8, kv_cache_size=32,
-                                                  temperature=0.8, seed=jax.random.key(3)))
-    cluster = rl_cluster_lib.RLCluster(actor=actor, reference=reference, tokenizer=IdTokenizer(),
-                                       cluster_config=cluster_config)
-    learner = tunix["grpo_learner"].GRPOLearner(
-        rl_cluster=cluster, algo_config=tunix["grpo_learner"].GRPOConfig(num_generations=2, beta=0.04),
-        reward_fns=lambda prompts, completions, **kwargs: [float(len(c)) for c in completions])
-    calls = []
-    fused_op = switch.fused_linear_logprobs
-    switch.fused_linear_logprobs = lambda *args, **kwargs: calls.append(1) or fused_op(*args, **kwargs)
-    try:
-        with switch.use_fused_head() if fused else contextlib.nullcontext():
-            learner.train([{"prompts": np.array(["t5 t9 t11", "t7 t3"])}])
-    finally:
-        switch.fused_linear_logprobs = fused_op
-    logged = {(prefix, str(mode), name): np.asarray(values, np.float64)
-              for logger in (cluster.actor_trainer.metrics_logger, cluster._rl_metrics_logger)
-              for prefix, modes in logger._metrics.items() for mode, names in modes.items()
-              for name, values in names.items()}
-    return logged, cluster.actor_trainer.optimizer.opt_state, nnx.state(actor, nnx.Param), len(calls)
+def assert_equal_learner_steps(stock, switched):
+    """Two `rl_learner_step` results: the same logged metrics to 16 fp32 roundings, gradients and the parameters the
+    step changed to 64 (a zero-initialized bias, after the step, is its update alone, which carries its gradient's
+    rounding); the fused op traced for the reference's scoring and the policy's loss, not by stock's."""
+    (stock_logged, stock_grads, stock_params, stock_moved, stock_calls) = stock
+    (logged, grads, params, moved, calls) = switched
+    assert stock_moved and moved
+    assert stock_calls == 0 and calls >= 2  # traced once for the reference, once for the policy's loss
+    assert logged.keys() == stock_logged.keys()
+    for key, values in logged.items():
+        assert_rounding(values, stock_logged[key], 16, "/".join(key))
+    assert_equal_gradients(grads, stock_grads)
+    for (path, value), stock_value in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(stock_params)):
+        assert_rounding(value, stock_value, 64, "parameter " + jax.tree_util.keystr(path))
 
 
 @pytest.mark.slow
@@ -420,16 +386,22 @@ def test_one_grpo_learner_step_equals_stock_tunix(tunix):
     """Tunix's own GRPOLearner, one step (sampling, rewards, the reference's log-probs, the loss, the update): with the
     switch, the same logged metrics (loss, kl, pg_clipfrac, grad_norm, the rewards and lengths), gradients and
     parameters as stock Tunix, the fused op having scored the reference's tokens and the policy's."""
-    stock_logged, stock_grads, stock_params, stock_calls = learner_step(tunix, fused=False)
-    logged, grads, params, calls = learner_step(tunix, fused=True)
-    assert stock_calls == 0 and calls >= 2  # traced once for the reference, once for the policy's loss
-    assert logged.keys() == stock_logged.keys()
-    assert {("actor", "train", name) for name in ("loss", "kl", "pg_clipfrac", "grad_norm")} <= logged.keys()
-    for key, values in logged.items():
-        assert_rounding(values, stock_logged[key], 16, "/".join(key))
-    assert_equal_gradients(grads, stock_grads)
-    for (path, value), stock_value in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(stock_params)):
-        assert_rounding(value, stock_value, 4, "parameter " + jax.tree_util.keystr(path))
+    stock, switched = (rl_learner_step("grpo", one_device_mesh(), fused) for fused in (False, True))
+    assert {("actor", "train", name) for name in ("loss", "kl", "pg_clipfrac", "grad_norm")} <= switched[0].keys()
+    assert_equal_learner_steps(stock, switched)
+
+
+@pytest.mark.slow
+def test_one_ppo_learner_step_with_an_entropy_bonus_equals_stock_tunix(tunix):
+    """Tunix's own PpoLearner, one step (sampling, rewards, the reference's and the old policy's log-probs, the
+    critic's values and GAE, the policy's loss with ``entropy_coef`` 0.05, the policy's and the critic's updates):
+    with the switch, the same logged metrics (the policy's loss, entropy, pg_clipfrac and grad_norm, the critic's,
+    the rewards, advantages, returns and values), policy gradients and parameters as stock Tunix, the entropy's
+    gradient through the fused op's."""
+    stock, switched = (rl_learner_step("ppo", one_device_mesh(), fused) for fused in (False, True))
+    assert {("actor", "train", name) for name in ("loss", "loss/entropy", "pg_clipfrac", "grad_norm")} | {
+        ("critic", "train", name) for name in ("loss", "vpred_mean")} <= switched[0].keys()
+    assert_equal_learner_steps(stock, switched)
 
 
 @pytest.mark.slow
@@ -465,9 +437,7 @@ def trainer_step(tunix, make_trainer, fused: bool):
         step, inputs = train_step(trainer, batch)
         program = step.func.lower(*step.args, inputs).as_text()
         loss = trainer.loss_fn(trainer.model, **trainer.gen_model_input_fn(inputs))  # after the step
-    logged = {(prefix, str(mode), name): np.asarray(values, np.float64)
-              for prefix, modes in trainer.metrics_logger._metrics.items() for mode, names in modes.items()
-              for name, values in names.items()}
+    logged = logged_metrics(trainer.metrics_logger)
     if isinstance(loss, tuple):  # the loss's metrics, which the distillation trainer does not log
         logged.update({("aux", name): np.asarray(value, np.float64) for name, value in loss[1].items()})
     return logged, trainer.optimizer.opt_state, nnx.state(trainer.model, nnx.Param), program

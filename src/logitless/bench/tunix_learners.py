@@ -1,12 +1,15 @@
 """Tiny Tunix 0.1.7 learners and the one jitted training step of each, as `logitless bench tunix` measures them and
 tests/jax/test_tunix.py compares them: models of Tunix's families from a config (random weights, a language model's
 spread of logits; a Qwen2 with qwix's LoRA), their token batches, Tunix's own DPO, ORPO, PEFT and logit-distillation
-trainers on them, and the value and gradient of Tunix's GRPO policy loss. Whether a step scores on the fused head is
-`logitless.tunix`'s switch at the time the step is traced."""
+trainers on them, the value and gradient of Tunix's GRPO policy loss, and Tunix's own GRPO and PPO learners on an
+`RLCluster` of tiny models on a mesh. Whether a step scores on the fused head is `logitless.tunix`'s switch at the
+time the step is traced."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +19,8 @@ from flax import nnx
 from tunix.models.qwen2 import model as qwen2
 from tunix.rl import common
 from tunix.rl.grpo import grpo_learner
+
+import logitless.tunix as switch
 
 PAD, EOS = 0, 2
 SHAPE = dict(embed_dim=32, hidden_dim=64, num_heads=4, head_dim=8, num_kv_heads=2)  # of every tiny model's layers
@@ -223,6 +228,104 @@ SFT_LEARNERS = {"distillation": distillation_trainer,
                 "peft": peft_trainer,  # each (vocab, batch=2, length=11, family=its own) -> (trainer, its input)
                 "peft-lora": lambda vocab, batch=2, length=11: peft_trainer(vocab, batch, length,
                                                                             model=lora_qwen2(vocab))}
+
+
+class IdTokenizer:
+    """A tokenizer for Tunix's sampler: "t5 t9" <-> [5, 9]; 1 begins, `EOS` ends and `PAD` pads."""
+
+    def encode(self, text, **kwargs):
+        return [int(word[1:]) for word in str(text).split()]
+
+    def decode(self, ids, **kwargs):
+        return " ".join(f"t{int(i)}" for i in ids)
+
+    def bos_id(self):
+        return 1
+
+    def eos_id(self):
+        return EOS
+
+    def pad_id(self):
+        return PAD
+
+
+class TinyCritic(nnx.Module):
+    """A value model as Tunix's PPO reads one (`common.compute_score`): token ids (B, T) to a value per token
+    (B, T, 1), here from each token's embedding alone."""
+
+    def __init__(self, vocab, width=8, seed=2):
+        rngs = nnx.Rngs(seed)
+        self.embedding = nnx.Embed(vocab, width, rngs=rngs)
+        self.value = nnx.Linear(width, 1, rngs=rngs)
+
+    def __call__(self, ids, positions=None, cache=None, attention_mask=None, segment_ids=None):
+        return self.value(self.embedding(ids))  # (B, T, 1)
+
+
+RL_PROMPTS = {"prompts": np.array(["t5 t9 t11", "t7 t3"])}  # a batch of two prompts for `rl_learner`
+
+
+def rl_learner(algorithm, mesh, vocab=64):
+    """Tunix's own GRPOLearner (``algorithm="grpo"``, 2 generations a prompt) or PpoLearner (``"ppo"``: a
+    `TinyCritic`, GAE, ``entropy_coef`` 0.05) for one step on tiny Qwen2s of ``vocab`` tokens: an `RLCluster` with
+    every role on ``mesh`` (where it lays the models out by their ``shd_config``), the vanilla rollout (6 tokens at
+    temperature 0.8), a reference model (``beta`` 0.04), `kept_gradients` SGD, a completion's length in characters
+    / 20 its reward; to train on `RL_PROMPTS`: (learner, cluster, the policy as made, which the cluster copies to its
+    mesh and trains the copy of: ``cluster.actor_trainer.model``)."""
+    from tunix.rl import rl_cluster as rl_cluster_lib
+    from tunix.rl.ppo import ppo_learner
+    from tunix.rl.rollout import base_rollout
+
+    actor, reference = tiny_qwen2(vocab, layers=1, seed=0), tiny_qwen2(vocab, layers=1, seed=1)
+    critic = TinyCritic(vocab) if algorithm == "ppo" else None
+    cluster_config = rl_cluster_lib.ClusterConfig(
+        role_to_mesh={role: mesh for role in rl_cluster_lib.Role}, rollout_engine="vanilla", offload_to_cpu=False,
+        training_config=rl_cluster_lib.RLTrainingConfig(actor_optimizer=kept_gradients(),
+                                                        critic_optimizer=kept_gradients(), eval_every_n_steps=100,
+                                                        max_steps=1),
+        rollout_config=base_rollout.RolloutConfig(max_tokens_to_generate=6, max_prompt_length=8, kv_cache_size=32,
+                                                  temperature=0.8, seed=jax.random.key(3)))
+    cluster = rl_cluster_lib.RLCluster(actor=actor, reference=reference, critic=critic, tokenizer=IdTokenizer(),
+                                       cluster_config=cluster_config)
+    rewards = lambda prompts, completions, **kwargs: [len(c) / 20 for c in completions]  # noqa: E731
+    if algorithm == "ppo":
+        config = ppo_learner.PPOConfig(beta=0.04, entropy_coef=0.05)
+        return ppo_learner.PPOLearner(rl_cluster=cluster, ppo_config=config, reward_fns=rewards), cluster, actor
+    config = grpo_learner.GRPOConfig(num_generations=2, beta=0.04)
+    return grpo_learner.GRPOLearner(rl_cluster=cluster, algo_config=config, reward_fns=rewards), cluster, actor
+
+
+def logged_metrics(*loggers) -> dict:
+    """What Tunix's metrics loggers hold: {(prefix, mode, name): the values logged, fp64}."""
+    return {(prefix, str(mode), name): np.asarray(values, np.float64) for logger in loggers
+            for prefix, modes in logger._metrics.items() for mode, names in modes.items()
+            for name, values in names.items()}
+
+
+class LearnerStep(NamedTuple):
+    logged: dict  # every metric logged: the policy's, the critic's, the cluster's (rewards, lengths, advantages)
+    grads: object  # the policy's gradients, as the optimizer took them
+    params: object  # the policy's parameters after the step, laid out on the mesh
+    moved: bool  # whether the step changed the policy's parameters
+    fused_calls: int  # how often the fused op was traced
+
+
+def rl_learner_step(algorithm, mesh, fused: bool, vocab=64) -> LearnerStep:
+    """One step of `rl_learner`'s learner, stock Tunix's or with `logitless.tunix`'s switch on."""
+    learner, cluster, actor = rl_learner(algorithm, mesh, vocab)
+    calls = []
+    fused_op = switch.fused_linear_logprobs
+    switch.fused_linear_logprobs = lambda *args, **kwargs: calls.append(1) or fused_op(*args, **kwargs)
+    try:
+        with switch.use_fused_head() if fused else contextlib.nullcontext():
+            learner.train([RL_PROMPTS])
+    finally:
+        switch.fused_linear_logprobs = fused_op
+    critic = [cluster.critic_trainer.metrics_logger] if algorithm == "ppo" else []
+    params = nnx.state(cluster.actor_trainer.model, nnx.Param)
+    moved = not all(map(np.array_equal, jax.tree.leaves(params), jax.tree.leaves(nnx.state(actor, nnx.Param))))
+    return LearnerStep(logged_metrics(cluster.actor_trainer.metrics_logger, *critic, cluster._rl_metrics_logger),
+                       cluster.actor_trainer.optimizer.opt_state["grads"], params, moved, len(calls))
 
 
 def train_step(trainer, batch):
