@@ -129,25 +129,31 @@ def test_bench_bad_options(argv, match):
 
 @pytest.mark.slow
 def test_bench_trl_small(tmp_path):
-    """A trainer that does not generate and two that do (distillation at short completions, GRPO with RLPR's reward:
-    the fused one against the obvious one with logits), stock TRL and logitless, at a tiny size: the same losses, and
-    every time and peak measured (tests/trl/test_trl_trainers.py checks each trainer's step against stock TRL's)."""
+    """A trainer that does not generate and three that do (distillation at short completions, GRPO with RLPR's reward:
+    the fused one against the obvious one with logits; VeriFree against GRPO with VeriFree's reward read from the
+    logits), stock TRL and logitless, at a tiny size: the same losses (VeriFree's objective is not GRPO's: the same
+    reward at the first step, before the two updates part), and every time and peak measured
+    (tests/trl/test_trl_trainers.py checks each trainer's step against stock TRL's)."""
     out_json = tmp_path / "t.json"
     assert main(["bench", "trl", "--steps", "2", "--batch", "2", "--seq", "8", "--completions", "4",
                  "--completion-length", "16", "--short-completion-length", "3", "--rounds", "1", "--trainers", "sft",
-                 "distill_short", "rlpr", "--json", str(out_json)]) == 0
+                 "distill_short", "rlpr", "verifree", "--json", str(out_json)]) == 0
     report = json.loads(out_json.read_text())
-    assert list(report["results"]) == ["sft", "distill_short", "rlpr"]
+    assert list(report["results"]) == ["sft", "distill_short", "rlpr", "verifree"]
     assert report["config"]["short_completion_length"] == 3
     for name, results in report["results"].items():
         assert set(results) == {"trl", "logitless"}, name
         for result in results.values():
             assert result["step_s"] > result["loss_backward_s"] > 0 and result["peak_mb"] > 0, name
             assert len(result["losses"]) == 2 and len(result["rounds_step_s"]) == 1
-        assert results["logitless"]["losses"] == pytest.approx(results["trl"]["losses"], rel=1e-5, abs=1e-6), name
+        if name != "verifree":
+            assert results["logitless"]["losses"] == pytest.approx(results["trl"]["losses"], rel=1e-5, abs=1e-6), name
     rlpr = report["results"]["rlpr"]  # the mean reward of each step: the fused RLPR reward equals the obvious one
     assert len(rlpr["trl"]["rewards"]) == 2 and any(reward > 0 for reward in rlpr["trl"]["rewards"])
     assert rlpr["logitless"]["rewards"] == pytest.approx(rlpr["trl"]["rewards"], rel=1e-3, abs=0)  # they are ~1e-7
+    verifree = report["results"]["verifree"]  # R = pi(y* | x, z) of the same tagged completions, read two ways
+    assert verifree["trl"]["rewards"][0] > 0
+    assert verifree["logitless"]["rewards"][0] == pytest.approx(verifree["trl"]["rewards"][0], rel=1e-3, abs=0)
 
 
 @pytest.mark.slow

@@ -15,7 +15,11 @@ the full vocabulary), and again at short completions (``distill_short``, where a
 show most); ``rlpr`` is GRPO whose reward is RLPR's, the policy's own probability of each prompt's reference answer
 (a word) after its completion and an answer tag: stock TRL with that reward written the obvious way (one forward of
 the scored rows with their logits), logitless with `logitless.trl.reference_probability_reward` (the same rows, one
-body pass, the fused log-probs). Each run is `bench.trainers_steps` in a fresh process.
+body pass, the fused log-probs); ``verifree`` is `logitless.trl.VeriFreeTrainer` (its reward, the reasoning's
+policy gradient and the answer's likelihood from the one training forward) against stock TRL's GRPO with VeriFree's
+reward, R = pi(y* | x, z), read from a forward with the logits (the reasoning's policy gradient only; no term for the
+answer's likelihood), both on the same completions, each cut short to end in the answer tag. Each run is
+`bench.trainers_steps` in a fresh process.
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ from logitless.bench.ratios import add_ratios, trl_comparison_lines
 from logitless.bench.worker import run_worker_process
 from logitless.models import EMBEDDED_DEFAULT
 
-# distill_short: short completions; rlpr: GRPO with RLPR's reward (the obvious one with logits on stock TRL)
-TRAINERS = ("sft", "dpo", "kto", "rloo", "grpo", "distill", "distill_short", "rlpr")
+# distill_short: short completions; rlpr: GRPO with RLPR's reward (the obvious one with logits on stock TRL);
+# verifree: VeriFreeTrainer (stock TRL: GRPO with VeriFree's reward read from the logits)
+TRAINERS = ("sft", "dpo", "kto", "rloo", "grpo", "distill", "distill_short", "rlpr", "verifree")
 IMPLEMENTATIONS = ("trl", "logitless")
 
 
@@ -43,8 +48,8 @@ class TRLBenchConfig:
     steps: int = 3  # the first is not timed
     batch: int = 8  # sft, dpo, kto: examples per step
     seq: int = 256  # sft, dpo, kto: tokens per example (prompt and completion)
-    completions: int = 16  # rloo, grpo, rlpr, distill: completions per step
-    completion_length: int = 128  # rloo, grpo, rlpr, distill: tokens per completion at most
+    completions: int = 16  # rloo, grpo, rlpr, verifree, distill: completions per step
+    completion_length: int = 128  # rloo, grpo, rlpr, verifree, distill: tokens per completion at most
     short_completion_length: int = 8  # distill_short: distillation at this many tokens per completion
     model: str = EMBEDDED_DEFAULT  # an embedded model (`models.EMBEDDED_MODELS`) or a local directory
     device: str = "cpu"
@@ -120,10 +125,11 @@ def add_parser(targets) -> None:
     parser.add_argument("--seq", type=int, default=defaults.seq,
                         help="sft, dpo, kto: tokens per example, prompt and completion (default: %(default)s)")
     parser.add_argument("--completions", type=int, default=defaults.completions,
-                        help="rloo, grpo, rlpr, distill: completions per step (default: %(default)s)")
+                        help="rloo, grpo, rlpr, verifree, distill: completions per step (default: %(default)s)")
     parser.add_argument("--completion-length", dest="completion_length", type=int,
                         default=defaults.completion_length,
-                        help="rloo, grpo, rlpr, distill: tokens per completion at most (default: %(default)s)")
+                        help="rloo, grpo, rlpr, verifree, distill: tokens per completion at most "
+                             "(default: %(default)s)")
     parser.add_argument("--short-completion-length", dest="short_completion_length", type=int,
                         default=defaults.short_completion_length,
                         help="distill_short: tokens per completion at most, a short-completion distillation "

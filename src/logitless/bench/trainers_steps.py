@@ -32,11 +32,28 @@ def _length_reward(completions, **kwargs):
     return [float(len(completion)) for completion in completions]
 
 
+def _answer_log_probs_with_logits(model, rows: list[tuple[list[int], int, int]]) -> list[torch.Tensor]:
+    """The obvious way: ``rows`` (token ids, the first and one past the last answer token) left-padded into one
+    no-grad forward of ``model`` with its logits ``(R, L, V)``, their log_softmax, the answer tokens' gathered."""
+    length = max(len(ids) for ids, _, _ in rows)
+    input_ids = torch.zeros(len(rows), length, dtype=torch.long, device=model.device)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, (ids, _, _) in enumerate(rows):
+        input_ids[row, length - len(ids):] = torch.tensor(ids)
+        attention_mask[row, length - len(ids):] = 1
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(input_ids=input_ids, attention_mask=attention_mask).logits.float(),
+                                      dim=-1)  # (R, L, V)
+    return [log_probs[row, length - len(ids) + first - 1:length - len(ids) + stop - 1]
+            .gather(-1, input_ids[row, length - len(ids) + first:length - len(ids) + stop, None])[:, 0]
+            for row, (ids, first, stop) in enumerate(rows)]
+
+
 def _materialized_reference_probability(model, tokenizer):
     """RLPR's reward written the obvious way, as a user of stock TRL would: the same rows as
     `logitless.trl.reference_probability_reward` scores (each completion with its answer replaced, and each prompt's
-    answer alone), left-padded into one no-grad forward of the model with its logits ``(R, L, V)``, their
-    log_softmax and the reference answer's tokens gathered; the mean of their probabilities, debiased, clipped."""
+    answer alone), scored with the logits (`_answer_log_probs_with_logits`); the mean of the answer tokens'
+    probabilities, debiased, clipped."""
     from logitless.trl.reference_probability import answer_alone, answer_replaced, covering_tokens, prompt_token_ids
 
     def reference_probability(prompts, completions, solution, **kwargs):
@@ -60,22 +77,33 @@ def _materialized_reference_probability(model, tokenizer):
             pairs.append((row, alone[key]))
         if not rows:
             return [0.0] * len(completions)
-        length = max(len(ids) for ids, _, _ in rows)
-        input_ids = torch.zeros(len(rows), length, dtype=torch.long, device=model.device)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, (ids, _, _) in enumerate(rows):
-            input_ids[row, length - len(ids):] = torch.tensor(ids)
-            attention_mask[row, length - len(ids):] = 1
-        with torch.no_grad():
-            log_probs = torch.log_softmax(model(input_ids=input_ids, attention_mask=attention_mask).logits.float(),
-                                          dim=-1)  # (R, L, V)
-        probabilities = [log_probs[row, length - len(ids) + first - 1:length - len(ids) + stop - 1]
-                         .gather(-1, input_ids[row, length - len(ids) + first:length - len(ids) + stop, None])
-                         .exp().mean().item() for row, (ids, first, stop) in enumerate(rows)]
+        probabilities = [log_probs.exp().mean().item() for log_probs in _answer_log_probs_with_logits(model, rows)]
         return [0.0 if pair is None else min(max(probabilities[pair[0]] - probabilities[pair[1]], 0.0), 1.0)
                 for pair in pairs]
 
     return reference_probability
+
+
+def _materialized_verifree_reward(model, tokenizer, answer_start: str, answer_template: str):
+    """VeriFree's reward as a stock TRL user would write it for GRPO: R = pi(y* | x, z), the product of the
+    probabilities of the reference answer's template after the completion's reasoning (what it wrote after
+    ``answer_start`` replaced), scored with the logits (`_answer_log_probs_with_logits`); 0 without the tag."""
+    from logitless.trl.reference_probability import answer_from_template, covering_tokens, prompt_token_ids
+
+    def verifree_reward(prompts, completions, solution, **kwargs):
+        rows, scored = [], []
+        for prompt, completion, reference in zip(prompts, completions, solution):
+            replaced = answer_from_template(completion, reference, answer_start, answer_template)
+            scored.append(replaced is not None)
+            if replaced is not None:
+                prompt_ids = prompt_token_ids(tokenizer, prompt)
+                ids, first, stop = covering_tokens(tokenizer, *replaced)
+                rows.append((prompt_ids + ids, len(prompt_ids) + first, len(prompt_ids) + stop))
+        rewards = iter(log_probs.sum().exp().item() for log_probs in _answer_log_probs_with_logits(model, rows)
+                       ) if rows else iter(())
+        return [next(rewards) if answered else 0.0 for answered in scored]
+
+    return verifree_reward
 
 
 def _with_an_answer(reward):
@@ -87,6 +115,32 @@ def _with_an_answer(reward):
 
     answered.__name__ = "reference_probability"
     return answered
+
+
+def _tagged_within(tokenizer, completion_ids: list[int], tag: str, limit: int) -> str:
+    """The completion's text, cut short (from its end, a token at a time) so that with `` tag`` and any of the
+    benchmark's answers after it, tokenized again as the trainers tokenize it, it holds at most ``limit`` tokens."""
+    longest = " " + max(WORDS, key=len)
+    for keep in range(len(completion_ids), -1, -1):
+        text = tokenizer.decode(completion_ids[:keep], skip_special_tokens=True) + " " + tag
+        if len(tokenizer(text + longest, add_special_tokens=False)["input_ids"]) <= limit:
+            return text
+    raise ValueError(f"completion_length: {limit} tokens cannot hold the answer tag {tag!r} and an answer")
+
+
+def _completions_ending_in_a_tag(trainer, tokenizer, tag: str, limit: int) -> None:
+    """Makes ``trainer``'s completions end in ``tag``, with room before ``limit`` tokens for the answer after it: a
+    random model writes no tag, and VeriFree rewards (and trains the answer of) only completions with one that fits,
+    so both trainers get every completion so: the same completions, each tagged, for stock TRL's GRPO and VeriFree."""
+    generate = trainer._generate
+
+    def generate_tagged(prompts):
+        prompt_ids, completion_ids, tool_mask, completions, *rest = generate(prompts)
+        texts = [_tagged_within(tokenizer, list(ids), tag, limit) for ids in completion_ids]
+        tagged_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+        return (prompt_ids, tagged_ids, tool_mask, texts, *rest)
+
+    trainer._generate = generate_tagged
 
 
 def _trainer(name: str, implementation: str, model_dir: str, teacher_dir: str, output_dir: str,
@@ -118,13 +172,27 @@ def _trainer(name: str, implementation: str, model_dir: str, teacher_dir: str, o
         else:
             settings["num_generations"] = 4
             kwargs["reward_funcs"] = _length_reward
-        if name == "rlpr":  # the policy scores its own probability of each prompt's reference answer
+        if name in ("rlpr", "verifree"):  # the policy scores its own probability of each prompt's reference answer
             kwargs["train_dataset"] = kwargs["train_dataset"].add_column("solution", [
                 WORDS[i % len(WORDS)] for i in range(config.completions * config.steps)])
             kwargs["model"] = policy = AutoModelForCausalLM.from_pretrained(model_dir)
+        if name == "rlpr":
             reward = (_materialized_reference_probability(policy, tokenizer) if implementation == "trl"
                       else logitless.trl.reference_probability_reward(policy, tokenizer))
             kwargs["reward_funcs"] = _with_an_answer(reward)
+        if name == "verifree":  # VeriFree's objective, or stock GRPO with VeriFree's reward read from the logits
+            # the answer a word after the tag: a random model's probability of the paper's 11-token template, a
+            # product of 11 probabilities near 1/V, is 0 in fp32 for both trainers, which would compare nothing
+            verifree = logitless.trl.VeriFreeConfig(**settings, answer_start="<answer>", answer_template=" {answer}")
+            if implementation == "logitless":
+                del kwargs["reward_funcs"]
+                trainer = logitless.trl.VeriFreeTrainer(args=verifree, **kwargs)
+            else:
+                kwargs["reward_funcs"] = _materialized_verifree_reward(policy, tokenizer, verifree.answer_start,
+                                                                       verifree.answer_template)
+                trainer = trl.GRPOTrainer(args=trl.GRPOConfig(**settings), **kwargs)
+            _completions_ending_in_a_tag(trainer, tokenizer, verifree.answer_start, length)
+            return trainer
     config_class, trainer_class = {"sft": ("SFTConfig", "SFTTrainer"), "dpo": ("DPOConfig", "DPOTrainer"),
                                    "kto": ("KTOConfig", "KTOTrainer"), "rloo": ("RLOOConfig", "RLOOTrainer"),
                                    "grpo": ("GRPOConfig", "GRPOTrainer"), "rlpr": ("GRPOConfig", "GRPOTrainer"),
