@@ -85,7 +85,7 @@ def test_rlpr_run_logs_its_reward_and_resumes_with_the_std_filter_state(tmp_path
         first) and "p_correct_judge" not in first
     # the untrained model never writes "ANSWER:": no completion has an answer to replace, and each scores 0
     assert first["no_answer"] == [1.0, 1.0] and first["reward"] == [0.0, 0.0]
-    assert "RLPR's, clip(P(correct letter | reasoning)" in (out / "README.md").read_text()
+    assert "RLPR's, clip(P(answer | reasoning)" in (out / "README.md").read_text()
     assert json.loads((out / "checkpoint-2" / STATE_FILE).read_text())["batches"] == 2
 
     with pytest.raises(SystemExit, match=r"^logitless grpo: --reward: resuming the run in .* \(reward "

@@ -1,9 +1,10 @@
-"""`logitless grpo`: GRPO on multiple-choice questions, logit-free, crash-safe.
+"""`logitless grpo`: GRPO on multiple-choice or free-form questions, logit-free, crash-safe.
 
 The policy trains with `GRPOTrainerWithLogits`. The reward (``reward``) is the judge reward, ``P(correct | model) *
 (1 - P(correct | judge))``, the first factor read from the ``completion_logits`` the trainer passes, the judge a
 frozen causal LM (by default a copy of the initial policy); or RLPR's verifier-free reward,
-`reference_probability_reward` of the correct letter, which replaces what the completion wrote after "ANSWER:".
+`reference_probability_reward` of the reference answer (the correct letter; a word or number with ``task``
+"free-form"), which replaces what the completion wrote after "ANSWER:".
 ``reward_std_filter`` adds RLPR's filter of the groups whose rewards hardly vary (`RewardStdFilter`).
 
 Before any model is loaded (`prepare_grpo`): the options and the questions are checked and the
