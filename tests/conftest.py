@@ -27,6 +27,7 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
 # the files handed out in this order) a long file begun last would keep one worker busy after the other has finished.
 LONGEST_FIRST = ("test_trl_launch.py", "test_sigkill.py", "test_bench.py", "test_distill_recipe.py",
                  "test_cli_runs.py", "test_demo.py", "test_grade_recipe.py", "test_docs.py", "test_tunix.py",
+                 "test_tunix_sharded.py",
                  "test_trl_grpo.py", "test_trl_trainers.py", "test_sharded.py", "test_jax_grpo.py",
                  "test_bench_compile.py", "test_user_cases.py", "test_fused_fuzz.py", "test_triton.py",
                  "test_jax_sharded.py", "test_jax_one_head.py", "test_bench_grade.py",
