@@ -4,11 +4,13 @@ import re
 import pytest
 
 from logitless.free_form.data import EMBEDDED_QUESTIONS, format_prompt, load_free_form, to_trl_dataset
+from logitless.recipes.grpo_options import FREE_FORM_COUNT
 
 
 def test_the_embedded_questions_are_distinct_answered_in_one_line_and_the_arithmetic_right():
     records = load_free_form()
     assert len(records) == sum(1 for line in EMBEDDED_QUESTIONS.read_text().splitlines() if line.strip()) == 140
+    assert FREE_FORM_COUNT == 140  # what --help and the run card say
     assert len({r["question"] for r in records}) == len(records)
     operations = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "times": lambda a, b: a * b}
     arithmetic = 0

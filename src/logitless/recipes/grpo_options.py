@@ -24,7 +24,8 @@ REWARDS = ("judge", "reference-probability")
 SYNTHETIC_QUESTIONS = 256  # the default question set, the same whatever the number of steps
 # "multichoice": questions with lettered options, the answer a letter; "free-form": answered by a word or a number
 TASKS = ("multichoice", "free-form")
-FREE_FORM_QUESTIONS = "140 embedded free-form questions (arithmetic and facts)"
+FREE_FORM_COUNT = 140  # the questions of logitless/free_form/questions.jsonl, the free-form task's default
+FREE_FORM_QUESTIONS = f"{FREE_FORM_COUNT} embedded free-form questions (arithmetic and facts)"
 
 
 @dataclass
@@ -105,7 +106,7 @@ HELP = {
             "a word or a number (--reward reference-probability only)",
     "data": "questions: a jsonl file, a saved dataset directory or a hub dataset with question, choices, answer "
             "(--task multichoice) or question, answer (--task free-form) (default: the task's embedded questions, "
-            f"{SYNTHETIC_QUESTIONS} synthetic multiple-choice ones, or {FREE_FORM_QUESTIONS.split(' embedded ')[0]} "
+            f"{SYNTHETIC_QUESTIONS} synthetic multiple-choice ones, or {FREE_FORM_COUNT} "
             "free-form ones: sums, differences, products, capitals, opposites, plurals...)",
     "output_dir": "run directory: checkpoint-STEP directories, history.json, reward.png (both written at every "
                   "checkpoint); a rerun resumes from it",
